@@ -1,0 +1,32 @@
+# fsdp.cpp entry points. `make test` on a fresh clone installs, builds and runs everything.
+#   make build   bootstrap (Debian packages + torch wheel, once per machine), configure, build
+#   make test    build, then the whole suite through ctest (labels: unit, multirank, gpu)
+#   make clean   remove the build folder
+# Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
+# wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CTEST_ARGS ?=
+FSDP_CUDA_MODE ?= auto
+
+.PHONY: all build test bootstrap configure clean
+
+all: build
+
+bootstrap:
+	@scripts/bootstrap.sh > $(BUILD_DIR).bootstrap.out || (rm -f $(BUILD_DIR).bootstrap.out; exit 1)
+
+configure: bootstrap
+	@torch_dir="$${FSDP_TORCH_DIR:-$$(sed -n 's/^torch_dir=//p' $(BUILD_DIR).bootstrap.out)}"; \
+	if [ ! -f $(BUILD_DIR)/build.ninja ] || ! grep -qF "FSDP_TORCH_DIR:PATH=$$torch_dir" $(BUILD_DIR)/CMakeCache.txt; then \
+	  cmake -S . -B $(BUILD_DIR) -G Ninja -DFSDP_TORCH_DIR="$$torch_dir" -DFSDP_CUDA_MODE=$(FSDP_CUDA_MODE); \
+	fi
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 300 $(CTEST_ARGS)
+
+clean:
+	rm -rf $(BUILD_DIR) $(BUILD_DIR).bootstrap.out

@@ -1,0 +1,147 @@
+// build/bin/fsdp: the one user-facing executable. Subcommands:
+//   launch   start local ranks with torchrun's environment (launcher/launch.h)
+//   doctor   check versions, devices, mesh and collectives on a cluster (cli/doctor.h)
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/doctor.h"
+#include "common/strings.h"
+#include "launcher/launch.h"
+
+namespace {
+
+// "4K", "16M", "1G" or plain bytes.
+int64_t ParseBytes(const std::string& text) {
+  if (text.empty()) throw CLI::ValidationError("empty size");
+  int64_t mult = 1;
+  std::string digits = text;
+  switch (text.back()) {
+    case 'K': case 'k': mult = 1 << 10; digits.pop_back(); break;
+    case 'M': case 'm': mult = 1 << 20; digits.pop_back(); break;
+    case 'G': case 'g': mult = int64_t{1} << 30; digits.pop_back(); break;
+  }
+  std::optional<int64_t> value = fsdp::ParseInt<int64_t>(digits);
+  if (!value || *value < 0) {
+    throw CLI::ValidationError(fsdp::StrCat("'", text, "' is not a size like 4096, 64K, 16M"));
+  }
+  return *value * mult;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // PROGRAM ARGS after "--" belong to the launched program, not to us.
+  std::vector<std::string> program;
+  int our_argc = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      program.assign(argv + i + 1, argv + argc);
+      our_argc = i;
+      break;
+    }
+  }
+
+  CLI::App app{"fsdp.cpp: sharded data-parallel training on libtorch", "fsdp"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Help for every subcommand");
+
+  // ---- launch ------------------------------------------------------------------------------
+  fsdp::LaunchOptions launch;
+  int grace_s = 5;
+  int rdzv_timeout_s = 300;
+  bool no_prefix = false;
+  CLI::App* launch_cmd = app.add_subcommand(
+      "launch",
+      "Start local ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
+      "MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), prefix their output with the rank, stop all "
+      "when one fails.\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
+  launch_cmd->add_option("--nproc-per-node", launch.nproc_per_node,
+                         "Ranks to start on this node")->required()->check(CLI::PositiveNumber);
+  launch_cmd->add_option("--nnodes", launch.nnodes, "Number of nodes")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  launch_cmd->add_option("--node-rank", launch.node_rank, "This node's index, 0..nnodes-1")
+      ->capture_default_str();
+  launch_cmd->add_option("--master-addr", launch.master_addr,
+                         "Host of node 0 (whose launcher hosts the rendezvous store)")
+      ->capture_default_str();
+  launch_cmd->add_option("--master-port", launch.master_port,
+                         "Port of the rendezvous store; 0 picks a free one (single node only)")
+      ->capture_default_str();
+  launch_cmd->add_option("--max-restarts", launch.max_restarts,
+                         "Restart the local group this many times when a rank fails "
+                         "(TORCHELASTIC_RESTART_COUNT counts them)")->capture_default_str();
+  launch_cmd->add_option("--rdzv-timeout", rdzv_timeout_s,
+                         "Seconds a non-zero node waits for node 0's store")->capture_default_str();
+  launch_cmd->add_option("--grace", grace_s,
+                         "Seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->capture_default_str();
+  launch_cmd->add_option("--run-id", launch.run_id, "TORCHELASTIC_RUN_ID (random if unset)");
+  launch_cmd->add_flag("--no-prefix", no_prefix, "Do not prefix output lines with [rankN]:");
+  std::vector<std::string> positional_program;
+  launch_cmd->add_option("program", positional_program, "PROGRAM [ARGS...] (after --)");
+
+  // ---- doctor ------------------------------------------------------------------------------
+  fsdp::DoctorOptions doctor;
+  std::string min_bytes = "1K", max_bytes = "4M";
+  CLI::App* doctor_cmd = app.add_subcommand(
+      "doctor",
+      "Check a cluster: versions, devices, this rank's mesh coordinates and axis groups, then "
+      "all-reduce / all-gather / reduce-scatter on every mesh axis against closed-form values, "
+      "with bus bandwidth. Run it under a launcher, e.g.\n"
+      "  fsdp launch --nproc-per-node 4 -- fsdp doctor --mesh 2,2\n"
+      "Exit code: 0 all correct, 1 a wrong element, 2 bad options, 3 rendezvous or "
+      "communication failure.");
+  doctor_cmd->add_option("--mesh", doctor.mesh,
+                         "Mesh degrees, e.g. 4, 2,2, 2x2 or replicate=2,shard=-1 (-1: infer); "
+                         "default: 1-D over all ranks");
+  doctor_cmd->add_option("--device", doctor.device, "cpu, cuda or auto (cuda if a GPU is visible)")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  doctor_cmd->add_option("--backend", doctor.backend, "Backend for CUDA tensors: nccl or gloo")
+      ->capture_default_str()->check(CLI::IsMember({"nccl", "gloo"}));
+  doctor_cmd->add_option("--min-bytes", min_bytes, "Smallest buffer (4096, 64K, 16M...)")
+      ->capture_default_str();
+  doctor_cmd->add_option("--max-bytes", max_bytes, "Largest buffer; sizes grow 4x")
+      ->capture_default_str();
+  doctor_cmd->add_option("--iters", doctor.iters, "Timed runs per size (median reported)")
+      ->capture_default_str();
+  doctor_cmd->add_option("--warmup", doctor.warmup, "Untimed runs per size")->capture_default_str();
+  doctor_cmd->add_option("--timeout", doctor.timeout_s,
+                         "Seconds to wait for other ranks (rendezvous and each collective)")
+      ->capture_default_str();
+
+  try {
+    app.parse(our_argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (launch_cmd->parsed()) {
+    if (!program.empty() && !positional_program.empty()) {
+      std::cerr << "fsdp launch: give PROGRAM after --, not before it\n";
+      return 2;
+    }
+    launch.program = program.empty() ? positional_program : program;
+    launch.grace = std::chrono::seconds(grace_s);
+    launch.rendezvous_timeout = std::chrono::seconds(rdzv_timeout_s);
+    launch.prefix_output = !no_prefix;
+    return fsdp::RunLaunch(launch);
+  }
+  if (doctor_cmd->parsed()) {
+    if (!program.empty()) {
+      std::cerr << "fsdp doctor: unexpected arguments after --\n";
+      return 2;
+    }
+    try {
+      doctor.min_bytes = ParseBytes(min_bytes);
+      doctor.max_bytes = ParseBytes(max_bytes);
+    } catch (const CLI::ValidationError& e) {
+      std::cerr << "fsdp doctor: " << e.what() << "\n";
+      return 2;
+    }
+    return fsdp::RunDoctor(doctor);
+  }
+  return 2;
+}

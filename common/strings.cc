@@ -1,0 +1,19 @@
+#include "common/strings.h"
+
+#include <algorithm>
+#include <cctype>
+
+namespace fsdp {
+
+std::string ToLower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+bool ContainsIgnoreCase(std::string_view haystack, std::string_view needle) {
+  return ToLower(haystack).find(ToLower(needle)) != std::string::npos;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,45 @@
+// The CUDA / NCCL side of device_mesh, behind a header with no CUDA includes.
+//
+// In a CUDA build (FSDP_WITH_CUDA, see cmake/Libtorch.cmake) this wraps libtorch_cuda's device
+// queries and c10d::ProcessGroupNCCL; in a CPU-only build every query reports no CUDA and
+// CreateNcclBackend returns kUnimplemented naming the build, so callers need no #ifdefs.
+//
+//   if (CudaDeviceCount() > 0) FSDP_RETURN_IF_ERROR(SetCudaDevice(local_rank % CudaDeviceCount()));
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "absl/status/statusor.h"
+
+namespace c10d {
+class Backend;
+class Store;
+}  // namespace c10d
+
+namespace fsdp {
+
+// True when the CUDA/NCCL code paths were compiled in.
+bool IsCudaBuild();
+// Number of visible GPUs; 0 in a CPU-only build or on a machine without GPUs.
+int CudaDeviceCount();
+// "NVIDIA H100 80GB HBM3 (79.1 GiB, sm_90)"; empty if the index is not a device.
+std::string CudaDeviceDescription(int index);
+// CUDA runtime version as "13.0", or "none".
+std::string CudaRuntimeVersion();
+// NCCL version as "2.28.9", or "none".
+std::string NcclVersion();
+// Blocks until all work on the current CUDA device is done (no-op without CUDA).
+void CudaSynchronize();
+// Makes `index` this thread's current CUDA device.
+absl::Status SetCudaDevice(int index);
+
+// A ProcessGroupNCCL over `store` for CUDA tensors on device `device_index`. Communicators are
+// created lazily by libtorch on the first collective.
+absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> CreateNcclBackend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, int device_index);
+
+}  // namespace fsdp

@@ -1,0 +1,28 @@
+// CPU-only build of cuda_support.h: no GPU is ever reported, NCCL is refused with the reason.
+#include "device_mesh/cuda_support.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace fsdp {
+
+bool IsCudaBuild() { return false; }
+int CudaDeviceCount() { return 0; }
+std::string CudaDeviceDescription(int) { return ""; }
+std::string CudaRuntimeVersion() { return "none"; }
+std::string NcclVersion() { return "none"; }
+
+void CudaSynchronize() {}
+
+absl::Status SetCudaDevice(int index) {
+  return absl::UnimplementedError(
+      "this fsdp.cpp build is CPU-only (the CUDA toolkit did not match the torch wheel at "
+      "configure time); CUDA devices cannot be used");
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> CreateNcclBackend(
+    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds, int) {
+  return absl::UnimplementedError(
+      "backend 'nccl' is not available: this fsdp.cpp build is CPU-only; use backend 'gloo'");
+}
+
+}  // namespace fsdp

@@ -1,0 +1,71 @@
+// CUDA build of cuda_support.h: libtorch_cuda's device queries and ProcessGroupNCCL.
+#include "device_mesh/cuda_support.h"
+
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <fmt/format.h>
+
+namespace fsdp {
+
+bool IsCudaBuild() { return true; }
+
+int CudaDeviceCount() {
+  // c10's count is 0 (not an error) when there is no driver or no device.
+  return static_cast<int>(c10::cuda::device_count());
+}
+
+std::string CudaDeviceDescription(int index) {
+  if (index < 0 || index >= CudaDeviceCount()) return "";
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) return "";
+  return fmt::format("{} ({:.1f} GiB, sm_{}{})", prop.name,
+                         static_cast<double>(prop.totalGlobalMem) / (1 << 30), prop.major,
+                         prop.minor);
+}
+
+std::string CudaRuntimeVersion() {
+  int version = 0;
+  if (cudaRuntimeGetVersion(&version) != cudaSuccess) return "none";
+  return fmt::format("{}.{}", version / 1000, (version % 1000) / 10);
+}
+
+std::string NcclVersion() { return c10d::getNcclVersion(); }
+
+void CudaSynchronize() {
+  if (CudaDeviceCount() > 0) c10::cuda::device_synchronize();
+}
+
+absl::Status SetCudaDevice(int index) {
+  int count = CudaDeviceCount();
+  if (index < 0 || index >= count) {
+    return absl::FailedPreconditionError(fmt::format(
+        "CUDA device {} does not exist: {} device(s) visible (CUDA_VISIBLE_DEVICES?)", index,
+        count));
+  }
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> CreateNcclBackend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, int device_index) {
+  if (CudaDeviceCount() == 0) {
+    return absl::FailedPreconditionError(
+        "backend 'nccl' needs a CUDA device, and none is visible on this machine");
+  }
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  try {
+    return c10::intrusive_ptr<c10d::Backend>(
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options));
+  } catch (const std::exception& e) {
+    return absl::InternalError(fmt::format(
+        "creating the NCCL process group (rank {} of {}, cuda:{}) failed: {}", rank, size,
+        device_index, e.what()));
+  }
+}
+
+}  // namespace fsdp

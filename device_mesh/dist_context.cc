@@ -1,0 +1,270 @@
+#include "device_mesh/dist_context.h"
+#include "common/strings.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "device_mesh/cuda_support.h"
+#include "device_mesh/torch_status.h"
+
+namespace fsdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+std::string Seconds(std::chrono::milliseconds ms) {
+  return fmt::format("{:g} s", static_cast<double>(ms.count()) / 1000.0);
+}
+
+bool IsLoopback(const std::string& addr) {
+  return addr == "localhost" || StartsWith(addr, "127.") || addr == "::1";
+}
+
+std::vector<uint8_t> Bytes(std::string_view s) { return {s.begin(), s.end()}; }
+std::string String(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const LaunchEnv& env,
+                                                             std::chrono::milliseconds timeout) {
+  if (env.master_addr.empty()) {
+    // A single process without a launcher: nobody to meet.
+    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>());
+  }
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(env.master_port);
+  opts.isServer = !env.use_agent_store && env.rank == 0;
+  opts.numWorkers = env.world_size;
+  opts.waitWorkers = false;  // our own arrival check below says who is missing
+  opts.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string address = StrCat(env.master_addr, ":", env.master_port);
+  absl::Status status = CallTorch(
+      opts.isServer ? StrCat("rank 0 could not host the rendezvous store on port ",
+                                   env.master_port)
+                    : StrCat("rank ", env.rank,
+                                   " could not connect to the rendezvous store at ", address),
+      [&] { store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts); });
+  if (!status.ok()) {
+    std::string hint;
+    std::string message(status.message());
+    if (ContainsIgnoreCase(message, "EADDRINUSE") ||
+        ContainsIgnoreCase(message, "address already in use")) {
+      hint = StrCat(" (MASTER_PORT ", env.master_port,
+                          " is already in use, probably by another run: choose another "
+                          "MASTER_PORT, or let `fsdp launch` pick a free one)");
+    } else if (!opts.isServer) {
+      hint = StrCat(" within ", Seconds(timeout),
+                          ". Is the store's host running (",
+                          env.use_agent_store ? "the launcher agent" : "rank 0",
+                          "), and do all ranks use the same MASTER_ADDR/MASTER_PORT?");
+    }
+    return absl::Status(status.code(), StrCat(message, hint));
+  }
+  if (env.use_agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        StrCat("/worker/attempt_", env.restart_count), store);
+  }
+  return store;
+}
+
+// Every rank announces itself, then waits until all WORLD_SIZE ranks have. Catches ranks that
+// never start, two processes claiming one RANK, and ranks disagreeing on WORLD_SIZE.
+absl::Status WaitForPeers(c10d::Store& store, const LaunchEnv& env,
+                          std::chrono::milliseconds timeout, int generation) {
+  const std::string prefix = StrCat("fsdp/rdzv/", generation, "/");
+  std::string me = StrCat(env.world_size, "|", HostName(), "|", getpid());
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(StrCat(prefix, "rank/", r));
+
+  int64_t claims = store.add(StrCat(prefix, "claim/", env.rank), 1);
+  if (claims > 1) {
+    return absl::InvalidArgumentError(StrCat(
+        "two processes claim RANK=", env.rank, " (this one is pid ", getpid(), " on ",
+        HostName(), "); every rank needs its own RANK in 0..WORLD_SIZE-1"));
+  }
+  store.set(keys[env.rank], Bytes(me));
+
+  Clock::time_point deadline = Clock::now() + timeout;
+  Clock::time_point next_report = Clock::now() + std::chrono::seconds(30);
+  std::vector<int> missing;
+  while (true) {
+    missing.clear();
+    for (int r = 0; r < env.world_size; ++r) {
+      if (!store.check({keys[r]})) missing.push_back(r);
+    }
+    if (missing.empty() || Clock::now() >= deadline) break;
+    if (Clock::now() >= next_report) {
+      FSDP_LOG_INFO("rendezvous: still waiting for rank(s) {}", StrJoin(missing, ", "));
+      next_report += std::chrono::seconds(30);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Everyone who did arrive must agree on WORLD_SIZE; a disagreement explains a timeout too.
+  for (int r = 0; r < env.world_size; ++r) {
+    if (std::find(missing.begin(), missing.end(), r) != missing.end()) continue;
+    std::string value = String(store.get(keys[r]));
+    std::vector<std::string_view> parts = Split(value, "|");
+    std::optional<int> their_world = ParseInt(parts[0]);
+    if (parts.size() == 3 && their_world && *their_world != env.world_size) {
+      return absl::InvalidArgumentError(StrCat(
+          "ranks disagree on WORLD_SIZE: rank ", r, " (pid ", parts[2], " on ", parts[1],
+          ") has WORLD_SIZE=", *their_world, ", rank ", env.rank, " has WORLD_SIZE=",
+          env.world_size));
+    }
+  }
+  if (!missing.empty()) {
+    return absl::DeadlineExceededError(StrCat(
+        "rank ", env.rank, ": rendezvous timed out after ", Seconds(timeout), ": ",
+        env.world_size - static_cast<int>(missing.size()), " of ", env.world_size,
+        " ranks arrived; still waiting for rank(s) ", StrJoin(missing, ", "),
+        " (store at ", env.master_addr, ":", env.master_port, ", launched via ", env.source,
+        "). Were all ", env.world_size, " ranks started with the same MASTER_ADDR/MASTER_PORT?"));
+  }
+  return absl::OkStatus();
+}
+
+// NCCL refuses two ranks on one GPU; say which ranks collide instead.
+absl::Status CheckDistinctDevices(c10d::Store& store, const LaunchEnv& env, int device_index,
+                                  std::chrono::milliseconds timeout, int generation) {
+  const std::string prefix = StrCat("fsdp/rdzv/", generation, "/device/");
+  std::string mine = StrCat(HostName(), ":cuda:", device_index);
+  store.set(StrCat(prefix, env.rank), Bytes(mine));
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(StrCat(prefix, r));
+  absl::Status waited = CallTorch("exchanging device ids", [&] { store.wait(keys, timeout); });
+  FSDP_RETURN_IF_ERROR(waited);
+  for (int r = 0; r < env.world_size; ++r) {
+    if (r != env.rank && String(store.get(keys[r])) == mine) {
+      return absl::FailedPreconditionError(StrCat(
+          "ranks ", std::min(r, env.rank), " and ", std::max(r, env.rank), " both use ", mine,
+          "; NCCL needs one GPU per rank. Check LOCAL_RANK / CUDA_VISIBLE_DEVICES, or use "
+          "cuda_backend 'gloo' to share a GPU"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int NextGeneration() {
+  static int generation = 0;
+  return generation++;
+}
+
+}  // namespace
+
+absl::Status DistOptions::Validate() const {
+  if (device != "cpu" && device != "cuda" && device != "auto") {
+    return absl::InvalidArgumentError(
+        StrCat("device '", device, "' is not valid; valid: cpu, cuda, auto"));
+  }
+  if (cuda_backend != "nccl" && cuda_backend != "gloo") {
+    return absl::InvalidArgumentError(
+        StrCat("backend '", cuda_backend, "' is not valid; valid: nccl, gloo"));
+  }
+  if (rendezvous_timeout.count() <= 0 || collective_timeout.count() <= 0) {
+    return absl::InvalidArgumentError("timeouts must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyTimeoutEnv(const EnvLookup& env, DistOptions& options) {
+  const int kMaxSeconds = 7 * 24 * 3600;
+  FSDP_ASSIGN_OR_RETURN(std::optional<int> rdzv,
+                        GetOptionalIntEnv(env, "FSDP_RENDEZVOUS_TIMEOUT_S", 1, kMaxSeconds));
+  FSDP_ASSIGN_OR_RETURN(std::optional<int> coll,
+                        GetOptionalIntEnv(env, "FSDP_COLLECTIVE_TIMEOUT_S", 1, kMaxSeconds));
+  if (rdzv) options.rendezvous_timeout = std::chrono::seconds(*rdzv);
+  if (coll) options.collective_timeout = std::chrono::seconds(*coll);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<DistContext>> DistContext::InitFromEnvironment(
+    DistOptions options) {
+  EnvLookup env = ProcessEnv();
+  FSDP_ASSIGN_OR_RETURN(LaunchEnv launch, ParseLaunchEnv(env));
+  FSDP_RETURN_IF_ERROR(ApplyTimeoutEnv(env, options));
+  return Init(launch, options);
+}
+
+absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& env,
+                                                               const DistOptions& options) {
+  FSDP_RETURN_IF_ERROR(options.Validate());
+  SetLogRank(env.rank);
+  std::shared_ptr<DistContext> ctx(new DistContext());
+  ctx->env_ = env;
+  ctx->options_ = options;
+  int generation = NextGeneration();
+
+  FSDP_ASSIGN_OR_RETURN(ctx->store_, ConnectStore(env, options.rendezvous_timeout));
+  absl::Status arrived = absl::OkStatus();
+  absl::Status call = CallTorch("rendezvous through the store", [&] {
+    arrived = WaitForPeers(*ctx->store_, env, options.rendezvous_timeout, generation);
+  });
+  FSDP_RETURN_IF_ERROR(call);
+  FSDP_RETURN_IF_ERROR(arrived);
+
+  bool want_cuda = options.device == "cuda" || (options.device == "auto" && CudaDeviceCount() > 0);
+  ctx->group_options_.timeout = options.collective_timeout;
+  ctx->group_options_.cuda_backend = options.cuda_backend;
+  if (want_cuda) {
+    int count = CudaDeviceCount();
+    if (count == 0) {
+      return absl::FailedPreconditionError(StrCat(
+          "rank ", env.rank, ": device 'cuda' was asked for but ",
+          IsCudaBuild() ? "no CUDA device is visible" : "this build is CPU-only"));
+    }
+    int index = env.local_rank % count;
+    FSDP_RETURN_IF_ERROR(SetCudaDevice(index));
+    if (options.cuda_backend == "nccl") {
+      absl::Status distinct = absl::OkStatus();
+      FSDP_RETURN_IF_ERROR(CallTorch("checking devices", [&] {
+        distinct = CheckDistinctDevices(*ctx->store_, env, index, options.rendezvous_timeout,
+                                        generation);
+      }));
+      FSDP_RETURN_IF_ERROR(distinct);
+    }
+    ctx->device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    ctx->group_options_.cuda_device = index;
+  }
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    ctx->group_options_.gloo_interface = ifname;
+  } else if (env.master_addr.empty() || IsLoopback(env.master_addr)) {
+    ctx->group_options_.gloo_hostname = "127.0.0.1";
+  }
+
+  std::vector<int> all(env.world_size);
+  for (int r = 0; r < env.world_size; ++r) all[r] = r;
+  FSDP_ASSIGN_OR_RETURN(ctx->world_, ctx->NewGroup(all, "world"));
+  return ctx;
+}
+
+absl::StatusOr<std::shared_ptr<ProcessGroup>> DistContext::NewGroup(std::vector<int> ranks,
+                                                                    std::string_view tag) {
+  for (int r : ranks) {
+    if (r < 0 || r >= world_size()) {
+      return absl::InvalidArgumentError(StrCat("group '", tag, "' names rank ", r,
+                                                     ", outside 0..", world_size() - 1));
+    }
+  }
+  std::string name = StrCat("fsdp/group/", tag, "/", StrJoin(ranks, "-"));
+  return ProcessGroup::Create(store_, std::move(name), std::move(ranks), rank(), group_options_);
+}
+
+std::string DistContext::NextTag(std::string_view kind) {
+  return StrCat(kind, next_tag_++);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,98 @@
+#include "device_mesh/process_group.h"
+#include "common/strings.h"
+
+#include <algorithm>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "device_mesh/cuda_support.h"
+#include "device_mesh/torch_status.h"
+
+namespace fsdp {
+
+absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
+    const c10::intrusive_ptr<c10d::Store>& store, std::string name,
+    std::vector<int> global_ranks, int my_global_rank, const GroupOptions& options) {
+  auto it = std::find(global_ranks.begin(), global_ranks.end(), my_global_rank);
+  if (it == global_ranks.end()) {
+    return absl::InvalidArgumentError(StrCat("rank ", my_global_rank,
+                                                   " is not a member of group '", name, "' [",
+                                                   StrJoin(global_ranks, ", "), "]"));
+  }
+  int rank = static_cast<int>(it - global_ranks.begin());
+  int size = static_cast<int>(global_ranks.size());
+  std::shared_ptr<ProcessGroup> group(new ProcessGroup(name, global_ranks, rank));
+  std::string where = StrCat("creating process group '", name, "' [",
+                                   StrJoin(global_ranks, ", "), "] on rank ",
+                                   my_global_rank);
+  absl::Status status = CallTorch(where, [&] {
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    if (!options.gloo_interface.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForInterface(options.gloo_interface));
+    } else if (!options.gloo_hostname.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(options.gloo_hostname));
+    } else {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    auto gloo_store = c10::make_intrusive<c10d::PrefixStore>(name + "/gloo", store);
+    group->gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size,
+                                                                 gloo_options);
+  });
+  if (!status.ok()) return status;
+  if (options.cuda_device >= 0 && options.cuda_backend == "nccl") {
+    auto nccl_store = c10::make_intrusive<c10d::PrefixStore>(name + "/nccl", store);
+    absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> nccl =
+        CreateNcclBackend(nccl_store, rank, size, options.timeout, options.cuda_device);
+    if (!nccl.ok()) return nccl.status();
+    group->nccl_ = *std::move(nccl);
+  }
+  return group;
+}
+
+std::string ProcessGroup::RanksString() const {
+  return StrCat("[", StrJoin(global_ranks_, ", "), "]");
+}
+
+c10d::Backend& ProcessGroup::BackendFor(const c10::Device& device) {
+  if (device.is_cuda() && nccl_) return *nccl_;
+  return *gloo_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::AllReduce(at::Tensor& tensor, c10d::ReduceOp op) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  return BackendFor(tensor.device()).allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherInto(at::Tensor& output,
+                                                           at::Tensor& input) {
+  TORCH_CHECK(output.numel() == input.numel() * size(), "AllGatherInto on '", name_,
+              "': output has ", output.numel(), " elements, expected ", size(), " x ",
+              input.numel());
+  return BackendFor(input.device())._allgather_base(output, input);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatter(at::Tensor& output, at::Tensor& input,
+                                                           c10d::ReduceOp op) {
+  TORCH_CHECK(input.numel() == output.numel() * size(), "ReduceScatter on '", name_,
+              "': input has ", input.numel(), " elements, expected ", size(), " x ",
+              output.numel());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op;
+  return BackendFor(input.device())._reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Broadcast(at::Tensor& tensor, int root) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  return BackendFor(tensor.device()).broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Barrier() { return gloo_->barrier(); }
+
+}  // namespace fsdp

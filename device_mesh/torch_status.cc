@@ -1,0 +1,34 @@
+#include "device_mesh/torch_status.h"
+#include "common/strings.h"
+
+#include <string>
+
+#include <c10/util/Exception.h>
+
+
+namespace fsdp {
+
+absl::Status StatusFromException(std::string_view what, const std::exception& e) {
+  // c10::Error::what() appends a C++ backtrace; the first message line is what users need.
+  std::string message;
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    message = c10_error->msg();
+  } else {
+    message = e.what();
+  }
+  if (size_t cut = message.find("\nException raised from"); cut != std::string::npos) {
+    message.resize(cut);
+  }
+  while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
+  std::string text = StrCat(what, ": ", message);
+  if (ContainsIgnoreCase(message, "timed out") ||
+      ContainsIgnoreCase(message, "timeout")) {
+    return absl::DeadlineExceededError(text);
+  }
+  if (dynamic_cast<const c10::DistNetworkError*>(&e) != nullptr) {
+    return absl::UnavailableError(text);
+  }
+  return absl::InternalError(text);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,194 @@
+#include "launcher/launch.h"
+
+#include <unistd.h>
+
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "common/logging.h"
+#include "common/strings.h"
+#include "device_mesh/torch_status.h"
+#include "launcher/worker_group.h"
+
+namespace fsdp {
+namespace {
+
+std::string RandomRunId() {
+  std::random_device rd;
+  return fmt::format("{:08x}", rd());
+}
+
+std::string AttemptKey(int attempt, std::string_view what) {
+  return StrCat("fsdp/launch/attempt_", attempt, "/", what);
+}
+
+std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_rank, int port,
+                                             int attempt, const std::string& run_id) {
+  int world = o.nnodes * o.nproc_per_node;
+  int rank = o.node_rank * o.nproc_per_node + local_rank;
+  std::map<std::string, std::string> env = {
+      {"RANK", StrCat(rank)},
+      {"LOCAL_RANK", StrCat(local_rank)},
+      {"WORLD_SIZE", StrCat(world)},
+      {"LOCAL_WORLD_SIZE", StrCat(o.nproc_per_node)},
+      {"GROUP_RANK", StrCat(o.node_rank)},
+      {"GROUP_WORLD_SIZE", StrCat(o.nnodes)},
+      {"ROLE_RANK", StrCat(rank)},
+      {"ROLE_WORLD_SIZE", StrCat(world)},
+      {"ROLE_NAME", "default"},
+      {"MASTER_ADDR", o.master_addr},
+      {"MASTER_PORT", StrCat(port)},
+      {"TORCHELASTIC_RESTART_COUNT", StrCat(attempt)},
+      {"TORCHELASTIC_MAX_RESTARTS", StrCat(o.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", run_id},
+      {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+  };
+  // As torchrun: several ranks per node would oversubscribe the cores with one OpenMP thread
+  // pool each; the user can still say otherwise.
+  if (o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    env["OMP_NUM_THREADS"] = StrCat(std::max(1L, cores / o.nproc_per_node));
+  }
+  return env;
+}
+
+}  // namespace
+
+absl::Status LaunchOptions::Validate() const {
+  if (nproc_per_node < 1) {
+    return absl::InvalidArgumentError(
+        StrCat("--nproc-per-node=", nproc_per_node, " is invalid; it must be at least 1"));
+  }
+  if (nnodes < 1) {
+    return absl::InvalidArgumentError(StrCat("--nnodes=", nnodes, " must be at least 1"));
+  }
+  if (node_rank < 0 || node_rank >= nnodes) {
+    return absl::InvalidArgumentError(StrCat("--node-rank=", node_rank, " must be in 0..",
+                                             nnodes - 1, " (--nnodes=", nnodes, ")"));
+  }
+  if (master_port < 0 || master_port > 65535) {
+    return absl::InvalidArgumentError(
+        StrCat("--master-port=", master_port, " must be in 1..65535 (0: pick a free port)"));
+  }
+  if (nnodes > 1 && master_port == 0) {
+    return absl::InvalidArgumentError(
+        "--master-port is required with --nnodes > 1: every node must use the same port");
+  }
+  if (max_restarts < 0) {
+    return absl::InvalidArgumentError(StrCat("--max-restarts=", max_restarts, " must be >= 0"));
+  }
+  if (program.empty()) {
+    return absl::InvalidArgumentError(
+        "no program given: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
+  }
+  return absl::OkStatus();
+}
+
+int RunLaunch(const LaunchOptions& o) {
+  if (absl::Status valid = o.Validate(); !valid.ok()) {
+    std::cerr << "fsdp launch: " << valid.message() << "\n";
+    return 2;
+  }
+  std::string run_id = o.run_id.empty() ? RandomRunId() : o.run_id;
+  bool host_store = o.node_rank == 0;
+
+  // Node 0 hosts the agent store for the workers of every node; the other nodes' launchers are
+  // clients of it.
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  c10d::TCPStoreOptions store_opts;
+  store_opts.port = static_cast<uint16_t>(o.master_port);
+  store_opts.isServer = host_store;
+  store_opts.waitWorkers = false;
+  store_opts.timeout = o.rendezvous_timeout;
+  absl::Status made = CallTorch(
+      host_store ? StrCat("cannot host the rendezvous store on port ", o.master_port)
+                 : StrCat("cannot reach node 0's launcher at ", o.master_addr, ":", o.master_port),
+      [&] { store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_opts); });
+  if (!made.ok()) {
+    std::cerr << "fsdp launch: " << made.message()
+              << (host_store ? " (port already in use? choose another --master-port)" : "")
+              << "\n";
+    return 1;
+  }
+  int port = store->getPort();
+
+  InstallStopSignalHandlers();
+  std::mutex out_mu;
+  auto sink = [&](const OutputLine& line) {
+    std::lock_guard<std::mutex> lock(out_mu);
+    std::ostream& os = line.is_stderr ? std::cerr : std::cout;
+    if (o.prefix_output) os << "[rank" << line.rank << "]: ";
+    os << line.text << '\n';
+    os.flush();
+  };
+
+  for (int attempt = 0;; ++attempt) {
+    std::vector<WorkerSpec> specs;
+    for (int lr = 0; lr < o.nproc_per_node; ++lr) {
+      specs.push_back({o.node_rank * o.nproc_per_node + lr, o.program,
+                       WorkerEnv(o, lr, port, attempt, run_id)});
+    }
+    if (attempt == 0) {
+      std::cerr << "fsdp launch: starting " << o.nproc_per_node << " rank(s) on node "
+                << o.node_rank << " of " << o.nnodes << ", world size "
+                << o.nnodes * o.nproc_per_node << ", store " << o.master_addr << ":" << port
+                << "\n";
+    }
+    WorkerGroup group(sink);
+    if (absl::Status started = group.Start(specs); !started.ok()) {
+      std::cerr << "fsdp launch: " << started.message() << "\n";
+      return 1;
+    }
+    WaitOptions wait;
+    wait.grace = o.grace;
+    const std::string failed_key = AttemptKey(attempt, "failed");
+    wait.stop_requested = [&] {
+      if (ReceivedStopSignal() != 0) return true;
+      if (o.nnodes == 1) return false;
+      bool other_failed = false;
+      (void)CallTorch("", [&] { other_failed = store->check({failed_key}); });
+      return other_failed;
+    };
+    GroupResult result = group.Wait(wait);
+    if (result.ok()) {
+      std::cerr << "fsdp launch: " << result.Summary() << "\n";
+      return 0;
+    }
+    if (int sig = ReceivedStopSignal(); sig != 0) {
+      std::cerr << "fsdp launch: interrupted by signal " << sig << "; workers stopped\n";
+      return 128 + sig;
+    }
+    std::string why;
+    int code = 1;
+    if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
+      const WorkerExit& f = *result.first_failure;
+      why = StrCat("rank ", f.rank, " ", f.Describe());
+      code = f.exited ? f.code : 128 + f.code;
+      std::string value = StrCat("node ", o.node_rank, ": ", why);
+      (void)CallTorch("", [&] {
+        store->set(failed_key, std::vector<uint8_t>(value.begin(), value.end()));
+      });
+    } else {
+      why = "a rank on another node failed";
+      (void)CallTorch("", [&] {
+        auto v = store->get(failed_key);
+        why = std::string(v.begin(), v.end());
+      });
+    }
+    if (attempt < o.max_restarts) {
+      std::cerr << "fsdp launch: " << why << "; restarting the local group (restart "
+                << attempt + 1 << " of " << o.max_restarts << ")\n";
+      continue;
+    }
+    std::cerr << "fsdp launch: " << why << "; stopped the other local ranks"
+              << (o.max_restarts > 0 ? StrCat(" (", o.max_restarts, " restarts used)") : "")
+              << "\n";
+    return code;
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,46 @@
+// `fsdp launch`: torchrun's job for our programs. Starts --nproc-per-node local ranks with
+// torchrun's environment, prefixes their output with the rank, stops all of them when one
+// fails, and restarts the local group up to --max-restarts times.
+//
+// Rendezvous: the launcher on node 0 hosts the TCPStore (torchrun's "agent store"), so the
+// port is held before any worker starts; workers see TORCHELASTIC_USE_AGENT_STORE=True and use
+// the key prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. Launchers on other nodes connect
+// to it and learn through it when another node's group failed, so all nodes restart together.
+//
+//   LaunchOptions opts;
+//   opts.nproc_per_node = 4;
+//   opts.program = {"build/bin/fsdp", "doctor", "--mesh", "2,2"};
+//   int exit_code = RunLaunch(opts);   // 0, or the failed worker's code (128 + signal)
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace fsdp {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: pick a free port (single node only)
+  int max_restarts = 0;
+  std::chrono::seconds rendezvous_timeout{300};
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};  // SIGTERM -> SIGKILL
+  bool prefix_output = true;
+  std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
+  std::vector<std::string> program;  // PROGRAM ARGS...
+
+  // kInvalidArgument naming the option and what would be valid.
+  absl::Status Validate() const;
+};
+
+// Runs the job; returns the process exit code: 0 when every local rank succeeded, otherwise the
+// failed rank's exit code (128 + signal if it was killed), 1 for launcher errors, 128 + signal
+// when the launcher itself was interrupted.
+int RunLaunch(const LaunchOptions& options);
+
+}  // namespace fsdp
