@@ -97,7 +97,13 @@ absl::Status WorkerGroup::Start(const std::vector<WorkerSpec>& specs) {
       size_t eq = kv.find('=');
       if (eq != std::string_view::npos) env_map[std::string(kv.substr(0, eq))] = kv.substr(eq + 1);
     }
-    for (const auto& [k, v] : spec.env) env_map[k] = v;
+    for (const auto& [k, v] : spec.env) {
+      if (v.empty()) {
+        env_map.erase(k);
+      } else {
+        env_map[k] = v;
+      }
+    }
     std::vector<std::string> env_strings;
     for (const auto& [k, v] : env_map) env_strings.push_back(k + "=" + v);
     std::vector<char*> envp;

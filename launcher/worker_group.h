@@ -29,7 +29,8 @@ namespace fsdp {
 struct WorkerSpec {
   int rank = 0;  // global rank, used in messages and output prefixes
   std::vector<std::string> argv;
-  std::map<std::string, std::string> env;  // set on top of the supervisor's environment
+  // Set on top of the supervisor's environment; an empty value removes the variable.
+  std::map<std::string, std::string> env;
 };
 
 struct OutputLine {
