@@ -1,0 +1,189 @@
+// `fsdp launch` as a user runs it: real processes, real exit codes and signals, restarts,
+// two launchers forming one job across "nodes", and our programs under the real torchrun.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/strings.h"
+#include "launcher/worker_group.h"
+#include "tests/multirank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::CommandResult;
+using testing::FsdpBinary;
+using testing::RunCommand;
+
+CommandResult Launch(std::vector<std::string> launch_args, const std::string& script,
+                     std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  std::vector<std::string> argv = {FsdpBinary(), "launch"};
+  argv.insert(argv.end(), launch_args.begin(), launch_args.end());
+  argv.insert(argv.end(), {"--", "/bin/sh", "-c", script});
+  return RunCommand(argv, {}, timeout);
+}
+
+TEST(LaunchTest, SetsTorchrunEnvironmentAndPrefixesEveryLine) {
+  CommandResult r = Launch({"--nproc-per-node", "3"},
+                           "echo \"rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE "
+                           "lws=$LOCAL_WORLD_SIZE group=$GROUP_RANK restart=$TORCHELASTIC_RESTART_COUNT "
+                           "agent=$TORCHELASTIC_USE_AGENT_STORE addr=$MASTER_ADDR\"; "
+                           "echo second line from $RANK; echo to-stderr-$RANK >&2");
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(r.StdoutHas(StrCat("[rank", rank, "]: rank=", rank, " local=", rank,
+                                   " world=3 lws=3 group=0 restart=0 agent=True addr=127.0.0.1")))
+        << r.Output();
+    EXPECT_TRUE(r.StdoutHas(StrCat("[rank", rank, "]: second line from ", rank))) << r.Output();
+    EXPECT_TRUE(r.StderrHas(StrCat("[rank", rank, "]: to-stderr-", rank))) << r.Output();
+  }
+  // Every stdout line carries a rank prefix.
+  for (const std::string& line : r.stdout_lines) EXPECT_TRUE(StartsWith(line, "[rank")) << line;
+}
+
+TEST(LaunchTest, PicksAFreePortAndSetsOmpThreads) {
+  CommandResult r = Launch({"--nproc-per-node", "2"}, "echo port=$MASTER_PORT omp=$OMP_NUM_THREADS");
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  ASSERT_FALSE(r.stdout_lines.empty());
+  std::string line = r.stdout_lines[0];
+  std::string port = line.substr(line.find("port=") + 5, line.find(' ', line.find("port=")) -
+                                                            line.find("port=") - 5);
+  EXPECT_GT(ParseInt(port).value_or(0), 0) << line;
+  EXPECT_NE(port, "29500");  // chosen, not a fixed default another run may hold
+  EXPECT_THAT(line, ::testing::HasSubstr("omp="));
+}
+
+TEST(LaunchTest, FailingRankStopsTheOthersAndIsNamed) {
+  auto start = std::chrono::steady_clock::now();
+  CommandResult r = Launch({"--nproc-per-node", "3", "--grace", "2"},
+                           "if [ \"$RANK\" = 1 ]; then echo rank one fails >&2; exit 3; fi; "
+                           "sleep 60");
+  double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_TRUE(r.exit.exited);
+  EXPECT_EQ(r.exit.code, 3) << r.Output();
+  EXPECT_TRUE(r.StderrHas("fsdp launch: rank 1 exited with code 3")) << r.Output();
+  EXPECT_TRUE(r.StderrHas("[rank1]: rank one fails")) << r.Output();
+  EXPECT_LT(took, 30.0) << "the sleeping ranks were not stopped";
+}
+
+TEST(LaunchTest, RankKilledBySignalIsNamed) {
+  CommandResult r = Launch({"--nproc-per-node", "2", "--grace", "1"},
+                           "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 60");
+  EXPECT_TRUE(r.exit.exited);
+  EXPECT_EQ(r.exit.code, 128 + SIGKILL) << r.Output();
+  EXPECT_TRUE(r.StderrHas("rank 0 was killed by signal 9")) << r.Output();
+}
+
+TEST(LaunchTest, RestartsTheGroupWithAnIncrementedRestartCount) {
+  CommandResult r = Launch({"--nproc-per-node", "2", "--max-restarts", "2", "--grace", "1"},
+                           "echo attempt $TORCHELASTIC_RESTART_COUNT; "
+                           "if [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ] && [ \"$RANK\" = 1 ]; "
+                           "then exit 5; fi; sleep 0.2");
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  EXPECT_TRUE(r.StderrHas("restarting the local group (restart 1 of 2)")) << r.Output();
+  EXPECT_TRUE(r.StderrHas("restarting the local group (restart 2 of 2)")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("[rank1]: attempt 2")) << r.Output();
+}
+
+TEST(LaunchTest, GivesUpAfterMaxRestarts) {
+  CommandResult r = Launch({"--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1"},
+                           "if [ \"$RANK\" = 0 ]; then exit 7; fi; sleep 60");
+  EXPECT_EQ(r.exit.code, 7) << r.Output();
+  EXPECT_TRUE(r.StderrHas("rank 0 exited with code 7; stopped the other local ranks (1 restarts used)"))
+      << r.Output();
+}
+
+TEST(LaunchTest, MissingProgramIsExplained) {
+  CommandResult r = Launch({"--nproc-per-node", "1"}, "true");
+  ASSERT_TRUE(r.exit.ok());
+  CommandResult missing =
+      RunCommand({FsdpBinary(), "launch", "--nproc-per-node", "2", "--", "/no/such/program"});
+  EXPECT_EQ(missing.exit.code, 127) << missing.Output();
+  EXPECT_TRUE(missing.StderrHas("cannot execute '/no/such/program': No such file or directory"))
+      << missing.Output();
+  CommandResult none = RunCommand({FsdpBinary(), "launch", "--nproc-per-node", "2"});
+  EXPECT_EQ(none.exit.code, 2);
+  EXPECT_TRUE(none.StderrHas("no program given")) << none.Output();
+  CommandResult bad_node = RunCommand(
+      {FsdpBinary(), "launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2",
+       "--master-port", "29999", "--", "true"});
+  EXPECT_EQ(bad_node.exit.code, 2);
+  EXPECT_TRUE(bad_node.StderrHas("--node-rank=2 must be in 0..1")) << bad_node.Output();
+  CommandResult no_port = RunCommand(
+      {FsdpBinary(), "launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "true"});
+  EXPECT_EQ(no_port.exit.code, 2);
+  EXPECT_TRUE(no_port.StderrHas("--master-port is required with --nnodes > 1")) << no_port.Output();
+}
+
+TEST(LaunchTest, InterruptedLauncherStopsItsRanks) {
+  // The launcher gets SIGTERM while its ranks sleep: it must stop them and exit 128+15.
+  std::string marker = StrCat("/tmp/fsdp-launch-test-", getpid());
+  std::vector<std::string> argv = {FsdpBinary(), "launch", "--nproc-per-node", "2", "--grace",
+                                   "1", "--", "/bin/sh", "-c",
+                                   StrCat("echo started; sleep 60; touch ", marker)};
+  std::vector<std::string> lines;
+  WorkerGroup group([&](const OutputLine& l) { lines.emplace_back(l.text); });
+  ASSERT_TRUE(group.Start({WorkerSpec{0, argv, {}}}).ok());
+  WaitOptions wait;
+  auto start = std::chrono::steady_clock::now();
+  int started = 0;
+  wait.stop_requested = [&] {
+    started = 0;
+    for (const auto& l : lines) started += l.find("started") != std::string::npos;
+    if (started == 2) group.SignalAll(SIGTERM);
+    return std::chrono::steady_clock::now() - start > std::chrono::seconds(30);
+  };
+  GroupResult result = group.Wait(wait);
+  ASSERT_EQ(result.exits.size(), 1u);
+  EXPECT_TRUE(result.exits[0].exited);
+  EXPECT_EQ(result.exits[0].code, 128 + SIGTERM);
+  EXPECT_FALSE(std::filesystem::exists(marker)) << "a rank outlived its launcher";
+}
+
+TEST(LaunchTest, TwoNodesOnOneMachineFormOneJob) {
+  int port = testing::FreePort();
+  auto node = [&](int node_rank) {
+    return WorkerSpec{node_rank,
+                      {FsdpBinary(), "launch", "--nproc-per-node", "2", "--nnodes", "2",
+                       "--node-rank", StrCat(node_rank), "--master-port", StrCat(port), "--",
+                       FsdpBinary(), "doctor", "--max-bytes", "4K", "--mesh", "2,2", "--timeout",
+                       "60"},
+                      {}};
+  };
+  std::vector<std::string> out;
+  std::mutex mu;
+  WorkerGroup group([&](const OutputLine& l) {
+    std::lock_guard<std::mutex> lock(mu);
+    out.emplace_back(l.text);
+  });
+  ASSERT_TRUE(group.Start({node(0), node(1)}).ok());
+  WaitOptions wait;
+  wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  GroupResult result = group.Wait(wait);
+  std::string all;
+  for (const auto& l : out) all += l + "\n";
+  ASSERT_TRUE(result.ok()) << result.Summary() << "\n" << all;
+  EXPECT_THAT(all, ::testing::HasSubstr("[rank3]: rank 3: rank 3 of 4 (local 1 of 2, node 1)"));
+  EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
+}
+
+TEST(LaunchTest, OurProgramsRunUnderRealTorchrun) {
+  std::string torchrun = FSDP_TORCHRUN_PATH;
+  if (!std::filesystem::exists(torchrun)) GTEST_SKIP() << "torchrun not found at " << torchrun;
+  CommandResult r = RunCommand({torchrun, "--no-python", "--standalone", "--nproc-per-node", "2",
+                                FsdpBinary(), "doctor", "--max-bytes", "4K"},
+                               {}, std::chrono::seconds(120));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  std::string all = r.Output();
+  EXPECT_THAT(all, ::testing::HasSubstr("via torchrun, agent store"));
+  EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
+}
+
+}  // namespace
+}  // namespace fsdp
