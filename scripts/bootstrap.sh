@@ -23,7 +23,8 @@ die() { echo "[bootstrap] error: $*" >&2; exit 1; }
 # --- Debian packages ------------------------------------------------------------------------
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3-venv
   libabsl-dev libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
-  libgtest-dev libgmock-dev libgloo-dev)
+  libgtest-dev libgmock-dev libgloo-dev
+  openmpi-bin)  # only for the test that runs our programs under a real mpirun
 
 if [ "${FSDP_SKIP_APT:-0}" = 1 ]; then DEB_PACKAGES=(); fi
 missing=()

@@ -185,5 +185,20 @@ TEST(LaunchTest, OurProgramsRunUnderRealTorchrun) {
   EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
 }
 
+TEST(LaunchTest, OurProgramsRunUnderRealMpirun) {
+  std::string mpirun = "/usr/bin/mpirun";
+  if (!std::filesystem::exists(mpirun)) GTEST_SKIP() << "mpirun not installed (openmpi-bin)";
+  CommandResult r = RunCommand({mpirun, "--oversubscribe", "-np", "3", FsdpBinary(), "doctor",
+                                "--max-bytes", "4K"},
+                               {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                                {"MASTER_PORT", StrCat(testing::FreePort())}},
+                               std::chrono::seconds(120));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  std::string all = r.Output();
+  EXPECT_THAT(all, ::testing::HasSubstr("rank 2: rank 2 of 3 (local 2 of 3, node 0) via openmpi"));
+  EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
+}
+
 }  // namespace
 }  // namespace fsdp
