@@ -136,6 +136,11 @@ absl::StatusOr<LaunchEnv> FromMpi(const EnvLookup& env, std::string source,
   FSDP_ASSIGN_OR_RETURN(std::optional<int> local_size,
                         GetOptionalIntEnv(env, local_size_var, 1));
   out.local_world_size = local_size.value_or(out.world_size);
+  if (out.local_world_size > out.world_size) {
+    return absl::InvalidArgumentError(StrCat(local_size_var, "=", out.local_world_size,
+                                             " is larger than ", size_var, "=",
+                                             out.world_size));
+  }
   FSDP_ASSIGN_OR_RETURN(std::optional<int> local_rank, GetOptionalIntEnv(env, local_rank_var));
   out.local_rank = local_rank.value_or(out.rank % out.local_world_size);
   FSDP_RETURN_IF_ERROR(
@@ -163,16 +168,14 @@ bool IsTruthy(std::string_view value) {
 absl::StatusOr<std::string> FirstSlurmHost(std::string_view node_list) {
   // The first top-level item: commas inside brackets do not separate hosts.
   int depth = 0;
-  size_t end = node_list.size();
-  for (size_t i = 0; i < node_list.size(); ++i) {
+  size_t end = std::string_view::npos;
+  for (size_t i = 0; i < node_list.size() && depth >= 0; ++i) {
     char c = node_list[i];
     if (c == '[') ++depth;
-    if (c == ']' && --depth < 0) break;
-    if (c == ',' && depth == 0) {
-      end = i;
-      break;
-    }
+    if (c == ']') --depth;
+    if (c == ',' && depth == 0 && end == std::string_view::npos) end = i;
   }
+  if (end == std::string_view::npos) end = node_list.size();
   if (depth != 0) {
     return absl::InvalidArgumentError(
         StrCat("SLURM_JOB_NODELIST='", node_list, "' has unbalanced brackets"));
@@ -199,10 +202,6 @@ absl::StatusOr<std::string> FirstSlurmHost(std::string_view node_list) {
 
 absl::StatusOr<LaunchEnv> ParseLaunchEnv(const EnvLookup& env) {
   if (env("RANK")) return FromTorchrun(env);
-  if (env("WORLD_SIZE")) {
-    return absl::InvalidArgumentError(
-        "environment variable WORLD_SIZE is set but RANK is not; set both (torchrun does)");
-  }
   if (env("SLURM_PROCID")) return FromSlurm(env);
   if (env("OMPI_COMM_WORLD_RANK")) {
     return FromMpi(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -210,6 +209,10 @@ absl::StatusOr<LaunchEnv> ParseLaunchEnv(const EnvLookup& env) {
   }
   if (env("PMI_RANK")) {
     return FromMpi(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+  }
+  if (env("WORLD_SIZE")) {
+    return absl::InvalidArgumentError(
+        "environment variable WORLD_SIZE is set but RANK is not; set both (torchrun does)");
   }
   LaunchEnv single;
   single.source = "single-process";

@@ -1,6 +1,8 @@
 #include "device_mesh/mesh_shape.h"
 #include "common/strings.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <set>
 
 
@@ -57,8 +59,12 @@ absl::StatusOr<MeshShape> ResolveMeshShape(std::vector<std::string> axis_names,
                                                      "' appears twice; names must be unique"));
     }
   }
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(StrCat("world size ", world_size, " is not positive"));
+  }
   int infer = -1;
-  int known = 1;
+  // 64-bit and capped above world_size: the product of user-given degrees must not wrap.
+  int64_t known = 1;
   for (size_t i = 0; i < degrees.size(); ++i) {
     if (degrees[i] == -1) {
       if (infer >= 0) {
@@ -72,26 +78,31 @@ absl::StatusOr<MeshShape> ResolveMeshShape(std::vector<std::string> axis_names,
           "mesh degree ", axis_names[i], "=", degrees[i],
           " is invalid; a degree is a positive integer, or -1 to infer it from the world size"));
     } else {
-      known *= degrees[i];
+      known = std::min<int64_t>(known * degrees[i], int64_t{world_size} + 1);
     }
   }
   std::vector<std::string> factors;
+  int64_t product = 1;  // for the message only; may exceed int
   for (size_t i = 0; i < degrees.size(); ++i) {
-    if (static_cast<int>(i) != infer) factors.push_back(StrCat(degrees[i]));
+    if (static_cast<int>(i) != infer) {
+      factors.push_back(StrCat(degrees[i]));
+      product *= degrees[i];
+      if (product > (int64_t{1} << 40)) product = int64_t{1} << 40;
+    }
   }
   if (infer >= 0) {
-    if (world_size % known != 0) {
+    if (known > world_size || world_size % known != 0) {
       return absl::InvalidArgumentError(StrCat(
           "cannot infer mesh degree '", axis_names[infer], "' in ",
           JoinFactors(axis_names, degrees), ": the world size ", world_size,
           " is not divisible by the other degrees ", StrJoin(factors, " x "), " = ",
-          known));
+          product));
     }
-    degrees[infer] = world_size / known;
+    degrees[infer] = static_cast<int>(world_size / known);
   } else if (known != world_size) {
     return absl::InvalidArgumentError(StrCat(
         "mesh ", JoinFactors(axis_names, degrees), " needs ", StrJoin(factors, " x "),
-        " = ", known, " ranks but the world size is ", world_size,
+        " = ", product, " ranks but the world size is ", world_size,
         "; the degrees must multiply to the world size (use -1 for one degree to infer it)"));
   }
   return MeshShape{std::move(axis_names), std::move(degrees)};
