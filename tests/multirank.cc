@@ -81,7 +81,10 @@ std::map<std::string, std::string> StyleEnv(EnvStyle style, int rank, int world,
 
 std::string Tail(const WorkerExit& exit) {
   std::string out;
-  for (const std::string& line : exit.tail) out += "    | " + line + "\n";
+  // libtorch's exceptions carry a backtrace of "frame #N" lines: the message is what matters.
+  for (const std::string& line : exit.tail) {
+    if (!StartsWith(line, "frame #")) out += "    | " + line + "\n";
+  }
   return out;
 }
 
@@ -160,6 +163,7 @@ void RunOnRanks(int world_size, const std::function<void(int rank)>& body,
   WaitOptions wait;
   wait.deadline = std::chrono::steady_clock::now() + options.timeout;
   wait.grace = std::chrono::seconds(2);
+  wait.tail_lines = 200;
   GroupResult result = group.Wait(wait);
   switch (result.outcome) {
     case GroupResult::Outcome::kSucceeded:

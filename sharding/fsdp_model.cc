@@ -1,0 +1,242 @@
+// FsdpModel's runtime: the forward/backward hooks and the iteration's ordering.
+// Wrapping (parameter ownership, checks, sharding) is in wrap.cc.
+#include "sharding/fsdp_model.h"
+
+#include <cmath>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "sharding/registry.h"
+
+namespace fsdp {
+
+at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
+                       const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  UnitEntry entry = LookupUnit(module);
+  if (entry.model == nullptr) return fn(input);
+  return entry.model->RunUnitForward(*entry.unit, input, fn);
+}
+
+at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input) {
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&sequential);
+  TORCH_CHECK(seq != nullptr, "SequentialForward needs a torch::nn::Sequential, got ",
+              sequential.name());
+  at::Tensor x = input;
+  for (auto& child : *seq) {
+    x = UnitForward(child.ptr().get(), x,
+                    [&](const at::Tensor& h) { return child.forward<at::Tensor>(h); });
+  }
+  return x;
+}
+
+FsdpModel::~FsdpModel() {
+  for (auto& unit : units_) UnregisterUnit(unit->module());
+}
+
+std::vector<at::Tensor> FsdpModel::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& unit : units_) {
+    for (const FsdpParam& p : unit->params()) {
+      if (p.requires_grad) out.push_back(p.sharded);
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FsdpModel::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& unit : units_) {
+    for (const FsdpParam& p : unit->params()) out.emplace_back(p.names[0], p.sharded);
+  }
+  return out;
+}
+
+const FsdpParam* FsdpModel::FindParam(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
+}
+
+int64_t FsdpModel::FirstLocalRow(const FsdpParam& param) const {
+  return param.sharding.FirstRow(ctx_.shard_rank);
+}
+
+at::Tensor FsdpModel::GatherFullParameter(const FsdpParam& param) {
+  at::NoGradGuard no_grad;
+  const ParamSharding& s = param.sharding;
+  at::Tensor shard = param.padded_shard.contiguous().view(-1);
+  at::Tensor full = at::empty({s.padded_numel()}, shard.options());
+  if (ctx_.num_shards == 1) {
+    full.copy_(shard);
+  } else {
+    ctx_.shard_group->AllGatherInto(full, shard)->wait();
+  }
+  std::vector<int64_t> shape = s.shape;
+  return full.narrow(0, 0, s.numel()).view(shape);
+}
+
+std::vector<const FsdpUnit*> FsdpModel::units() const {
+  std::vector<const FsdpUnit*> out;
+  if (order_final_) {
+    out.assign(order_.begin(), order_.end());
+  } else {
+    for (const auto& u : units_) out.push_back(u.get());
+  }
+  return out;
+}
+
+int FsdpModel::NumUnshardedUnits() const {
+  int n = 0;
+  for (const auto& unit : units_) n += !unit->is_root() && unit->HoldsUnsharded();
+  return n;
+}
+
+void FsdpModel::UpdateMemoryStats() {
+  int units = 0;
+  int64_t bytes = 0;
+  for (const auto& unit : units_) {
+    if (unit->is_root()) continue;
+    int64_t b = unit->UnshardedBytes();
+    units += b > 0;
+    bytes += b;
+  }
+  memory_.peak_unsharded_units = std::max(memory_.peak_unsharded_units, units);
+  memory_.peak_unsharded_bytes = std::max(memory_.peak_unsharded_bytes, bytes);
+}
+
+FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
+  if (!order_final_) return nullptr;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    if (order_[i] != &unit) continue;
+    int64_t j = static_cast<int64_t>(i) + step;
+    if (j < 0 || j >= static_cast<int64_t>(order_.size())) return nullptr;
+    return order_[j]->is_root() ? nullptr : order_[j];
+  }
+  return nullptr;
+}
+
+// Note [Prefetch limit]: with reshard after forward, at most max_unsharded_units non-root
+// units hold or gather unsharded parameters at once (the current one included), so peak memory
+// is bounded by that many units. Without resharding after forward (ZeRO-2) every unit stays
+// unsharded until its backward by design, and only one unit is prefetched ahead.
+void FsdpModel::Prefetch(FsdpUnit* unit) {
+  if (unit == nullptr) return;
+  if (unit->state() == FsdpUnit::State::kUnsharded ||
+      unit->state() == FsdpUnit::State::kGathering) {
+    return;
+  }
+  if (ctx_.options.reshard_after_forward &&
+      NumUnshardedUnits() >= ctx_.options.max_unsharded_units) {
+    return;
+  }
+  unit->Unshard();
+  UpdateMemoryStats();
+}
+
+at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
+                                     const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  PreForward(unit);
+  at::Tensor x = input;
+  const auto& dtype = ctx_.options.mixed_precision.param_dtype;
+  if (dtype && x.defined() && at::isFloatingType(x.scalar_type()) && x.scalar_type() != *dtype) {
+    x = x.to(*dtype);
+  }
+  return PostForward(unit, fn(x));
+}
+
+void FsdpModel::PreForward(FsdpUnit& unit) {
+  if (unit.is_root()) {
+    for (auto& u : units_) {
+      u->pending_grads = u->num_trainable();
+      u->backward_prepared = false;
+      u->post_backward_done = false;
+    }
+  }
+  unit.WaitForUnshard();
+  UpdateMemoryStats();
+  if (order_final_) {
+    Prefetch(Neighbour(unit, +1));
+  } else {
+    order_.push_back(&unit);
+  }
+}
+
+at::Tensor FsdpModel::PostForward(FsdpUnit& unit, at::Tensor output) {
+  if (unit.is_root()) {
+    order_final_ = true;
+    if (!at::GradMode::is_enabled()) {
+      // No backward will follow (evaluation): give every unit's memory back now.
+      for (auto& u : units_) u->Reshard(/*after_forward=*/false);
+    }
+    const auto& out_dtype = ctx_.options.mixed_precision.output_dtype;
+    if (out_dtype && output.defined() && at::isFloatingType(output.scalar_type())) {
+      output = output.to(*out_dtype);
+    }
+  } else if (ctx_.options.reshard_after_forward) {
+    unit.Reshard(/*after_forward=*/true);
+  }
+  if (output.defined() && output.requires_grad()) {
+    FsdpUnit* u = &unit;
+    output.register_hook([this, u](const at::Tensor&) { PreBackward(*u); });
+  }
+  return output;
+}
+
+void FsdpModel::PreBackward(FsdpUnit& unit) {
+  if (unit.backward_prepared) return;
+  if (!backward_started_) {
+    backward_started_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
+  }
+  unit.backward_prepared = true;
+  unit.WaitForUnshard();
+  UpdateMemoryStats();
+  Prefetch(Neighbour(unit, -1));
+}
+
+void FsdpModel::OnGradAccumulated(FsdpUnit& unit) {
+  if (--unit.pending_grads == 0 && !unit.post_backward_done) unit.PostBackward();
+}
+
+void FsdpModel::FinishBackward() {
+  // Units whose parameters did not all get gradients (unused, frozen-only) finish here.
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+    FsdpUnit* unit = *it;
+    if (unit->num_trainable() > 0 && !unit->post_backward_done) {
+      unit->PostBackward();
+    } else {
+      unit->Reshard(/*after_forward=*/false);
+    }
+  }
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) (*it)->FinishGradients();
+  for (auto& u : units_) {
+    u->backward_prepared = false;
+    u->post_backward_done = false;
+    u->pending_grads = u->num_trainable();
+  }
+  backward_started_ = false;
+}
+
+double FsdpModel::ClipGradNorm(double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  at::Tensor sum_sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(ctx_.device));
+  for (const at::Tensor& g : grads) sum_sq += g.to(at::kDouble).pow(2).sum();
+  // Replicas hold identical gradient shards: summing over the shard axis counts each once.
+  if (ctx_.num_shards > 1) ctx_.shard_group->AllReduce(sum_sq)->wait();
+  double norm = std::sqrt(sum_sq.item<double>());
+  double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (at::Tensor& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace fsdp

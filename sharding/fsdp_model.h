@@ -1,0 +1,144 @@
+// FsdpModel: a libtorch C++ module sharded over a DeviceMesh in FSDP units.
+//
+// Each unit (typically a transformer block) all-gathers its parameters in one collective just
+// before its forward, frees them after (FULL_SHARD) or keeps them (SHARD_GRAD_OP), gathers them
+// again before its backward and reduce-scatters its gradients right after it; HSDP then
+// all-reduces the gradient shards over the replicate axis, DDP (shard axis of size 1) only
+// all-reduces. The root unit holds every parameter no other unit holds. See
+// docs/sharding.md for the lifecycle, buffers and ordering.
+//
+// Cross-rank contract: Wrap is collective over the whole world; every rank wraps a model of
+// the same structure (checked: a different model is an error on every rank, not a hang), and
+// runs forward/backward in the same order.
+//
+// What a module must do to be wrappable (libtorch modules have no forward hooks): route its
+// forward through UnitForward. The math is untouched and, when the module is not a unit (one
+// process, no wrapping), UnitForward just calls the function.
+//
+//   struct BlockImpl : torch::nn::Module {
+//     torch::Tensor forward(const torch::Tensor& x) {
+//       return fsdp::UnitForward(this, x, [&](const torch::Tensor& h) {
+//         return h + mlp->forward(norm->forward(h));
+//       });
+//     }
+//     ...
+//   };
+//
+//   auto units = fsdp::SelectUnits(*model, {.module_types = {"BlockImpl"}});
+//   auto fsdp_model = fsdp::FsdpModel::Wrap(model, mesh, units, options).value();
+//   torch::optim::AdamW opt(fsdp_model->parameters(), ...);   // sharded parameters
+//   loss = criterion(model->forward(x), y); loss.backward();
+//   fsdp_model->ClipGradNorm(1.0); opt.step(); opt.zero_grad();
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "device_mesh/device_mesh.h"
+#include "sharding/comm_stats.h"
+#include "sharding/fsdp_unit.h"
+#include "sharding/options.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+// Runs `fn(input)` as the forward of `module`'s FSDP unit: unshard before, reshard after, and
+// hooks for backward. A module that is not a unit just runs fn(input). Floating-point inputs
+// are cast to the unit's compute dtype (mixed precision).
+at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
+                       const std::function<at::Tensor(const at::Tensor&)>& fn);
+
+// Forward through a torch::nn::Sequential whose children may be units.
+at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input);
+
+// Which children of Sequential / ModuleList containers become units.
+struct WrapPolicy {
+  std::vector<std::string> module_types;  // Module::name(), e.g. "BlockImpl"
+  int64_t min_num_params = 0;             // > 0: also any child with at least this many
+};
+std::vector<std::shared_ptr<torch::nn::Module>> SelectUnits(torch::nn::Module& root,
+                                                            const WrapPolicy& policy);
+
+struct MemoryStats {
+  int peak_unsharded_units = 0;       // non-root units holding unsharded parameters at once
+  int64_t peak_unsharded_bytes = 0;   // their bytes (parameters and gather buffers)
+};
+
+class FsdpModel {
+ public:
+  // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
+  // holds the rest. The mesh needs a "shard" axis and may have a "replicate" axis.
+  static absl::StatusOr<std::unique_ptr<FsdpModel>> Wrap(
+      std::shared_ptr<torch::nn::Module> root, const DeviceMesh& mesh,
+      const std::vector<std::shared_ptr<torch::nn::Module>>& unit_modules,
+      const FsdpOptions& options);
+  ~FsdpModel();
+  FsdpModel(const FsdpModel&) = delete;
+  FsdpModel& operator=(const FsdpModel&) = delete;
+
+  // The sharded trainable parameters, for the optimizer (each tied tensor once).
+  std::vector<at::Tensor> parameters() const;
+  // Every sharded parameter (frozen ones too) under its first state-dict name.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // The sharding of a parameter by any of its names; null if unknown.
+  const FsdpParam* FindParam(const std::string& name) const;
+  // First global row held by this rank's shard of a parameter.
+  int64_t FirstLocalRow(const FsdpParam& param) const;
+  // The full parameter (original dtype), gathered over the shard axis. Collective.
+  at::Tensor GatherFullParameter(const FsdpParam& param);
+
+  // Clips gradients by their global norm over all shards (replicas counted once) and returns
+  // the norm before clipping, as torch.nn.utils.clip_grad_norm_.
+  double ClipGradNorm(double max_norm);
+  // false: no communication in backward; gradients accumulate unsharded until a backward with
+  // true (FSDP2's set_requires_gradient_sync).
+  void set_requires_gradient_sync(bool sync) { ctx_.requires_gradient_sync = sync; }
+  // HSDP: false reduce-scatters but leaves the all-reduce over replicas to the next backward
+  // with true (FSDP2's set_requires_all_reduce).
+  void set_requires_all_reduce(bool all_reduce) { ctx_.requires_all_reduce = all_reduce; }
+
+  CommStats& comm_stats() { return ctx_.stats; }
+  const MemoryStats& memory_stats() const { return memory_; }
+  void ResetMemoryStats() { memory_ = {}; }
+  // Units in forward order once one forward has run (construction order before).
+  std::vector<const FsdpUnit*> units() const;
+  const EngineContext& context() const { return ctx_; }
+  // Non-root units holding unsharded parameters right now (from their real storage).
+  int NumUnshardedUnits() const;
+
+  // Internal: the body of UnitForward for one of this model's units.
+  at::Tensor RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
+                            const std::function<at::Tensor(const at::Tensor&)>& fn);
+  // Internal: a trainable parameter of `unit` got its gradient.
+  void OnGradAccumulated(FsdpUnit& unit);
+
+ private:
+  FsdpModel() = default;
+  void PreForward(FsdpUnit& unit);
+  at::Tensor PostForward(FsdpUnit& unit, at::Tensor output);
+  void PreBackward(FsdpUnit& unit);
+  void FinishBackward();
+  void Prefetch(FsdpUnit* unit);
+  FsdpUnit* Neighbour(const FsdpUnit& unit, int step) const;
+  void UpdateMemoryStats();
+
+  std::shared_ptr<torch::nn::Module> root_;
+  EngineContext ctx_;
+  std::vector<std::unique_ptr<FsdpUnit>> units_;  // root last
+  std::vector<FsdpUnit*> order_;                  // forward order (root first)
+  bool order_final_ = false;
+  bool backward_started_ = false;
+  MemoryStats memory_;
+  std::unordered_map<std::string, const FsdpParam*> by_name_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,256 @@
+#include "sharding/fsdp_unit.h"
+
+#include <chrono>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+
+namespace fsdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void Wait(const c10::intrusive_ptr<c10d::Work>& work, CommKind kind, CommStats& stats) {
+  auto start = Clock::now();
+  work->wait();
+  stats.RecordWait(kind, std::chrono::duration<double>(Clock::now() - start).count());
+}
+
+int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+}  // namespace
+
+// ---- FsdpParam -------------------------------------------------------------------------------
+
+int64_t FsdpParam::unsharded_nbytes() const {
+  return sharding.padded_numel() * c10::elementSize(compute_dtype);
+}
+
+bool FsdpParam::unsharded_allocated() const {
+  return param.storage().unsafeGetStorageImpl()->nbytes() > 0;
+}
+
+// See Note [Freeing unsharded storage].
+void FsdpParam::AllocateUnsharded() {
+  c10::StorageImpl* storage = param.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() > 0) return;
+  size_t nbytes = static_cast<size_t>(unsharded_nbytes());
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+void FsdpParam::FreeUnsharded() {
+  c10::StorageImpl* storage = param.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+at::Tensor FsdpParam::UnshardedFlat() const {
+  // A fresh TensorImpl on P's storage: its own version counter and no autograd meta.
+  at::Tensor alias = at::empty({0}, param.options().requires_grad(false));
+  alias.set_(param.storage(), 0, {sharding.padded_numel()}, {1});
+  return alias;
+}
+
+// ---- FsdpUnit --------------------------------------------------------------------------------
+
+FsdpUnit::FsdpUnit(std::string name, torch::nn::Module* module, std::vector<FsdpParam> params,
+                   EngineContext* ctx, bool is_root)
+    : name_(std::move(name)),
+      module_(module),
+      params_(std::move(params)),
+      ctx_(ctx),
+      is_root_(is_root) {
+  std::vector<ParamSharding> all, trainable;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    all.push_back(params_[i].sharding);
+    if (params_[i].requires_grad) {
+      grad_params_.push_back(static_cast<int>(i));
+      trainable.push_back(params_[i].sharding);
+    }
+  }
+  compute_dtype_ = params_.empty() ? c10::kFloat : params_[0].compute_dtype;
+  const MixedPrecision& mp = ctx_->options.mixed_precision;
+  reduce_dtype_ = mp.reduce_dtype.value_or(compute_dtype_);
+  layout_ = LayoutUnit(all, ctx_->num_shards);
+  if (ctx_->reshard_group) sub_layout_ = LayoutUnit(all, ctx_->reshard_group->size());
+  grad_layout_ = LayoutUnit(trainable, ctx_->num_shards);
+}
+
+int64_t FsdpUnit::UnshardedBytes() const {
+  int64_t bytes = Bytes(gather_input_) + Bytes(gather_output_);
+  for (const FsdpParam& p : params_) {
+    bytes += static_cast<int64_t>(p.param.storage().unsafeGetStorageImpl()->nbytes());
+  }
+  return bytes;
+}
+
+void FsdpUnit::CopyInShards(at::Tensor& input) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    input.narrow(0, layout_.offsets[i], layout_.pieces[i]).copy_(params_[i].padded_shard.view(-1));
+  }
+}
+
+void FsdpUnit::CopyOut(const at::Tensor& output, const UnitLayout& layout, int group_size) {
+  at::Tensor rows = output.view({group_size, layout.chunk_numel});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    FsdpParam& p = params_[i];
+    p.AllocateUnsharded();
+    p.UnshardedFlat()
+        .view({group_size, layout.pieces[i]})
+        .copy_(rows.narrow(1, layout.offsets[i], layout.pieces[i]));
+  }
+}
+
+void FsdpUnit::Unshard() {
+  if (state_ == State::kUnsharded || state_ == State::kGathering || params_.empty()) return;
+  at::NoGradGuard no_grad;
+  at::TensorOptions opts = at::TensorOptions().dtype(compute_dtype_).device(ctx_->device);
+  ProcessGroup* group = ctx_->shard_group;
+  if (state_ == State::kShardedPostForward) {
+    group = ctx_->reshard_group.get();
+    gather_input_ = std::move(post_forward_shard_);
+  } else {
+    gather_input_ = at::empty({layout_.chunk_numel}, opts);
+    CopyInShards(gather_input_);
+  }
+  gather_group_size_ = group->size();
+  if (gather_group_size_ == 1) {
+    gather_output_ = gather_input_;
+  } else {
+    gather_output_ = at::empty({gather_input_.numel() * gather_group_size_}, opts);
+    gather_work_ = group->AllGatherInto(gather_output_, gather_input_);
+    ctx_->stats.RecordIssue(CommKind::kAllGather, Bytes(gather_output_));
+  }
+  state_ = State::kGathering;
+}
+
+void FsdpUnit::WaitForUnshard() {
+  if (state_ == State::kUnsharded || params_.empty()) return;
+  if (state_ != State::kGathering) Unshard();
+  at::NoGradGuard no_grad;
+  if (gather_work_) {
+    Wait(gather_work_, CommKind::kAllGather, ctx_->stats);
+    gather_work_.reset();
+  }
+  CopyOut(gather_output_, gather_group_size_ == ctx_->num_shards ? layout_ : sub_layout_,
+          gather_group_size_);
+  gather_input_.reset();
+  gather_output_.reset();
+  state_ = State::kUnsharded;
+}
+
+void FsdpUnit::Reshard(bool after_forward) {
+  if (state_ == State::kGathering) WaitForUnshard();
+  if (state_ != State::kUnsharded) return;
+  at::NoGradGuard no_grad;
+  state_ = State::kSharded;
+  if (after_forward && ctx_->reshard_group) {
+    // Note [Reshard to a sub-group]: keep the piece this rank contributes to the sub-group's
+    // all-gather in backward, cut from the parameters just gathered over the whole shard axis.
+    const int k = ctx_->reshard_group->size();
+    const int sub_rank = ctx_->reshard_group->rank();
+    post_forward_shard_ = at::empty({sub_layout_.chunk_numel},
+                                    at::TensorOptions().dtype(compute_dtype_).device(ctx_->device));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      post_forward_shard_.narrow(0, sub_layout_.offsets[i], sub_layout_.pieces[i])
+          .copy_(params_[i].UnshardedFlat().view({k, sub_layout_.pieces[i]})[sub_rank]);
+    }
+    state_ = State::kShardedPostForward;
+  }
+  for (FsdpParam& p : params_) p.FreeUnsharded();
+}
+
+void FsdpUnit::PostBackward() {
+  post_backward_done = true;
+  Reshard(/*after_forward=*/false);
+  if (!ctx_->requires_gradient_sync || grad_params_.empty()) return;
+  at::NoGradGuard no_grad;
+  const int n = ctx_->num_shards;
+  at::TensorOptions opts = at::TensorOptions().dtype(reduce_dtype_).device(ctx_->device);
+  reduce_input_ = at::empty({grad_layout_.total_numel()}, opts);
+  at::Tensor rows = reduce_input_.view({n, grad_layout_.chunk_numel});
+  for (size_t j = 0; j < grad_params_.size(); ++j) {
+    FsdpParam& p = params_[grad_params_[j]];
+    const ParamSharding& s = p.sharding;
+    at::Tensor dst = rows.narrow(1, grad_layout_.offsets[j], grad_layout_.pieces[j])
+                         .view({n, s.rows_per_shard, s.row_numel});
+    at::Tensor& grad = p.param.mutable_grad();
+    if (!grad.defined()) {
+      dst.zero_();  // unused in this forward: contributes nothing
+      continue;
+    }
+    at::Tensor g = grad.reshape({s.dim0, s.row_numel});
+    if (s.padded_rows() != s.dim0) {
+      // Padding rows reduce to zero; real rows are copied shard by shard (dst is strided).
+      dst.zero_();
+      for (int k = 0; k < n; ++k) {
+        int64_t local = s.LocalRows(k);
+        if (local > 0) dst[k].narrow(0, 0, local).copy_(g.narrow(0, s.FirstRow(k), local));
+      }
+    } else {
+      dst.copy_(g.view({n, s.rows_per_shard, s.row_numel}));
+    }
+    grad.reset();  // the unsharded gradient is not needed any more
+  }
+  if (n == 1) {
+    // DDP: nothing to scatter. Issue the replicas' all-reduce now, overlapping the rest of
+    // backward (this unit's gradients are one bucket).
+    reduce_output_ = reduce_input_;
+    if (ctx_->replicate_group && ctx_->requires_all_reduce && !unreduced_partial_.defined()) {
+      reduce_work_ = ctx_->replicate_group->AllReduce(reduce_output_);
+      reduce_work_kind_ = CommKind::kAllReduce;
+      ctx_->stats.RecordIssue(CommKind::kAllReduce, Bytes(reduce_output_));
+    }
+  } else {
+    reduce_output_ = at::empty({grad_layout_.chunk_numel}, opts);
+    reduce_work_ = ctx_->shard_group->ReduceScatter(reduce_output_, reduce_input_);
+    reduce_work_kind_ = CommKind::kReduceScatter;
+    ctx_->stats.RecordIssue(CommKind::kReduceScatter, Bytes(reduce_input_));
+  }
+}
+
+void FsdpUnit::FinishGradients() {
+  if (!reduce_output_.defined()) return;
+  at::NoGradGuard no_grad;
+  bool all_reduced = false;
+  if (reduce_work_) {
+    Wait(reduce_work_, reduce_work_kind_, ctx_->stats);
+    all_reduced = reduce_work_kind_ == CommKind::kAllReduce;
+    reduce_work_.reset();
+  }
+  at::Tensor sums = reduce_output_;
+  reduce_input_.reset();
+  reduce_output_.reset();
+  if (unreduced_partial_.defined()) {
+    sums = sums + unreduced_partial_;
+    unreduced_partial_.reset();
+  }
+  if (ctx_->replicate_group && !ctx_->requires_all_reduce) {
+    // HSDP accumulation: keep the sum of this replica's micro-batches for the last one.
+    unreduced_partial_ = sums;
+    return;
+  }
+  if (ctx_->replicate_group && !all_reduced) {
+    c10::intrusive_ptr<c10d::Work> work = ctx_->replicate_group->AllReduce(sums);
+    ctx_->stats.RecordIssue(CommKind::kAllReduce, Bytes(sums));
+    Wait(work, CommKind::kAllReduce, ctx_->stats);
+  }
+  sums.div_(ctx_->dp_size);
+  for (size_t j = 0; j < grad_params_.size(); ++j) {
+    FsdpParam& p = params_[grad_params_[j]];
+    const ParamSharding& s = p.sharding;
+    int64_t local = s.LocalRows(ctx_->shard_rank) * s.row_numel;
+    at::Tensor g = sums.narrow(0, grad_layout_.offsets[j], local)
+                       .view(p.sharded.sizes())
+                       .to(p.sharded.scalar_type());
+    at::Tensor& dst = p.sharded.mutable_grad();
+    if (dst.defined()) {
+      dst.add_(g);
+    } else {
+      dst = g.clone(at::MemoryFormat::Contiguous);
+    }
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,68 @@
+// What the user chooses: a strategy (or the raw options behind it) and mixed precision.
+//
+// As in PyTorch FSDP2, the strategy follows from the mesh and one option:
+//   full_shard          mesh (shard=N),               reshard after forward    (ZeRO-3)
+//   shard_grad_op       mesh (shard=N),               keep unsharded until bwd (ZeRO-2)
+//   hybrid_shard        mesh (replicate=R, shard=S),  reshard after forward
+//   hybrid_shard_zero2  mesh (replicate=R, shard=S),  keep unsharded until bwd
+//   no_shard            mesh (replicate=N, shard=1),  DDP
+// and reshard_after_forward = k (1 < k < S) keeps the parameters sharded over sub-groups of k
+// consecutive shard ranks after forward, so the backward all-gather stays among k ranks.
+//
+//   absl::StatusOr<Strategy> s = ParseStrategy("hybrid_shard");
+//   absl::StatusOr<MeshShape> shape = MeshShapeForStrategy(*s, /*world=*/8, /*replicate=*/2);
+//   FsdpOptions options = OptionsForStrategy(*s);
+//   options.mixed_precision.param_dtype = at::kBFloat16;
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+#include "device_mesh/mesh_shape.h"
+
+namespace fsdp {
+
+enum class Strategy { kFullShard, kShardGradOp, kHybridShard, kHybridShardZero2, kNoShard };
+
+absl::StatusOr<Strategy> ParseStrategy(std::string_view name);
+const char* StrategyName(Strategy strategy);
+
+struct MixedPrecision {
+  // dtype of the unsharded parameters that forward and backward compute with (e.g. bf16);
+  // unset: the parameters' own dtype. The sharded parameters stay in their own dtype (fp32).
+  std::optional<c10::ScalarType> param_dtype;
+  // dtype gradients are reduced in (e.g. fp32); unset: param_dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+  // dtype the root unit's output is cast to; unset: left as computed.
+  std::optional<c10::ScalarType> output_dtype;
+};
+
+struct FsdpOptions {
+  // After a unit's forward: true frees its unsharded parameters (FULL_SHARD); false keeps them
+  // until after its backward (SHARD_GRAD_OP). The root unit never reshards after forward.
+  bool reshard_after_forward = true;
+  // With reshard_after_forward: > 0 keeps shards over sub-groups of this many consecutive shard
+  // ranks instead (Note [Reshard to a sub-group]); 0 means the whole shard axis.
+  int reshard_group_size = 0;
+  MixedPrecision mixed_precision;
+  // Most non-root units that may hold (or be gathering) unsharded parameters at once, the
+  // current one included: 1 disables prefetching, 2 prefetches one unit ahead.
+  int max_unsharded_units = 2;
+  // Broadcast parameters and buffers from rank 0 when wrapping, so that ranks that built their
+  // model differently (another seed) still start identical.
+  bool sync_module_states = true;
+};
+
+FsdpOptions OptionsForStrategy(Strategy strategy);
+
+// The mesh a strategy needs on `world_size` ranks. `replicate` is the replicate degree for the
+// hybrid strategies (-1: infer with shard = ranks per node is not known here, so it is an
+// error). kInvalidArgument when the degrees do not fit.
+absl::StatusOr<MeshShape> MeshShapeForStrategy(Strategy strategy, int world_size, int replicate,
+                                               int shard = -1);
+
+}  // namespace fsdp
