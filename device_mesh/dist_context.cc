@@ -207,6 +207,7 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   ctx->env_ = env;
   ctx->options_ = options;
   int generation = NextGeneration();
+  ctx->generation_ = generation;
 
   FSDP_ASSIGN_OR_RETURN(ctx->store_, ConnectStore(env, options.rendezvous_timeout));
   absl::Status arrived = absl::OkStatus();
@@ -259,7 +260,9 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> DistContext::NewGroup(std::vector<
                                                      ", outside 0..", world_size() - 1));
     }
   }
-  std::string name = StrCat("fsdp/group/", tag, "/", StrJoin(ranks, "-"));
+  // The context's generation keeps groups of an earlier context in this process (same store,
+  // same ranks) apart from ours.
+  std::string name = StrCat("fsdp/", generation_, "/group/", tag, "/", StrJoin(ranks, "-"));
   return ProcessGroup::Create(store_, std::move(name), std::move(ranks), rank(), group_options_);
 }
 

@@ -82,6 +82,7 @@ class DistContext {
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<ProcessGroup> world_;
   int next_tag_ = 0;
+  int generation_ = 0;  // how many contexts this process made before this one
 };
 
 }  // namespace fsdp

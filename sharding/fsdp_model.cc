@@ -120,21 +120,25 @@ FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
 }
 
 // Note [Prefetch limit]: with reshard after forward, at most max_unsharded_units non-root
-// units hold or gather unsharded parameters at once (the current one included), so peak memory
-// is bounded by that many units. Without resharding after forward (ZeRO-2) every unit stays
-// unsharded until its backward by design, and only one unit is prefetched ahead.
-void FsdpModel::Prefetch(FsdpUnit* unit) {
-  if (unit == nullptr) return;
-  if (unit->state() == FsdpUnit::State::kUnsharded ||
-      unit->state() == FsdpUnit::State::kGathering) {
-    return;
+// units hold or gather unsharded parameters at once (the current one included): the engine
+// gathers up to max_unsharded_units - 1 units ahead (in forward order during forward, in
+// reverse during backward), so peak memory is bounded by that many units. Without resharding
+// after forward (ZeRO-2) every unit stays unsharded until its backward by design, and one unit
+// is prefetched ahead.
+void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
+  const bool limited = ctx_.options.reshard_after_forward;
+  const int depth = limited ? ctx_.options.max_unsharded_units - 1 : 1;
+  for (int step = 1; step <= depth; ++step) {
+    FsdpUnit* unit = Neighbour(current, direction * step);
+    if (unit == nullptr) return;
+    if (unit->state() == FsdpUnit::State::kUnsharded ||
+        unit->state() == FsdpUnit::State::kGathering) {
+      continue;
+    }
+    if (limited && NumUnshardedUnits() >= ctx_.options.max_unsharded_units) return;
+    unit->Unshard();
+    UpdateMemoryStats();
   }
-  if (ctx_.options.reshard_after_forward &&
-      NumUnshardedUnits() >= ctx_.options.max_unsharded_units) {
-    return;
-  }
-  unit->Unshard();
-  UpdateMemoryStats();
 }
 
 at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
@@ -159,7 +163,7 @@ void FsdpModel::PreForward(FsdpUnit& unit) {
   unit.WaitForUnshard();
   UpdateMemoryStats();
   if (order_final_) {
-    Prefetch(Neighbour(unit, +1));
+    Prefetch(unit, +1);
   } else {
     order_.push_back(&unit);
   }
@@ -195,11 +199,17 @@ void FsdpModel::PreBackward(FsdpUnit& unit) {
   unit.backward_prepared = true;
   unit.WaitForUnshard();
   UpdateMemoryStats();
-  Prefetch(Neighbour(unit, -1));
+  Prefetch(unit, -1);
 }
 
 void FsdpModel::OnGradAccumulated(FsdpUnit& unit) {
-  if (--unit.pending_grads == 0 && !unit.post_backward_done) unit.PostBackward();
+  if (--unit.pending_grads == 0 && !unit.post_backward_done) {
+    unit.PostBackward();
+    // At most two units' reduce-scatters in flight: the one just issued overlaps the wait
+    // for the previous one, whose full-size gradient buffer is then freed.
+    if (last_reducing_ != nullptr && last_reducing_ != &unit) last_reducing_->WaitForReduceScatter();
+    last_reducing_ = &unit;
+  }
 }
 
 void FsdpModel::FinishBackward() {
@@ -213,6 +223,7 @@ void FsdpModel::FinishBackward() {
     }
   }
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) (*it)->FinishGradients();
+  last_reducing_ = nullptr;
   for (auto& u : units_) {
     u->backward_prepared = false;
     u->post_backward_done = false;

@@ -127,7 +127,8 @@ class FsdpModel {
   at::Tensor PostForward(FsdpUnit& unit, at::Tensor output);
   void PreBackward(FsdpUnit& unit);
   void FinishBackward();
-  void Prefetch(FsdpUnit* unit);
+  // Starts all-gathers of the next units in `direction` (+1 forward, -1 backward order).
+  void Prefetch(const FsdpUnit& current, int direction);
   FsdpUnit* Neighbour(const FsdpUnit& unit, int step) const;
   void UpdateMemoryStats();
 
@@ -137,6 +138,7 @@ class FsdpModel {
   std::vector<FsdpUnit*> order_;                  // forward order (root first)
   bool order_final_ = false;
   bool backward_started_ = false;
+  FsdpUnit* last_reducing_ = nullptr;  // the unit whose reduce-scatter was issued last
   MemoryStats memory_;
   std::unordered_map<std::string, const FsdpParam*> by_name_;
 };

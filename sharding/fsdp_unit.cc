@@ -194,48 +194,51 @@ void FsdpUnit::PostBackward() {
     grad.reset();  // the unsharded gradient is not needed any more
   }
   if (n == 1) {
-    // DDP: nothing to scatter. Issue the replicas' all-reduce now, overlapping the rest of
-    // backward (this unit's gradients are one bucket).
-    reduce_output_ = reduce_input_;
-    if (ctx_->replicate_group && ctx_->requires_all_reduce && !unreduced_partial_.defined()) {
-      reduce_work_ = ctx_->replicate_group->AllReduce(reduce_output_);
-      reduce_work_kind_ = CommKind::kAllReduce;
-      ctx_->stats.RecordIssue(CommKind::kAllReduce, Bytes(reduce_output_));
-    }
+    reduce_output_ = std::move(reduce_input_);  // DDP: nothing to scatter
+    AfterReduceScatter();
   } else {
     reduce_output_ = at::empty({grad_layout_.chunk_numel}, opts);
     reduce_work_ = ctx_->shard_group->ReduceScatter(reduce_output_, reduce_input_);
-    reduce_work_kind_ = CommKind::kReduceScatter;
     ctx_->stats.RecordIssue(CommKind::kReduceScatter, Bytes(reduce_input_));
   }
 }
 
-void FsdpUnit::FinishGradients() {
-  if (!reduce_output_.defined()) return;
-  at::NoGradGuard no_grad;
-  bool all_reduced = false;
-  if (reduce_work_) {
-    Wait(reduce_work_, reduce_work_kind_, ctx_->stats);
-    all_reduced = reduce_work_kind_ == CommKind::kAllReduce;
-    reduce_work_.reset();
-  }
-  at::Tensor sums = reduce_output_;
-  reduce_input_.reset();
-  reduce_output_.reset();
+void FsdpUnit::AfterReduceScatter() {
+  if (!ctx_->replicate_group) return;
   if (unreduced_partial_.defined()) {
-    sums = sums + unreduced_partial_;
+    reduce_output_.add_(unreduced_partial_);
     unreduced_partial_.reset();
   }
-  if (ctx_->replicate_group && !ctx_->requires_all_reduce) {
+  if (!ctx_->requires_all_reduce) {
     // HSDP accumulation: keep the sum of this replica's micro-batches for the last one.
-    unreduced_partial_ = sums;
+    unreduced_partial_ = std::move(reduce_output_);
+    reduce_output_.reset();
     return;
   }
-  if (ctx_->replicate_group && !all_reduced) {
-    c10::intrusive_ptr<c10d::Work> work = ctx_->replicate_group->AllReduce(sums);
-    ctx_->stats.RecordIssue(CommKind::kAllReduce, Bytes(sums));
-    Wait(work, CommKind::kAllReduce, ctx_->stats);
+  // Issued now, it overlaps the rest of backward (for DDP each unit is one bucket).
+  all_reduce_work_ = ctx_->replicate_group->AllReduce(reduce_output_);
+  ctx_->stats.RecordIssue(CommKind::kAllReduce, Bytes(reduce_output_));
+}
+
+void FsdpUnit::WaitForReduceScatter() {
+  if (!reduce_work_) return;
+  at::NoGradGuard no_grad;
+  Wait(reduce_work_, CommKind::kReduceScatter, ctx_->stats);
+  reduce_work_.reset();
+  reduce_input_.reset();  // the unit's full-size gradient buffer goes as soon as possible
+  AfterReduceScatter();
+}
+
+void FsdpUnit::FinishGradients() {
+  WaitForReduceScatter();
+  if (all_reduce_work_) {
+    Wait(all_reduce_work_, CommKind::kAllReduce, ctx_->stats);
+    all_reduce_work_.reset();
   }
+  if (!reduce_output_.defined()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor sums = std::move(reduce_output_);
+  reduce_output_.reset();
   sums.div_(ctx_->dp_size);
   for (size_t j = 0; j < grad_params_.size(); ++j) {
     FsdpParam& p = params_[grad_params_[j]];

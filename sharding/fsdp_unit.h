@@ -97,8 +97,10 @@ class FsdpUnit {
   void Reshard(bool after_forward);
   // After the unit's backward: reshard, and (with gradient sync) reduce-scatter the gradients.
   void PostBackward();
-  // Waits for the reduce-scatter, all-reduces across replicas when asked, averages, and
-  // accumulates into each sharded parameter's .grad.
+  // Waits for the reduce-scatter and frees its input; starts the replicas' all-reduce (HSDP).
+  void WaitForReduceScatter();
+  // Waits for all of the unit's gradient communication, averages, and accumulates into each
+  // sharded parameter's .grad.
   void FinishGradients();
 
   // Per-iteration flags, driven by FsdpModel.
@@ -108,6 +110,7 @@ class FsdpUnit {
 
  private:
   void CopyInShards(at::Tensor& input) const;
+  void AfterReduceScatter();
   void CopyOut(const at::Tensor& output, const UnitLayout& layout, int group_size);
 
   std::string name_;
@@ -130,8 +133,8 @@ class FsdpUnit {
   at::Tensor post_forward_shard_;  // 1-D, sub_layout_.chunk_numel
   at::Tensor reduce_input_;        // 1-D, num_shards x grad chunk
   at::Tensor reduce_output_;       // 1-D, grad chunk
-  c10::intrusive_ptr<c10d::Work> reduce_work_;
-  CommKind reduce_work_kind_ = CommKind::kReduceScatter;
+  c10::intrusive_ptr<c10d::Work> reduce_work_;      // reduce-scatter over the shard axis
+  c10::intrusive_ptr<c10d::Work> all_reduce_work_;  // all-reduce over the replicate axis
   at::Tensor unreduced_partial_;   // HSDP: reduce-scattered, not yet all-reduced sums
 };
 

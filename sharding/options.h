@@ -50,7 +50,8 @@ struct FsdpOptions {
   int reshard_group_size = 0;
   MixedPrecision mixed_precision;
   // Most non-root units that may hold (or be gathering) unsharded parameters at once, the
-  // current one included: 1 disables prefetching, 2 prefetches one unit ahead.
+  // current one included: 1 disables prefetching, k gathers up to k - 1 units ahead.
+  // See Note [Prefetch limit] in fsdp_model.cc.
   int max_unsharded_units = 2;
   // Broadcast parameters and buffers from rank 0 when wrapping, so that ranks that built their
   // model differently (another seed) still start identical.

@@ -90,6 +90,8 @@ std::string Tail(const WorkerExit& exit) {
 
 }  // namespace
 
+bool InRankProcess() { return std::getenv(kChildCallVar) != nullptr; }
+
 DistOptions TestDistOptions() {
   DistOptions options;
   options.rendezvous_timeout = std::chrono::seconds(30);

@@ -45,6 +45,9 @@ struct MultiRankOptions {
 
 void RunOnRanks(int world_size, const std::function<void(int rank)>& body,
                 const MultiRankOptions& options = {});
+// True in a rank process started by RunOnRanks: code after RunOnRanks in a test body runs in
+// rank processes too, so checks meant for the parent test process must test this.
+bool InRankProcess();
 
 // DistContext from this rank's environment with test-sized timeouts; fails the test (and
 // throws to end the body) if the rendezvous fails.
