@@ -22,6 +22,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "absl/status/statusor.h"
+#include "sharding/deferred_init.h"
 #include "device_mesh/mesh_shape.h"
 
 namespace fsdp {
@@ -56,6 +57,9 @@ struct FsdpOptions {
   // Broadcast parameters and buffers from rank 0 when wrapping, so that ranks that built their
   // model differently (another seed) still start identical.
   bool sync_module_states = true;
+  // Fills this rank's rows of deferred parameters (DeferredTensor: full shape, no memory), so
+  // that no rank materialises the whole model. Required when the model has any.
+  ParamInitFn param_init;
 };
 
 FsdpOptions OptionsForStrategy(Strategy strategy);

@@ -18,7 +18,7 @@
 //
 //   ParamSharding s = ShardParam({10, 4}, /*num_shards=*/4);   // 3 rows per shard, 12 padded
 //   s.LocalRows(3);                                             // 1 (rows 9..9)
-//   UnitLayout layout = LayoutUnit({s, ...}, /*num_shards=*/4, /*group_size=*/4);
+//   UnitLayout layout = LayoutUnit({s, ...}, /*group_size=*/4);
 //   layout.offsets[0], layout.chunk_numel;                      // piece offsets per chunk
 #pragma once
 
@@ -60,6 +60,7 @@ struct UnitLayout {
   int64_t total_numel() const { return chunk_numel * group_size; }
 };
 
+// Every parameter must share one num_shards, and group_size must divide it.
 UnitLayout LayoutUnit(const std::vector<ParamSharding>& params, int group_size);
 
 }  // namespace fsdp

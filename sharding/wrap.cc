@@ -235,6 +235,13 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     }
   }
 
+  for (const ParamEntry& e : entries) {
+    if (IsDeferred(e.tensor) && !options.param_init) {
+      return absl::InvalidArgumentError(StrCat(
+          "parameter '", e.names[0], "' is deferred (no memory yet) but FsdpOptions::param_init "
+          "is not set; give an initialiser such as fsdp::SeededInit"));
+    }
+  }
   DistContext& dist = mesh.context();
   FSDP_RETURN_IF_ERROR(CheckSameModel(dist, Signature(unit_names, entries)));
 
@@ -242,6 +249,7 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     at::NoGradGuard no_grad;
     if (options.sync_module_states && dist.world_size() > 1) {
       for (ParamEntry& e : entries) {
+        if (IsDeferred(e.tensor)) continue;  // created from the seed on every rank instead
         at::Tensor t = e.tensor.detach();
         dist.world().Broadcast(t, 0)->wait();
       }
@@ -262,7 +270,10 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
       at::TensorOptions orig = e.tensor.options().device(ctx.device).requires_grad(false);
       p.padded_shard = at::zeros(padded_shape, orig);
       int64_t rows = s.LocalRows(ctx.shard_rank);
-      if (rows > 0) {
+      if (rows > 0 && IsDeferred(e.tensor)) {
+        at::Tensor local = p.padded_shard.narrow(0, 0, rows);
+        options.param_init(e.names[0], s.FirstRow(ctx.shard_rank), s.row_numel, local);
+      } else if (rows > 0) {
         p.padded_shard.narrow(0, 0, rows).copy_(
             e.tensor.detach().reshape({s.dim0, s.row_numel})
                 .narrow(0, s.FirstRow(ctx.shard_rank), rows)
