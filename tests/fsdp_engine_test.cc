@@ -218,6 +218,22 @@ TEST(FsdpMemoryTest, FullShardHoldsLessThanDdpPerRank) {
   EXPECT_LT(fsdp, 0.7 * ddp);
 }
 
+TEST(FsdpEngineTest, BuffersAreReplicatedFromRankZero) {
+  testing::RunOnRanks(2, [](int rank) {
+    torch::manual_seed(7);
+    TinyGpt model{TinyGptConfig{}};
+    if (rank == 1) {
+      torch::NoGradGuard no_grad;
+      model->pos_ids.zero_();  // a rank that built its buffer differently
+    }
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
+    auto f = FsdpModel::Wrap(model.ptr(), mesh, {}, OptionsForStrategy(Strategy::kFullShard));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_TRUE(torch::equal(model->pos_ids, torch::arange(8))) << model->pos_ids;
+  });
+}
+
 TEST(FsdpEngineTest, EvaluationForwardMatchesAndFreesEverything) {
   testing::RunOnRanks(3, [](int) {
     Wrapped w = WrapTiny("shard_grad_op", 3, 1);
