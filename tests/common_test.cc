@@ -12,35 +12,18 @@
 #include "common/strings.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace fsdp {
 namespace {
+
+using testing::InvalidArgumentWith;
+using testing::IsOkAndHolds;
 
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Optional;
-
-// Matches an absl::Status whose code is kInvalidArgument and whose message matches.
-MATCHER_P(InvalidArgumentWith, message_matcher,
-          std::string(negation ? "isn't" : "is") + " kInvalidArgument with a message that " +
-              testing::DescribeMatcher<std::string>(message_matcher)) {
-  const absl::Status& status = arg;
-  if (status.code() != absl::StatusCode::kInvalidArgument) {
-    *result_listener << "status is " << status.ToString();
-    return false;
-  }
-  return testing::ExplainMatchResult(message_matcher, std::string(status.message()),
-                                     result_listener);
-}
-
-MATCHER_P(IsOkAndHolds, value, "is OK and holds " + testing::PrintToString(value)) {
-  if (!arg.ok()) {
-    *result_listener << "status is " << arg.status().ToString();
-    return false;
-  }
-  return *arg == value;
-}
 
 TEST(StrCatTest, FormatsEachArgument) {
   EXPECT_EQ(StrCat("rank ", 3, " of ", 4), "rank 3 of 4");

@@ -411,6 +411,40 @@ TEST(FsdpDeferredInitTest, DeferredWithoutInitialiserIsAnError) {
   });
 }
 
+TEST(FsdpEngineTest, SequentialChildrenByParameterCount) {
+  testing::RunOnRanks(2, [](int) {
+    torch::manual_seed(5);
+    torch::nn::Sequential seq(torch::nn::Linear(6, 40), torch::nn::Tanh(),
+                              torch::nn::Linear(40, 3));
+    torch::manual_seed(5);
+    torch::nn::Sequential reference(torch::nn::Linear(6, 40), torch::nn::Tanh(),
+                                    torch::nn::Linear(40, 3));
+    // Both Linear layers have at least 100 parameters; Tanh has none.
+    auto units = SelectUnits(*seq, {.min_num_params = 100});
+    ASSERT_EQ(units.size(), 2u);
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
+    auto f = FsdpModel::Wrap(seq.ptr(), mesh, units, OptionsForStrategy(Strategy::kFullShard));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->units().size(), 3u);  // two Linear units and the (empty) root
+    torch::Tensor x = torch::randn({5, 6});
+    torch::Tensor out = SequentialForward(*seq, x);
+    EXPECT_TRUE(torch::allclose(out, reference->forward(x), 1e-5, 1e-6));
+    out.sum().backward();
+    reference->forward(x).sum().backward();
+    for (const auto& item : reference->named_parameters()) {
+      const FsdpParam* p = (*f)->FindParam(item.key());
+      ASSERT_NE(p, nullptr) << item.key();
+      int64_t rows = p->sharded.size(0);
+      if (rows == 0) continue;
+      torch::Tensor expected = item.value().grad().reshape({p->sharding.dim0, -1})
+                                   .narrow(0, (*f)->FirstLocalRow(*p), rows);  // same batch on both ranks
+      EXPECT_TRUE(torch::allclose(p->sharded.grad().reshape({rows, -1}), expected, 1e-5, 1e-6))
+          << item.key();
+    }
+  });
+}
+
 TEST(FsdpEngineTest, UnwrappedModelRunsUnchanged) {
   // UnitForward is a plain call when the module is not a unit.
   torch::manual_seed(7);

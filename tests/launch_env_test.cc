@@ -10,6 +10,7 @@
 #include "common/env.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace fsdp {
 
@@ -24,30 +25,14 @@ static void PrintTo(const absl::StatusOr<LaunchEnv>& env, std::ostream* os) {
 
 namespace {
 
+using testing::InvalidArgumentWith;
+using testing::IsOkAndHolds;
+
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 using Vars = std::map<std::string, std::string>;
-
-const absl::Status& StatusOf(const absl::Status& status) { return status; }
-template <typename T>
-const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
-  return result.status();
-}
-
-// Matches an absl::Status or StatusOr whose code is kInvalidArgument and whose message matches.
-MATCHER_P(InvalidArgumentWith, message_matcher,
-          std::string(negation ? "isn't" : "is") + " kInvalidArgument with a message that " +
-              testing::DescribeMatcher<std::string>(message_matcher)) {
-  const absl::Status& status = StatusOf(arg);
-  if (status.code() != absl::StatusCode::kInvalidArgument) {
-    *result_listener << "status is " << status.ToString();
-    return false;
-  }
-  return testing::ExplainMatchResult(message_matcher, std::string(status.message()),
-                                     result_listener);
-}
 
 absl::StatusOr<LaunchEnv> Parse(Vars vars) { return ParseLaunchEnv(MapEnv(std::move(vars))); }
 

@@ -12,6 +12,7 @@
 #include "common/strings.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace fsdp {
 
@@ -26,23 +27,13 @@ static void PrintTo(const absl::StatusOr<MeshShape>& shape, std::ostream* os) {
 
 namespace {
 
+using testing::InvalidArgumentWith;
+using testing::IsOkAndHolds;
+
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
-
-// Matches an absl::StatusOr whose code is kInvalidArgument and whose message matches.
-MATCHER_P(InvalidArgumentWith, message_matcher,
-          std::string(negation ? "isn't" : "is") + " kInvalidArgument with a message that " +
-              testing::DescribeMatcher<std::string>(message_matcher)) {
-  const absl::Status& status = arg.status();
-  if (status.code() != absl::StatusCode::kInvalidArgument) {
-    *result_listener << "status is " << status.ToString();
-    return false;
-  }
-  return testing::ExplainMatchResult(message_matcher, std::string(status.message()),
-                                     result_listener);
-}
 
 MeshShape Resolved(std::vector<int> degrees) {
   int world = std::accumulate(degrees.begin(), degrees.end(), 1, std::multiplies<int>());
@@ -206,7 +197,7 @@ void PrintTo(const SpecCase& c, std::ostream* os) {
   *os << "'" << c.spec << "' over " << c.world << " ranks";
 }
 
-class ParseMeshSpecTest : public testing::TestWithParam<SpecCase> {};
+class ParseMeshSpecTest : public ::testing::TestWithParam<SpecCase> {};
 
 TEST_P(ParseMeshSpecTest, Parses) {
   const SpecCase& c = GetParam();
@@ -218,7 +209,7 @@ TEST_P(ParseMeshSpecTest, Parses) {
 
 INSTANTIATE_TEST_SUITE_P(
     Specs, ParseMeshSpecTest,
-    testing::Values(SpecCase{"", 1, {"shard"}, {1}}, SpecCase{"", 4, {"shard"}, {4}},
+    ::testing::Values(SpecCase{"", 1, {"shard"}, {1}}, SpecCase{"", 4, {"shard"}, {4}},
                     SpecCase{"  \t", 6, {"shard"}, {6}}, SpecCase{"1", 1, {"shard"}, {1}},
                     SpecCase{"3", 3, {"shard"}, {3}}, SpecCase{"-1", 8, {"shard"}, {8}},
                     SpecCase{"2,2", 4, {"replicate", "shard"}, {2, 2}},
@@ -328,7 +319,7 @@ TEST(RankCoordsTest, AllAxisGroupsOfTwoByThree) {
   EXPECT_THAT(AllAxisGroups(shape, 1), ElementsAre(ElementsAre(0, 1, 2), ElementsAre(3, 4, 5)));
 }
 
-class MeshArithmeticTest : public testing::TestWithParam<std::vector<int>> {};
+class MeshArithmeticTest : public ::testing::TestWithParam<std::vector<int>> {};
 
 TEST_P(MeshArithmeticTest, CoordsRoundTripForEveryRank) {
   MeshShape shape = Resolved(GetParam());
@@ -378,13 +369,13 @@ TEST_P(MeshArithmeticTest, AllAxisGroupsPartitionTheWorld) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MeshArithmeticTest,
-                         testing::Values(std::vector<int>{1}, std::vector<int>{3},
+                         ::testing::Values(std::vector<int>{1}, std::vector<int>{3},
                                          std::vector<int>{8}, std::vector<int>{2, 2},
                                          std::vector<int>{2, 3}, std::vector<int>{3, 2},
                                          std::vector<int>{2, 4}, std::vector<int>{1, 6},
                                          std::vector<int>{6, 1}, std::vector<int>{2, 2, 2},
                                          std::vector<int>{3, 1, 2}, std::vector<int>{2, 3, 4, 1}),
-                         [](const testing::TestParamInfo<std::vector<int>>& info) {
+                         [](const ::testing::TestParamInfo<std::vector<int>>& info) {
                            return StrJoin(info.param, "x");
                          });
 

@@ -122,7 +122,7 @@ TEST(ShardParamTest, ZeroRows) {
   EXPECT_THAT(s.LocalShape(1), ElementsAre(0, 3));
 }
 
-class ShardParamGridTest : public testing::TestWithParam<std::tuple<int64_t, int>> {};
+class ShardParamGridTest : public ::testing::TestWithParam<std::tuple<int64_t, int>> {};
 
 TEST_P(ShardParamGridTest, ShardsPartitionTheRows) {
   const auto [dim0, num_shards] = GetParam();
@@ -138,7 +138,7 @@ TEST_P(ShardParamGridTest, ShardsPartitionTheRows) {
   std::vector<int> covered(dim0, 0);
   int64_t sum = 0;
   for (int k = 0; k < num_shards; ++k) {
-    SCOPED_TRACE(testing::Message() << "shard " << k);
+    SCOPED_TRACE(::testing::Message() << "shard " << k);
     const int64_t rows = s.LocalRows(k);
     EXPECT_GE(rows, 0);
     EXPECT_LE(rows, s.rows_per_shard);
@@ -158,13 +158,13 @@ TEST_P(ShardParamGridTest, ShardsPartitionTheRows) {
     sum += rows;
   }
   EXPECT_EQ(sum, dim0);
-  EXPECT_THAT(covered, testing::Each(1));
+  EXPECT_THAT(covered, ::testing::Each(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, ShardParamGridTest,
-    testing::Combine(testing::Range<int64_t>(0, 14), testing::Range(1, 9)),
-    [](const testing::TestParamInfo<ShardParamGridTest::ParamType>& info) {
+    ::testing::Combine(::testing::Range<int64_t>(0, 14), ::testing::Range(1, 9)),
+    [](const ::testing::TestParamInfo<ShardParamGridTest::ParamType>& info) {
       return "dim0_" + std::to_string(std::get<0>(info.param)) + "_over_" +
              std::to_string(std::get<1>(info.param));
     });
@@ -194,7 +194,7 @@ TEST(LayoutUnitTest, SubGroupCarriesConsecutiveShards) {
       {1, 8, {64, 8, 8}, {0, 64, 72}},
   };
   for (const auto& c : kCases) {
-    SCOPED_TRACE(testing::Message() << "group_size " << c.group_size);
+    SCOPED_TRACE(::testing::Message() << "group_size " << c.group_size);
     UnitLayout layout = LayoutUnit(params, c.group_size);
     EXPECT_EQ(layout.group_size, c.group_size);
     EXPECT_EQ(layout.shards_per_rank, c.shards_per_rank);
@@ -224,7 +224,7 @@ TEST(LayoutUnitTest, PropertiesOverShardCountsAndGroups) {
     }
     for (int group_size = 1; group_size <= num_shards; ++group_size) {
       if (num_shards % group_size != 0) continue;
-      SCOPED_TRACE(testing::Message() << num_shards << " shards, group " << group_size);
+      SCOPED_TRACE(::testing::Message() << num_shards << " shards, group " << group_size);
       UnitLayout layout = LayoutUnit(params, group_size);
       const int spr = num_shards / group_size;
       EXPECT_EQ(layout.shards_per_rank, spr);
@@ -278,7 +278,7 @@ at::Tensor UnpackPadded(const at::Tensor& buffer, const UnitLayout& layout, size
   return padded;
 }
 
-class LayoutRoundTripTest : public testing::TestWithParam<std::pair<int, int>> {};
+class LayoutRoundTripTest : public ::testing::TestWithParam<std::pair<int, int>> {};
 
 TEST_P(LayoutRoundTripTest, SlicingTheBufferReconstructsEveryParameter) {
   const auto [num_shards, group_size] = GetParam();
@@ -298,7 +298,7 @@ TEST_P(LayoutRoundTripTest, SlicingTheBufferReconstructsEveryParameter) {
   ASSERT_EQ(buffer.numel(), layout.total_numel());
 
   for (size_t i = 0; i < kShapes.size(); ++i) {
-    SCOPED_TRACE(testing::Message() << "parameter " << i << " " << full[i].sizes());
+    SCOPED_TRACE(::testing::Message() << "parameter " << i << " " << full[i].sizes());
     const ParamSharding& s = shardings[i];
     at::Tensor padded = UnpackPadded(buffer, layout, i, s);
     EXPECT_TRUE(at::equal(padded.narrow(0, s.numel(), s.padded_numel() - s.numel()),
@@ -311,10 +311,10 @@ TEST_P(LayoutRoundTripTest, SlicingTheBufferReconstructsEveryParameter) {
 
 INSTANTIATE_TEST_SUITE_P(
     ShardsAndGroups, LayoutRoundTripTest,
-    testing::Values(std::pair{1, 1}, std::pair{3, 3}, std::pair{4, 4}, std::pair{8, 8},
+    ::testing::Values(std::pair{1, 1}, std::pair{3, 3}, std::pair{4, 4}, std::pair{8, 8},
                     std::pair{8, 4}, std::pair{8, 2}, std::pair{8, 1}, std::pair{6, 3},
                     std::pair{6, 2}),
-    [](const testing::TestParamInfo<LayoutRoundTripTest::ParamType>& info) {
+    [](const ::testing::TestParamInfo<LayoutRoundTripTest::ParamType>& info) {
       return "shards" + std::to_string(info.param.first) + "_group" +
              std::to_string(info.param.second);
     });
