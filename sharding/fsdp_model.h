@@ -97,8 +97,9 @@ class FsdpModel {
   at::Tensor GatherFullParameter(const FsdpParam& param);
 
   // Clips gradients by their global norm over all shards (replicas counted once) and returns
-  // the norm before clipping, as torch.nn.utils.clip_grad_norm_.
-  double ClipGradNorm(double max_norm);
+  // the norm before clipping (a 0-dim fp32 tensor on the device, so that the step needs no
+  // host synchronisation), as torch.nn.utils.clip_grad_norm_. Collective over the shard axis.
+  at::Tensor ClipGradNorm(double max_norm);
   // false: no communication in backward; gradients accumulate unsharded until a backward with
   // true (FSDP2's set_requires_gradient_sync).
   void set_requires_gradient_sync(bool sync) { ctx_.requires_gradient_sync = sync; }

@@ -130,7 +130,7 @@ void RunParity(const ParityCase& c, int rank) {
       loss.backward();
       local_loss += loss.item<double>();
     }
-    double norm = fsdp.ClipGradNorm(kMaxNorm);
+    double norm = fsdp.ClipGradNorm(kMaxNorm).item<double>();
     std::map<std::string, torch::Tensor> grads;
     for (const auto& [name, shard] : fsdp.named_parameters()) {
       if (shard.grad().defined()) grads[name] = shard.grad().clone();
