@@ -8,6 +8,7 @@
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/device_mesh.h"
 #include "tests/multirank.h"
+#include "tests/parity.h"
 
 namespace fsdp {
 namespace {
@@ -64,6 +65,43 @@ TEST(GpuTest, NcclRefusedClearlyWithoutAGpuOrInCpuBuild) {
   EXPECT_THAT(std::string(ctx.status().message()),
               ::testing::HasSubstr("device 'cuda' was asked for but"));
 }
+
+// The engine's parity on the GPU: world size 1 on NCCL, 2 on Gloo with CUDA tensors (NCCL
+// refuses two ranks on one GPU), fp32 and bf16 compute with fp32 reduction.
+class GpuParityTest : public ::testing::TestWithParam<testing::ParityCase> {};
+
+TEST_P(GpuParityTest, MatchesSingleProcessReference) {
+  FSDP_SKIP_WITHOUT_GPU();
+  const testing::ParityCase c = GetParam();
+  testing::RunOnRanks(c.world, [&](int rank) { testing::RunParity(c, rank); });
+}
+
+std::vector<testing::ParityCase> GpuCases() {
+  std::vector<testing::ParityCase> cases;
+  for (bool bf16 : {false, true}) {
+    testing::ParityCase nccl{"full_shard", 1};
+    nccl.bf16 = bf16;
+    nccl.device = "cuda";
+    nccl.cuda_backend = "nccl";
+    cases.push_back(nccl);
+    testing::ParityCase gloo{"full_shard", 2};
+    gloo.bf16 = bf16;
+    gloo.device = "cuda";
+    gloo.cuda_backend = "gloo";
+    cases.push_back(gloo);
+  }
+  testing::ParityCase hsdp{"hybrid_shard", 2, 2};
+  hsdp.bf16 = true;
+  hsdp.device = "cuda";
+  hsdp.cuda_backend = "gloo";
+  cases.push_back(hsdp);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, GpuParityTest, ::testing::ValuesIn(GpuCases()),
+                         [](const ::testing::TestParamInfo<testing::ParityCase>& info) {
+                           return info.param.Name();
+                         });
 
 }  // namespace
 }  // namespace fsdp

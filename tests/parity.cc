@@ -1,0 +1,219 @@
+#include "tests/parity.h"
+
+#include <torch/torch.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/strings.h"
+#include "sharding/fsdp_model.h"
+#include "tests/multirank.h"
+#include "tests/tiny_gpt.h"
+
+namespace fsdp::testing {
+
+std::string ParityCase::Name() const {
+  std::string n = StrCat(strategy, "_w", world);
+  if (replicate > 1) n += StrCat("_r", replicate);
+  if (reshard_group) n += StrCat("_k", reshard_group);
+  if (accumulate == Accumulate::kNoSyncUntilLast) n += "_nosync";
+  if (accumulate == Accumulate::kNoAllReduceUntilLast) n += "_noallreduce";
+  if (bf16) n += "_bf16";
+  if (device != "cpu") n += StrCat("_", device, "_", cuda_backend);
+  return n;
+}
+
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.Name(); }
+
+namespace {
+
+
+constexpr int kSteps = 10;
+constexpr int kMicroBatches = 2;
+constexpr int64_t kGlobalBatch = 24;  // divisible by every data-parallel size x micro-batches
+constexpr double kMaxNorm = 0.5;
+constexpr double kAdamEps = 1e-6;
+
+struct Tolerance {
+  double rtol, atol;  // parameters after the optimizer step
+  double grad_rel;    // gradients, relative to the largest element of the parameter's gradient
+};
+
+}  // namespace
+
+void RunParity(const ParityCase& c, int rank) {
+  TinyGptConfig config;
+  torch::manual_seed(1234);
+  TinyGpt model(config);
+  torch::manual_seed(1234);
+  TinyGpt reference(config);  // identical initial parameters
+
+  DistOptions options_for_device = TestDistOptions();
+  options_for_device.device = c.device;
+  options_for_device.cuda_backend = c.cuda_backend;
+  std::shared_ptr<DistContext> ctx = InitDist(options_for_device);
+  const torch::Device device = ctx->device();
+  model->to(device);
+  reference->to(device);
+  absl::StatusOr<Strategy> strategy = ParseStrategy(c.strategy);
+  ASSERT_TRUE(strategy.ok()) << strategy.status();
+  absl::StatusOr<MeshShape> shape = MeshShapeForStrategy(*strategy, c.world, c.replicate);
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(ctx, *shape);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  FsdpOptions options = OptionsForStrategy(*strategy);
+  options.reshard_group_size = c.reshard_group;
+  if (c.bf16) {
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
+    options.mixed_precision.output_dtype = at::kFloat;
+  }
+  auto units = SelectUnits(*model, {.module_types = {"fsdp::testing::BlockImpl"}});
+  ASSERT_EQ(units.size(), static_cast<size_t>(config.layers));
+  absl::StatusOr<std::unique_ptr<FsdpModel>> wrapped = FsdpModel::Wrap(model.ptr(), *mesh, units, options);
+  ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+  FsdpModel& fsdp = **wrapped;
+
+  // State-dict names are those of the unwrapped model.
+  std::vector<std::string> names, ref_names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  for (const auto& item : reference->named_parameters()) ref_names.push_back(item.key());
+  ASSERT_EQ(names, ref_names);
+
+  // Note [Parity tolerance]: Adam divides each gradient element by its running RMS, so an
+  // element whose gradient is near zero turns rounding noise into an update of up to lr. With
+  // eps = 1e-6 that amplification is bounded (lr * noise / eps) and fp32 runs agree to ~1e-6.
+  // bf16 gradients differ from the reference's by bf16 rounding (~1e-2 relative), which Adam
+  // would turn into lr-sized differences; the bf16 cases use SGD with momentum, whose updates
+  // are proportional to the gradients, so the parameters remain a meaningful comparison.
+  std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
+  if (c.bf16) {
+    auto sgd = torch::optim::SGDOptions(5e-2).momentum(0.9).weight_decay(0.01);
+    opt = std::make_unique<torch::optim::SGD>(fsdp.parameters(), sgd);
+    ref_opt = std::make_unique<torch::optim::SGD>(UniqueTrainable(*reference), sgd);
+  } else {
+    auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(kAdamEps);
+    opt = std::make_unique<torch::optim::AdamW>(fsdp.parameters(), adamw);
+    ref_opt = std::make_unique<torch::optim::AdamW>(UniqueTrainable(*reference), adamw);
+  }
+
+  // The reference in bf16 mode computes with a bf16 copy of its fp32 parameters, as FSDP does.
+  TinyGpt ref_compute(config);
+  ref_compute->to(device);
+  const int dp = mesh->shape().num_ranks();
+  const int dp_rank = rank;  // row-major mesh: replicate-major, shard-minor
+  const int64_t local_batch = kGlobalBatch / dp;
+  const int64_t micro = local_batch / kMicroBatches;
+  Tolerance tol = c.bf16 ? Tolerance{1e-2, 1e-3, 5e-2} : Tolerance{1e-5, 1e-5, 1e-5};
+  double worst_param = 0, worst_loss = 0, worst_grad = 0;
+
+  for (int step = 0; step < kSteps; ++step) {
+    torch::manual_seed(100 + step);
+    torch::Tensor x = torch::randint(config.vocab, {kGlobalBatch, config.seq}).to(device);
+    torch::Tensor y = torch::randint(config.vocab, {kGlobalBatch, config.seq}).to(device);
+
+    // Sharded: this rank's slice of the global batch, in micro-batches.
+    double local_loss = 0;
+    for (int m = 0; m < kMicroBatches; ++m) {
+      bool last = m == kMicroBatches - 1;
+      if (c.accumulate == Accumulate::kNoSyncUntilLast) fsdp.set_requires_gradient_sync(last);
+      if (c.accumulate == Accumulate::kNoAllReduceUntilLast) fsdp.set_requires_all_reduce(last);
+      int64_t begin = dp_rank * local_batch + m * micro;
+      torch::Tensor logits = model->forward(x.narrow(0, begin, micro));
+      torch::Tensor loss = torch::nn::functional::cross_entropy(
+                               logits.reshape({-1, config.vocab}),
+                               y.narrow(0, begin, micro).reshape({-1})) /
+                           kMicroBatches;
+      loss.backward();
+      local_loss += loss.item<double>();
+    }
+    double norm = fsdp.ClipGradNorm(kMaxNorm).item<double>();
+    std::map<std::string, torch::Tensor> grads;
+    for (const auto& [name, shard] : fsdp.named_parameters()) {
+      if (shard.grad().defined()) grads[name] = shard.grad().clone();
+    }
+    opt->step();
+    opt->zero_grad();
+    torch::Tensor loss_sum = torch::tensor({local_loss}, torch::kDouble).to(device);
+    ctx->world().AllReduce(loss_sum)->wait();
+    double loss = loss_sum.item<double>() / dp;
+
+    // Reference: the whole global batch at once.
+    torch::Tensor ref_loss;
+    if (c.bf16) {
+      torch::NoGradGuard no_grad;
+      auto src = reference->named_parameters();
+      auto dst = ref_compute->named_parameters();
+      for (const auto& item : src) dst[item.key()].set_data(item.value().detach().to(torch::kBFloat16));
+    }
+    torch::Tensor ref_logits = c.bf16 ? ref_compute->forward(x).to(torch::kFloat) : reference->forward(x);
+    ref_loss = torch::nn::functional::cross_entropy(ref_logits.reshape({-1, config.vocab}),
+                                                    y.reshape({-1}));
+    ref_loss.backward();
+    if (c.bf16) {
+      auto src = ref_compute->named_parameters();
+      for (const auto& item : reference->named_parameters()) {
+        const torch::Tensor& g = src[item.key()].grad();
+        if (item.value().requires_grad() && g.defined()) item.value().mutable_grad() = g.to(torch::kFloat);
+      }
+      for (auto& p : ref_compute->parameters()) p.mutable_grad().reset();
+    }
+    double ref_norm =
+        torch::nn::utils::clip_grad_norm_(UniqueTrainable(*reference), kMaxNorm);
+    for (const auto& item : reference->named_parameters()) {
+      const FsdpParam* p = fsdp.FindParam(item.key());
+      if (p == nullptr || !grads.count(p->names[0]) || !item.value().grad().defined()) continue;
+      const ParamSharding& s = p->sharding;
+      int64_t rows = p->sharded.size(0);
+      if (rows == 0) continue;
+      torch::Tensor expected = item.value().grad().reshape({s.dim0, s.row_numel})
+                                   .narrow(0, fsdp.FirstLocalRow(*p), rows);
+      torch::Tensor actual = grads[p->names[0]].reshape({rows, s.row_numel});
+      double scale = expected.abs().max().item<double>();
+      double err = (actual - expected).abs().max().item<double>();
+      worst_grad = std::max(worst_grad, err / std::max(scale, 1e-12));
+      EXPECT_LE(err, tol.grad_rel * scale + 1e-9) << "grad of " << item.key() << " step " << step;
+    }
+    ref_opt->step();
+    ref_opt->zero_grad();
+
+    SCOPED_TRACE(StrCat("step ", step));
+    double loss_err = std::abs(loss - ref_loss.item<double>());
+    worst_loss = std::max(worst_loss, loss_err);
+    EXPECT_LE(loss_err, tol.atol * 10 + tol.rtol * std::abs(loss)) << loss << " vs " << ref_loss.item<double>();
+    EXPECT_NEAR(norm, ref_norm, tol.atol * 10 + tol.rtol * 10 * ref_norm);
+    for (const auto& item : reference->named_parameters()) {
+      const FsdpParam* p = fsdp.FindParam(item.key());
+      ASSERT_NE(p, nullptr) << item.key();
+      const ParamSharding& s = p->sharding;
+      int64_t rows = p->sharded.size(0);
+      if (rows > 0) {
+        torch::Tensor expected = item.value().detach().reshape({s.dim0, s.row_numel})
+                                     .narrow(0, fsdp.FirstLocalRow(*p), rows);
+        torch::Tensor actual = p->sharded.detach().reshape({rows, s.row_numel});
+        double err = (actual - expected).abs().max().item<double>();
+        worst_param = std::max(worst_param, err);
+        EXPECT_TRUE(torch::allclose(actual, expected, tol.rtol, tol.atol))
+            << item.key() << " rows " << fsdp.FirstLocalRow(*p) << "+" << rows
+            << ": max abs diff " << err;
+      }
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  // The padding rows of every shard stayed zero.
+  for (const auto& [name, shard] : fsdp.named_parameters()) {
+    const FsdpParam* p = fsdp.FindParam(name);
+    int64_t rows = p->sharded.size(0);
+    if (rows < p->sharding.rows_per_shard) {
+      EXPECT_EQ(p->padded_shard.narrow(0, rows, p->sharding.rows_per_shard - rows).abs().sum().item<double>(), 0.0) << name;
+    }
+  }
+  if (rank == 0) {
+    std::cout << "[parity] " << c.Name() << ": worst |param diff| " << worst_param
+              << ", worst |loss diff| " << worst_loss << ", worst grad diff / max |grad| "
+              << worst_grad << "\n";
+  }
+}
+
+
+}  // namespace fsdp::testing

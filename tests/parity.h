@@ -1,0 +1,31 @@
+// Sharded-vs-single-process parity, shared by the CPU suite (fsdp_parity_test.cc) and the
+// CUDA variants (gpu_test.cc): train the tiny GPT for 10 optimizer steps with gradient clipping
+// and two micro-batches per step, sharded over real processes, and compare every step's loss,
+// gradient norm, gradients and every local shard against a single-process reference that each
+// rank computes itself on the whole global batch.
+#pragma once
+
+#include <string>
+
+namespace fsdp::testing {
+
+enum class Accumulate { kReduceEveryMicroBatch, kNoSyncUntilLast, kNoAllReduceUntilLast };
+
+struct ParityCase {
+  std::string strategy;
+  int world;
+  int replicate = 1;      // hybrid strategies
+  int reshard_group = 0;  // reshard_after_forward = k
+  Accumulate accumulate = Accumulate::kReduceEveryMicroBatch;
+  bool bf16 = false;
+  std::string device = "cpu";        // "cuda": model, reference and data on this rank's GPU
+  std::string cuda_backend = "nccl";  // for CUDA tensors
+  std::string Name() const;
+};
+
+void PrintTo(const ParityCase& c, std::ostream* os);
+
+// The body of one rank (inside RunOnRanks).
+void RunParity(const ParityCase& c, int rank);
+
+}  // namespace fsdp::testing
