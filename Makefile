@@ -1,6 +1,8 @@
 # fsdp.cpp entry points. `make test` on a fresh clone installs, builds and runs everything.
 #   make build   bootstrap (Debian packages + torch wheel, once per machine), configure, build
 #   make test    build, then the whole suite through ctest (labels: unit, multirank, gpu)
+#   make train   build, then train the tiny default GPT (configs/default.yaml); TRAIN_ARGS adds
+#                options, e.g. TRAIN_ARGS="--set training.steps=50"
 #   make clean   remove the build folder
 # Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
 # wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
@@ -9,7 +11,7 @@ JOBS ?= $(shell nproc)
 CTEST_ARGS ?=
 FSDP_CUDA_MODE ?= auto
 
-.PHONY: all build test bootstrap configure clean
+.PHONY: all build test train bootstrap configure clean
 
 all: build
 
@@ -24,6 +26,9 @@ configure: bootstrap
 
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+train: build
+	$(BUILD_DIR)/bin/fsdp train configs/default.yaml $(TRAIN_ARGS)
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 300 $(CTEST_ARGS)

@@ -1,6 +1,7 @@
 // build/bin/fsdp: the one user-facing executable. Subcommands:
 //   launch   start local ranks with torchrun's environment (launcher/launch.h)
 //   doctor   check versions, devices, mesh and collectives on a cluster (cli/doctor.h)
+//   train    train a model from a YAML configuration (cli/train.h, engine/trainer.h)
 #include <iostream>
 #include <string>
 #include <vector>
@@ -8,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/doctor.h"
+#include "cli/train.h"
 #include "common/strings.h"
 #include "launcher/launch.h"
 
@@ -112,6 +114,18 @@ int main(int argc, char** argv) {
                          "Seconds to wait for other ranks (rendezvous and each collective)")
       ->capture_default_str();
 
+  // ---- train -------------------------------------------------------------------------------
+  fsdp::TrainCommand train;
+  CLI::App* train_cmd = app.add_subcommand(
+      "train",
+      "Train a model from a YAML configuration. Under a launcher (fsdp launch, torchrun, srun, "
+      "mpirun) it runs as that rank; run directly, it starts parallelism.nproc local ranks "
+      "itself (GPUs, or 2 CPU ranks), like torchrun --standalone.\n"
+      "Example: fsdp train configs/default.yaml --set training.steps=50");
+  train_cmd->add_option("config", train.config_path, "YAML configuration file")->required();
+  train_cmd->add_option("--set", train.overrides,
+                        "Override a key: --set section.key=value (repeatable)");
+
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -129,6 +143,7 @@ int main(int argc, char** argv) {
     launch.prefix_output = !no_prefix;
     return fsdp::RunLaunch(launch);
   }
+  if (train_cmd->parsed()) return fsdp::RunTrainCommand(train, argc, argv);
   if (doctor_cmd->parsed()) {
     if (!program.empty()) {
       std::cerr << "fsdp doctor: unexpected arguments after --\n";

@@ -33,6 +33,10 @@ std::string CudaRuntimeVersion();
 std::string NcclVersion();
 // Blocks until all work on the current CUDA device is done (no-op without CUDA).
 void CudaSynchronize();
+// Peak bytes allocated by libtorch's CUDA caching allocator on `index` since the last reset
+// (0 without CUDA), and the reset.
+int64_t CudaPeakAllocatedBytes(int index);
+void CudaResetPeakMemory(int index);
 // Makes `index` this thread's current CUDA device.
 absl::Status SetCudaDevice(int index);
 

@@ -12,6 +12,8 @@ std::string CudaRuntimeVersion() { return "none"; }
 std::string NcclVersion() { return "none"; }
 
 void CudaSynchronize() {}
+int64_t CudaPeakAllocatedBytes(int) { return 0; }
+void CudaResetPeakMemory(int) {}
 
 absl::Status SetCudaDevice(int index) {
   return absl::UnimplementedError(

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
@@ -36,6 +37,17 @@ std::string NcclVersion() { return c10d::getNcclVersion(); }
 
 void CudaSynchronize() {
   if (CudaDeviceCount() > 0) c10::cuda::device_synchronize();
+}
+
+int64_t CudaPeakAllocatedBytes(int index) {
+  if (index < 0 || index >= CudaDeviceCount()) return 0;
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.allocated_bytes[0].peak;  // aggregate over pools
+}
+
+void CudaResetPeakMemory(int index) {
+  if (index < 0 || index >= CudaDeviceCount()) return;
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
 }
 
 absl::Status SetCudaDevice(int index) {

@@ -1,0 +1,21 @@
+// `fsdp train CONFIG.yaml [--set section.key=value ...]`.
+//
+// Under a launcher (RANK/SLURM/MPI variables set) it trains as that rank. Run directly, it
+// validates the configuration, then starts parallelism.nproc local ranks of itself through
+// `fsdp launch`'s machinery (as torchrun --standalone would): nproc 0 means one rank per GPU,
+// or 2 CPU ranks without one.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+struct TrainCommand {
+  std::string config_path;
+  std::vector<std::string> overrides;
+};
+
+int RunTrainCommand(const TrainCommand& command, int argc, char** argv);
+
+}  // namespace fsdp

@@ -1,0 +1,671 @@
+#include "engine/config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <climits>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string_view>
+#include <variant>
+
+#include <yaml-cpp/yaml.h>
+
+#include "common/status.h"
+#include "common/strings.h"
+#include "device_mesh/mesh_shape.h"
+#include "sharding/options.h"
+
+namespace fsdp {
+namespace {
+
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*>;
+
+struct Field {
+  std::string_view name;
+  FieldRef ref;
+};
+
+struct Section {
+  std::string_view name;
+  std::vector<Field> fields;
+};
+
+// The schema: every section and key, in the order ToYaml writes them, pointing into `c`.
+std::vector<Section> Sections(RunConfig& c) {
+  return {
+      {"run", {{"name", &c.run.name}, {"dir", &c.run.dir}, {"seed", &c.run.seed}}},
+      {"model",
+       {{"arch", &c.model.arch},
+        {"vocab_size", &c.model.vocab_size},
+        {"dim", &c.model.dim},
+        {"n_layers", &c.model.n_layers},
+        {"n_heads", &c.model.n_heads},
+        {"seq_len", &c.model.seq_len},
+        {"ffn_hidden", &c.model.ffn_hidden},
+        {"norm", &c.model.norm},
+        {"activation", &c.model.activation},
+        {"positions", &c.model.positions},
+        {"tie_embeddings", &c.model.tie_embeddings},
+        {"norm_eps", &c.model.norm_eps},
+        {"rope_theta", &c.model.rope_theta},
+        {"init_std", &c.model.init_std},
+        {"deferred_init", &c.model.deferred_init}}},
+      {"data",
+       {{"source", &c.data.source},
+        {"path", &c.data.path},
+        {"token_dtype", &c.data.token_dtype},
+        {"val_fraction", &c.data.val_fraction},
+        {"synthetic_tokens", &c.data.synthetic_tokens}}},
+      {"training",
+       {{"steps", &c.training.steps},
+        {"micro_batch_size", &c.training.micro_batch_size},
+        {"grad_accum_steps", &c.training.grad_accum_steps},
+        {"max_grad_norm", &c.training.max_grad_norm},
+        {"mixed_precision", &c.training.mixed_precision},
+        {"reduce_dtype", &c.training.reduce_dtype},
+        {"device", &c.training.device},
+        {"on_nonfinite", &c.training.on_nonfinite},
+        {"eval_interval", &c.training.eval_interval},
+        {"eval_batches", &c.training.eval_batches},
+        {"log_interval", &c.training.log_interval}}},
+      {"optimizer",
+       {{"name", &c.optimizer.name},
+        {"lr", &c.optimizer.lr},
+        {"weight_decay", &c.optimizer.weight_decay},
+        {"beta1", &c.optimizer.beta1},
+        {"beta2", &c.optimizer.beta2},
+        {"eps", &c.optimizer.eps},
+        {"momentum", &c.optimizer.momentum}}},
+      {"lr_scheduler",
+       {{"warmup_steps", &c.lr_scheduler.warmup_steps},
+        {"decay", &c.lr_scheduler.decay},
+        {"min_lr", &c.lr_scheduler.min_lr}}},
+      {"parallelism",
+       {{"nproc", &c.parallelism.nproc},
+        {"data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree},
+        {"data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree},
+        {"strategy", &c.parallelism.strategy},
+        {"reshard_after_forward", &c.parallelism.reshard_after_forward},
+        {"wrap_policy", &c.parallelism.wrap_policy},
+        {"max_unsharded_units", &c.parallelism.max_unsharded_units},
+        {"backend", &c.parallelism.backend}}},
+      {"metrics",
+       {{"jsonl", &c.metrics.jsonl},
+        {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
+        {"progress_bar", &c.metrics.progress_bar}}},
+  };
+}
+
+template <typename T, typename GetName>
+std::vector<std::string> Names(const std::vector<T>& items, GetName get_name) {
+  std::vector<std::string> names;
+  for (const T& item : items) names.emplace_back(get_name(item));
+  return names;
+}
+
+// Optimal string alignment distance (Levenshtein plus adjacent transpositions), ignoring case.
+size_t EditDistance(std::string_view a_in, std::string_view b_in) {
+  std::string a = ToLower(a_in);
+  std::string b = ToLower(b_in);
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+// The closest candidate, if it is close: at most 2 edits (or a third of its length, for long
+// names), and never more than half of it, so that "ab" does not suggest "lr".
+std::optional<std::string> Suggest(std::string_view word, const std::vector<std::string>& valid) {
+  std::optional<std::string> best;
+  size_t best_distance = SIZE_MAX;
+  for (const std::string& candidate : valid) {
+    size_t distance = EditDistance(word, candidate);
+    bool close =
+        distance <= std::max<size_t>(2, candidate.size() / 3) && 2 * distance <= candidate.size();
+    if (close && distance < best_distance) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+// "unknown key; did you mean 'steps'? (valid: a, b)" or "unknown key (valid: a, b)".
+std::string UnknownName(std::string_view what, std::string_view word,
+                        const std::vector<std::string>& valid) {
+  std::optional<std::string> suggestion = Suggest(word, valid);
+  if (suggestion) {
+    return StrCat(what, "; did you mean '", *suggestion, "'? (valid: ", StrJoin(valid, ", "), ")");
+  }
+  return StrCat(what, " (valid: ", StrJoin(valid, ", "), ")");
+}
+
+// "'fully_shard' is not valid; did you mean 'full_shard'? valid: a, b" (the suggestion if close).
+std::string NotValid(std::string_view value, const std::vector<std::string>& valid,
+                     std::string_view valid_text = {}) {
+  std::string listed = valid_text.empty() ? StrJoin(valid, ", ") : std::string(valid_text);
+  std::optional<std::string> suggestion = Suggest(value, valid);
+  if (suggestion) {
+    return StrCat("'", value, "' is not valid; did you mean '", *suggestion, "'? valid: ", listed);
+  }
+  return StrCat("'", value, "' is not valid; valid: ", listed);
+}
+
+absl::Status Invalid(std::string_view where, std::string_view key, std::string_view what) {
+  if (key.empty()) return absl::InvalidArgumentError(StrCat(where, ": ", what));
+  return absl::InvalidArgumentError(StrCat(where, ": ", key, ": ", what));
+}
+
+std::string At(std::string_view name, const YAML::Mark& mark) {
+  if (mark.is_null()) return std::string(name);
+  return StrCat(name, ":", mark.line + 1);
+}
+
+std::string Describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map:
+      return "a map";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Scalar:
+      return StrCat("'", node.Scalar(), "'");
+    default:
+      return "an empty value";
+  }
+}
+
+std::optional<int64_t> ToInt(std::string_view s) {
+  if (StartsWith(s, "+")) s.remove_prefix(1);
+  return ParseInt<int64_t>(s);
+}
+
+std::optional<double> ToDouble(std::string_view s) {
+  if (StartsWith(s, "+")) s.remove_prefix(1);
+  double value = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (s.empty() || ec != std::errc() || ptr != s.data() + s.size() || !std::isfinite(value)) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+// Sets the field from a YAML value; the message on a type error is "expected ..., got ...".
+absl::Status SetField(const FieldRef& ref, const YAML::Node& value, std::string_view where,
+                      std::string_view key) {
+  bool scalar = value.IsScalar();
+  if (auto* s = std::get_if<std::string*>(&ref)) {
+    if (!scalar && !value.IsNull()) {
+      return Invalid(where, key, StrCat("expected a string, got ", Describe(value)));
+    }
+    **s = value.IsNull() ? "" : value.Scalar();
+    return absl::OkStatus();
+  }
+  if (auto* i = std::get_if<int64_t*>(&ref)) {
+    std::optional<int64_t> parsed = scalar ? ToInt(value.Scalar()) : std::nullopt;
+    if (!parsed) return Invalid(where, key, StrCat("expected an integer, got ", Describe(value)));
+    **i = *parsed;
+    return absl::OkStatus();
+  }
+  if (auto* d = std::get_if<double*>(&ref)) {
+    std::optional<double> parsed = scalar ? ToDouble(value.Scalar()) : std::nullopt;
+    if (!parsed) return Invalid(where, key, StrCat("expected a number, got ", Describe(value)));
+    **d = *parsed;
+    return absl::OkStatus();
+  }
+  bool* b = std::get<bool*>(ref);
+  if (!scalar || (value.Scalar() != "true" && value.Scalar() != "false")) {
+    return Invalid(where, key, StrCat("expected true or false, got ", Describe(value)));
+  }
+  *b = value.Scalar() == "true";
+  return absl::OkStatus();
+}
+
+// Where each key was set ("configs/x.yaml:12" or "--set training.steps=5"), by "section.key".
+using Locations = std::map<std::string, std::string, std::less<>>;
+
+class Parser {
+ public:
+  Parser(std::string name, RunConfig& config)
+      : name_(std::move(name)), sections_(Sections(config)) {}
+
+  absl::Status ParseDocument(const std::string& text, Locations& where) {
+    YAML::Node root;
+    try {
+      root = YAML::Load(text);
+    } catch (const YAML::ParserException& e) {
+      return Invalid(At(name_, e.mark), "", StrCat("YAML syntax error: ", e.msg));
+    } catch (const YAML::Exception& e) {
+      return Invalid(name_, "", StrCat("cannot read YAML: ", e.what()));
+    }
+    if (root.IsNull()) return absl::OkStatus();
+    if (!root.IsMap()) {
+      return Invalid(At(name_, root.Mark()), "",
+                     StrCat("expected a map of sections (", StrJoin(SectionNames(), ", "),
+                            "), got ", Describe(root)));
+    }
+    std::map<std::string, std::string> section_at;
+    for (const auto& entry : root) {
+      const YAML::Node& key = entry.first;
+      std::string section_name = key.IsScalar() ? key.Scalar() : Describe(key);
+      std::string at = At(name_, key.Mark());
+      Section* section = FindSection(section_name);
+      if (section == nullptr) {
+        return Invalid(at, section_name,
+                       UnknownName("unknown section", section_name, SectionNames()));
+      }
+      auto [first, inserted] = section_at.emplace(section_name, at);
+      if (!inserted) {
+        return Invalid(at, section_name,
+                       StrCat("duplicate section (first at ", first->second, ")"));
+      }
+      const YAML::Node& body = entry.second;
+      if (body.IsNull()) continue;
+      if (!body.IsMap()) {
+        return Invalid(at, section_name,
+                       StrCat("expected a map of keys, got ", Describe(body),
+                              " (valid: ", StrJoin(KeyNames(*section), ", "), ")"));
+      }
+      for (const auto& item : body) {
+        const YAML::Node& field_key = item.first;
+        std::string field_name = field_key.IsScalar() ? field_key.Scalar() : Describe(field_key);
+        std::string path = StrCat(section_name, ".", field_name);
+        std::string field_at = At(name_, field_key.Mark());
+        Field* field = FindField(*section, field_name);
+        if (field == nullptr) {
+          return Invalid(field_at, path,
+                         UnknownName("unknown key", field_name, KeyNames(*section)));
+        }
+        if (where.count(path) > 0) {
+          return Invalid(field_at, path, StrCat("duplicate key (first at ", where[path], ")"));
+        }
+        FSDP_RETURN_IF_ERROR(SetField(field->ref, item.second, field_at, path));
+        where[path] = field_at;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ApplyOverride(const std::string& item, Locations& where) {
+    std::string at = StrCat("--set ", item);
+    size_t eq = item.find('=');
+    std::string_view path =
+        eq == std::string::npos ? "" : Strip(std::string_view(item).substr(0, eq));
+    size_t dot = path.find('.');
+    if (eq == std::string::npos || dot == std::string_view::npos || dot == 0 ||
+        dot + 1 == path.size()) {
+      return Invalid(at, "", "expected section.key=value (e.g. training.steps=100)");
+    }
+    std::string section_name(path.substr(0, dot));
+    std::string field_name(path.substr(dot + 1));
+    Section* section = FindSection(section_name);
+    if (section == nullptr) {
+      return Invalid(at, section_name,
+                     UnknownName("unknown section", section_name, SectionNames()));
+    }
+    std::string key = StrCat(section_name, ".", field_name);
+    Field* field = FindField(*section, field_name);
+    if (field == nullptr) {
+      return Invalid(at, key, UnknownName("unknown key", field_name, KeyNames(*section)));
+    }
+    YAML::Node value;
+    try {
+      value = YAML::Load(std::string(Strip(std::string_view(item).substr(eq + 1))));
+    } catch (const YAML::Exception& e) {
+      return Invalid(at, key, StrCat("cannot parse the value as YAML: ", e.msg));
+    }
+    FSDP_RETURN_IF_ERROR(SetField(field->ref, value, at, key));
+    where[key] = at;
+    return absl::OkStatus();
+  }
+
+ private:
+  Section* FindSection(std::string_view name) {
+    for (Section& section : sections_) {
+      if (section.name == name) return &section;
+    }
+    return nullptr;
+  }
+  static Field* FindField(Section& section, std::string_view name) {
+    for (Field& field : section.fields) {
+      if (field.name == name) return &field;
+    }
+    return nullptr;
+  }
+  std::vector<std::string> SectionNames() const {
+    return Names(sections_, [](const Section& s) { return s.name; });
+  }
+  static std::vector<std::string> KeyNames(const Section& section) {
+    return Names(section.fields, [](const Field& f) { return f.name; });
+  }
+
+  std::string name_;
+  std::vector<Section> sections_;
+};
+
+// Value checks; each error is reported at the place its first named key was set (the file
+// name alone for a key left at its default).
+class Validator {
+ public:
+  Validator(const Locations& where, std::string name) : where_(where), name_(std::move(name)) {}
+
+  absl::Status Fail(std::string_view key, std::string_view what,
+                    std::initializer_list<std::string_view> related = {}) const {
+    return Invalid(Where(key, related), key, what);
+  }
+  absl::Status Check(bool ok, std::string_view key, std::string_view what,
+                     std::initializer_list<std::string_view> related = {}) const {
+    return ok ? absl::OkStatus() : Fail(key, what, related);
+  }
+  template <typename T>
+  absl::Status AtLeast(std::string_view key, T value, T min) const {
+    return Check(value >= min, key, StrCat("must be >= ", min, ", got ", value));
+  }
+  absl::Status Positive(std::string_view key, double value) const {
+    return Check(value > 0, key, StrCat("must be > 0, got ", value));
+  }
+  absl::Status Fraction(std::string_view key, double value) const {
+    return Check(value >= 0 && value < 1, key, StrCat("must be in [0, 1), got ", value));
+  }
+  absl::Status OneOf(std::string_view key, const std::string& value,
+                     const std::vector<std::string>& valid) const {
+    bool ok = std::find(valid.begin(), valid.end(), value) != valid.end();
+    return Check(ok, key, NotValid(value, valid));
+  }
+
+ private:
+  std::string Where(std::string_view key, std::initializer_list<std::string_view> related) const {
+    if (auto it = where_.find(key); it != where_.end()) return it->second;
+    for (std::string_view other : related) {
+      if (auto it = where_.find(other); it != where_.end()) return it->second;
+    }
+    return name_;
+  }
+
+  const Locations& where_;
+  std::string name_;
+};
+
+std::vector<std::string> StrategyNames() {
+  std::vector<std::string> names;
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard,
+                     Strategy::kHybridShardZero2, Strategy::kNoShard}) {
+    names.emplace_back(StrategyName(s));
+  }
+  return names;
+}
+
+// reshard_after_forward: nullopt for default/true/false, k for a positive integer k, 0 for
+// anything else.
+std::optional<int64_t> ReshardGroupSize(const std::string& value) {
+  if (value == "default" || value == "true" || value == "false") return std::nullopt;
+  std::optional<int64_t> k = ParseInt<int64_t>(value);
+  return k && *k >= 1 ? *k : 0;
+}
+
+absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
+  FSDP_RETURN_IF_ERROR(v.OneOf("model.arch", m.arch, {"gpt", "llama", "mlp"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.vocab_size", m.vocab_size, 2));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.dim", m.dim, 1));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.n_layers", m.n_layers, 1));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.n_heads", m.n_heads, 1));
+  FSDP_RETURN_IF_ERROR(
+      v.Check(m.dim % m.n_heads == 0, "model.dim",
+              StrCat("must be a multiple of model.n_heads = ", m.n_heads, ", got ", m.dim),
+              {"model.n_heads"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.seq_len", m.seq_len, 1));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.ffn_hidden", m.ffn_hidden, 0));
+  FSDP_RETURN_IF_ERROR(v.OneOf("model.norm", m.norm, {"layernorm", "rmsnorm"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("model.activation", m.activation, {"gelu", "swiglu"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("model.positions", m.positions, {"learned", "rope"}));
+  int64_t head_dim = m.dim / m.n_heads;
+  FSDP_RETURN_IF_ERROR(
+      v.Check(m.positions != "rope" || head_dim % 2 == 0, "model.positions",
+              StrCat("rope needs an even head dimension, got model.dim / model.n_heads = ", m.dim,
+                     " / ", m.n_heads, " = ", head_dim),
+              {"model.dim", "model.n_heads"}));
+  FSDP_RETURN_IF_ERROR(v.Positive("model.norm_eps", m.norm_eps));
+  FSDP_RETURN_IF_ERROR(v.Positive("model.rope_theta", m.rope_theta));
+  return v.Positive("model.init_std", m.init_std);
+}
+
+absl::Status ValidateData(const DataSection& d, const Validator& v) {
+  FSDP_RETURN_IF_ERROR(v.OneOf("data.source", d.source, {"synthetic", "tokens", "text"}));
+  FSDP_RETURN_IF_ERROR(v.Check(d.source == "synthetic" || !d.path.empty(), "data.path",
+                               StrCat("required for data.source '", d.source, "'"),
+                               {"data.source"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("data.token_dtype", d.token_dtype, {"uint16", "uint32"}));
+  FSDP_RETURN_IF_ERROR(v.Fraction("data.val_fraction", d.val_fraction));
+  return v.AtLeast<int64_t>("data.synthetic_tokens", d.synthetic_tokens, 1024);
+}
+
+absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.steps", t.steps, 1));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.micro_batch_size", t.micro_batch_size, 1));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.grad_accum_steps", t.grad_accum_steps, 1));
+  FSDP_RETURN_IF_ERROR(v.OneOf("training.mixed_precision", t.mixed_precision, {"fp32", "bf16"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("training.reduce_dtype", t.reduce_dtype, {"fp32", "bf16"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("training.device", t.device, {"auto", "cpu", "cuda"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("training.on_nonfinite", t.on_nonfinite, {"stop", "skip"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_batches", t.eval_batches, 1));
+  return v.AtLeast<int64_t>("training.log_interval", t.log_interval, 1);
+}
+
+absl::Status ValidateOptimizer(const OptimizerSection& o, const LrSchedulerSection& s,
+                               const Validator& v) {
+  FSDP_RETURN_IF_ERROR(v.OneOf("optimizer.name", o.name, {"adamw", "adam", "sgd"}));
+  FSDP_RETURN_IF_ERROR(v.Positive("optimizer.lr", o.lr));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<double>("optimizer.weight_decay", o.weight_decay, 0));
+  FSDP_RETURN_IF_ERROR(v.Fraction("optimizer.beta1", o.beta1));
+  FSDP_RETURN_IF_ERROR(v.Fraction("optimizer.beta2", o.beta2));
+  FSDP_RETURN_IF_ERROR(v.Positive("optimizer.eps", o.eps));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<double>("optimizer.momentum", o.momentum, 0));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("lr_scheduler.warmup_steps", s.warmup_steps, 0));
+  FSDP_RETURN_IF_ERROR(v.OneOf("lr_scheduler.decay", s.decay, {"cosine", "linear", "constant"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<double>("lr_scheduler.min_lr", s.min_lr, 0));
+  return v.Check(s.min_lr <= o.lr, "lr_scheduler.min_lr",
+                 StrCat("must be <= optimizer.lr = ", o.lr, ", got ", s.min_lr), {"optimizer.lr"});
+}
+
+absl::Status ValidateParallelism(const ParallelismSection& p, const Validator& v) {
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("parallelism.nproc", p.nproc, 0));
+  for (auto [key, degree] :
+       {std::pair<std::string_view, int64_t>{"parallelism.data_parallel_replicate_degree",
+                                             p.data_parallel_replicate_degree},
+        {"parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree}}) {
+    FSDP_RETURN_IF_ERROR(
+        v.Check(degree >= 1 || degree == -1, key,
+                StrCat("must be >= 1, or -1 to infer it from the world size, got ", degree)));
+  }
+  FSDP_RETURN_IF_ERROR(v.Check(
+      p.data_parallel_replicate_degree != -1 || p.data_parallel_shard_degree != -1,
+      "parallelism.data_parallel_replicate_degree",
+      "-1 needs a fixed parallelism.data_parallel_shard_degree; at most one of the two degrees "
+      "may be -1 (inferred from the world size)",
+      {"parallelism.data_parallel_shard_degree"}));
+  FSDP_RETURN_IF_ERROR(v.Check(ParseStrategy(p.strategy).ok(), "parallelism.strategy",
+                               NotValid(p.strategy, StrategyNames())));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      ReshardGroupSize(p.reshard_after_forward).value_or(1) >= 1,
+      "parallelism.reshard_after_forward",
+      NotValid(p.reshard_after_forward, {"default", "true", "false"},
+               "default, true, false, or a positive integer k (reshard to groups of k ranks)")));
+  std::optional<int64_t> min_params;
+  if (StartsWith(p.wrap_policy, "params:")) {
+    min_params = ParseInt<int64_t>(std::string_view(p.wrap_policy).substr(7));
+  }
+  FSDP_RETURN_IF_ERROR(v.Check(
+      p.wrap_policy == "block" || (min_params && *min_params >= 1), "parallelism.wrap_policy",
+      NotValid(p.wrap_policy, {"block"},
+               "block, params:N (children with >= N parameters, N >= 1)")));
+  FSDP_RETURN_IF_ERROR(
+      v.AtLeast<int64_t>("parallelism.max_unsharded_units", p.max_unsharded_units, 1));
+  return v.OneOf("parallelism.backend", p.backend, {"auto", "nccl", "gloo"});
+}
+
+absl::Status Validate(const RunConfig& c, const Locations& where) {
+  Validator v(where, c.source_file);
+  FSDP_RETURN_IF_ERROR(v.Check(!c.run.name.empty(), "run.name", "must not be empty"));
+  FSDP_RETURN_IF_ERROR(ValidateModel(c.model, v));
+  FSDP_RETURN_IF_ERROR(ValidateData(c.data, v));
+  FSDP_RETURN_IF_ERROR(ValidateTraining(c.training, v));
+  FSDP_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer, c.lr_scheduler, v));
+  FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
+  FSDP_RETURN_IF_ERROR(v.Positive("metrics.cpu_peak_flops", c.metrics.cpu_peak_flops));
+  return v.OneOf("metrics.progress_bar", c.metrics.progress_bar, {"auto", "on", "off"});
+}
+
+// Shortest round-trip text, with a '.' so that every YAML reader types it as a float
+// (1 -> 1.0, 1e-05 -> 1.0e-05).
+std::string FormatDouble(double value) {
+  std::string text = fmt::format("{}", value);
+  if (text.find('.') == std::string::npos) {
+    size_t exponent = text.find('e');
+    text.insert(exponent == std::string::npos ? text.size() : exponent, ".0");
+  }
+  return text;
+}
+
+std::string YamlScalar(const FieldRef& ref) {
+  if (auto* i = std::get_if<int64_t*>(&ref)) return StrCat(**i);
+  if (auto* d = std::get_if<double*>(&ref)) return FormatDouble(**d);
+  if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
+  YAML::Emitter out;
+  out << *std::get<std::string*>(ref);
+  return out.c_str();
+}
+
+int ClampToInt(int64_t value) {
+  return static_cast<int>(std::clamp<int64_t>(value, INT_MIN, INT_MAX));
+}
+
+}  // namespace
+
+// Either degree may be -1 (not both): it is inferred so that replicate x shard = world size.
+// DDP (no_shard) configs thus say shard 1, replicate -1, and fit any world size; FSDP configs
+// say replicate 1, shard -1.
+absl::Status RunConfig::ValidateForWorld(int world_size) const {
+  const ParallelismSection& p = parallelism;
+  absl::StatusOr<Strategy> strategy = ParseStrategy(p.strategy);
+  if (!strategy.ok()) {
+    return absl::InvalidArgumentError(
+        StrCat("parallelism.", std::string(strategy.status().message())));
+  }
+  std::string degrees =
+      StrCat("parallelism.data_parallel_replicate_degree=", p.data_parallel_replicate_degree,
+             ", parallelism.data_parallel_shard_degree=", p.data_parallel_shard_degree);
+  absl::StatusOr<MeshShape> mesh = ResolveMeshShape(
+      {"replicate", "shard"},
+      {ClampToInt(p.data_parallel_replicate_degree), ClampToInt(p.data_parallel_shard_degree)},
+      world_size);
+  if (!mesh.ok()) {
+    return absl::InvalidArgumentError(StrCat(degrees, ": ", std::string(mesh.status().message())));
+  }
+  int replicate = mesh->degrees[0];
+  int shard = mesh->degrees[1];
+  auto inferred = [&](int64_t given, int resolved) {
+    return given == -1 ? StrCat(resolved, " (inferred from world size ", world_size, ")")
+                       : StrCat(resolved);
+  };
+  const std::string& name = p.strategy;
+  switch (*strategy) {
+    case Strategy::kFullShard:
+    case Strategy::kShardGradOp:
+      if (replicate != 1) {
+        return absl::InvalidArgumentError(
+            StrCat("parallelism.data_parallel_replicate_degree=",
+                   inferred(p.data_parallel_replicate_degree, replicate),
+                   " does not fit strategy '", name, "' (it shards over all ranks); use ",
+                   *strategy == Strategy::kFullShard ? "hybrid_shard" : "hybrid_shard_zero2",
+                   ", or set the replicate degree to 1"));
+      }
+      break;
+    case Strategy::kNoShard:
+      if (shard != 1) {
+        return absl::InvalidArgumentError(
+            StrCat("parallelism.data_parallel_shard_degree=",
+                   inferred(p.data_parallel_shard_degree, shard), " does not fit strategy '", name,
+                   "' (it replicates over all ranks, like DDP); use hybrid_shard, or set the shard "
+                   "degree to 1 and the replicate degree to -1"));
+      }
+      break;
+    case Strategy::kHybridShard:
+    case Strategy::kHybridShardZero2:
+      if (replicate < 2) {
+        return absl::InvalidArgumentError(StrCat(
+            "parallelism.data_parallel_replicate_degree=",
+            inferred(p.data_parallel_replicate_degree, replicate), " does not fit strategy '", name,
+            "' (it replicates over groups of shards); set the replicate degree to 2 or "
+            "more, or use ",
+            *strategy == Strategy::kHybridShard ? "full_shard" : "shard_grad_op"));
+      }
+      break;
+  }
+  std::optional<int64_t> k = ReshardGroupSize(p.reshard_after_forward);
+  if (k && *k >= 1 && shard % *k != 0) {
+    return absl::InvalidArgumentError(
+        StrCat("parallelism.reshard_after_forward=", *k,
+               " must divide the shard degree, parallelism.data_parallel_shard_degree=",
+               inferred(p.data_parallel_shard_degree, shard)));
+  }
+  return absl::OkStatus();
+}
+
+std::string RunConfig::ToYaml() const {
+  RunConfig copy = *this;
+  std::string out = StrCat("# Resolved run configuration",
+                           source_file.empty() ? "" : StrCat(" (from ", source_file, ")"), "\n");
+  for (const Section& section : Sections(copy)) {
+    out += StrCat("\n", section.name, ":\n");
+    for (const Field& field : section.fields) {
+      out += StrCat("  ", field.name, ": ", YamlScalar(field.ref), "\n");
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std::string& name,
+                                         const std::vector<std::string>& overrides) {
+  RunConfig config;
+  config.source_file = name;
+  Locations where;
+  Parser parser(name, config);
+  FSDP_RETURN_IF_ERROR(parser.ParseDocument(yaml_text, where));
+  for (const std::string& item : overrides) {
+    FSDP_RETURN_IF_ERROR(parser.ApplyOverride(item, where));
+  }
+  FSDP_RETURN_IF_ERROR(Validate(config, where));
+  return config;
+}
+
+absl::StatusOr<RunConfig> LoadRunConfig(const std::string& path,
+                                        const std::vector<std::string>& overrides) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) {
+    return absl::NotFoundError(StrCat(path, ": no such config file"));
+  }
+  if (std::filesystem::is_directory(path, error)) {
+    return absl::InvalidArgumentError(StrCat(path, ": is a directory, not a YAML file"));
+  }
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::InvalidArgumentError(StrCat(path, ": cannot open the file"));
+  std::stringstream text;
+  text << file.rdbuf();
+  return ParseRunConfig(text.str(), path, overrides);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,135 @@
+// The run configuration: what `fsdp train CONFIG.yaml [--set section.key=value ...]` reads.
+//
+// Sections a torchtitan user recognises: run, model, data, training, optimizer, lr_scheduler,
+// parallelism, metrics. Parsing is strict: an unknown key, a wrong type or an invalid value is
+// kInvalidArgument naming the key path, the file and line, and what would be valid, with a
+// did-you-mean for misspelt keys, e.g.
+//   configs/x.yaml:12: training.stpes: unknown key; did you mean 'steps'? (valid: steps, ...)
+//   configs/x.yaml:7: model.dim: expected an integer, got 'big'
+//   --set training.steps=-3: training.steps: must be >= 1, got -3
+//
+//   absl::StatusOr<RunConfig> config = LoadRunConfig("configs/default.yaml", {"training.steps=50"});
+//   FSDP_RETURN_IF_ERROR(config->ValidateForWorld(world_size));   // degrees vs ranks
+//   std::string yaml = config->ToYaml();                           // the resolved config
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fsdp {
+
+struct RunSection {
+  std::string name = "default";
+  std::string dir = "runs/default";  // output folder: resolved config, metrics.jsonl
+  int64_t seed = 1234;
+};
+
+struct ModelSection {
+  std::string arch = "gpt";          // gpt | llama | mlp
+  int64_t vocab_size = 256;
+  int64_t dim = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t seq_len = 64;
+  int64_t ffn_hidden = 0;            // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
+  std::string norm = "layernorm";    // layernorm | rmsnorm
+  std::string activation = "gelu";   // gelu | swiglu
+  std::string positions = "learned";  // learned | rope
+  bool tie_embeddings = true;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+  bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
+};
+
+struct DataSection {
+  std::string source = "synthetic";  // synthetic | tokens | text
+  std::string path;                  // tokens: flat uint16/uint32 file; text: any file (bytes)
+  std::string token_dtype = "uint16";  // uint16 | uint32 (tokens)
+  double val_fraction = 0.05;        // held-out share of the data, at its end
+  int64_t synthetic_tokens = 1 << 20;  // length of the synthetic stream
+};
+
+struct TrainingSection {
+  int64_t steps = 200;
+  int64_t micro_batch_size = 8;      // sequences per rank per micro-batch
+  int64_t grad_accum_steps = 1;
+  double max_grad_norm = 1.0;        // <= 0: no clipping
+  std::string mixed_precision = "fp32";  // fp32 | bf16 (compute dtype)
+  std::string reduce_dtype = "fp32";     // fp32 | bf16 (gradient reduction)
+  std::string device = "auto";       // auto | cpu | cuda
+  std::string on_nonfinite = "stop";  // stop | skip
+  int64_t eval_interval = 50;        // steps; 0: never
+  int64_t eval_batches = 4;
+  int64_t log_interval = 10;
+};
+
+struct OptimizerSection {
+  std::string name = "adamw";  // adamw | adam | sgd
+  double lr = 3e-3;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double momentum = 0.9;  // sgd
+};
+
+struct LrSchedulerSection {
+  int64_t warmup_steps = 10;
+  std::string decay = "cosine";  // cosine | linear | constant
+  double min_lr = 3e-4;
+};
+
+struct ParallelismSection {
+  int64_t nproc = 0;  // ranks when `fsdp train` starts its own; 0: GPUs, or 2 CPU ranks
+  // Either degree may be -1 (inferred from the world size), not both.
+  int64_t data_parallel_replicate_degree = 1;
+  int64_t data_parallel_shard_degree = -1;
+  std::string strategy = "full_shard";
+  // "default" (from the strategy), "true", "false", or an integer k: keep shards over groups
+  // of k ranks after forward.
+  std::string reshard_after_forward = "default";
+  std::string wrap_policy = "block";  // block | params:<N> (children with >= N parameters)
+  int64_t max_unsharded_units = 2;
+  std::string backend = "auto";  // auto | nccl | gloo (for CUDA tensors; CPU is always gloo)
+};
+
+struct MetricsSection {
+  bool jsonl = true;              // <run.dir>/metrics.jsonl
+  double cpu_peak_flops = 1e11;   // per rank, for MFU on CPU (no table for CPUs)
+  std::string progress_bar = "auto";  // auto (on a terminal) | on | off
+};
+
+struct RunConfig {
+  std::string source_file;  // where it was read from
+  RunSection run;
+  ModelSection model;
+  DataSection data;
+  TrainingSection training;
+  OptimizerSection optimizer;
+  LrSchedulerSection lr_scheduler;
+  ParallelismSection parallelism;
+  MetricsSection metrics;
+
+  // Checks that need the world size: the degrees multiply to it (-1 inferred), and agree with
+  // the strategy (full_shard / shard_grad_op: replicate 1; no_shard: shard 1; hybrid:
+  // replicate >= 2).
+  absl::Status ValidateForWorld(int world_size) const;
+  // The resolved configuration as YAML (every key, defaults included).
+  std::string ToYaml() const;
+};
+
+// Reads `path`, applies `overrides` ("section.key=value", YAML scalars), checks every key,
+// type and value. kInvalidArgument with file:line (or the --set item) on any error; kNotFound
+// if the file does not exist.
+absl::StatusOr<RunConfig> LoadRunConfig(const std::string& path,
+                                        const std::vector<std::string>& overrides);
+// The same from YAML text (name is used in messages).
+absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std::string& name,
+                                         const std::vector<std::string>& overrides);
+
+}  // namespace fsdp

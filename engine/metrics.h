@@ -1,0 +1,43 @@
+// What the trainer reports: one JSON object per step in <run.dir>/metrics.jsonl, a fixed-field
+// line on rank 0's stdout every log interval, an optional progress bar on a terminal, and MFU
+// against a table of peak FLOP/s.
+//
+//   MetricsWriter writer(run_dir + "/metrics.jsonl");
+//   writer.Write({{"step", 1}, {"loss", 5.2}, ...});
+//   double peak = PeakFlopsPerDevice("NVIDIA H100 80GB HBM3", "bf16");   // 989e12
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+
+namespace fsdp {
+
+class MetricsWriter {
+ public:
+  // Opens (truncates) `path`; kFailedPrecondition naming the path if it cannot.
+  static absl::StatusOr<MetricsWriter> Open(const std::string& path);
+  MetricsWriter(MetricsWriter&& other) noexcept;
+  ~MetricsWriter();
+  // Appends one line and flushes it.
+  void Write(const nlohmann::json& record);
+
+ private:
+  MetricsWriter() = default;
+  std::FILE* file_ = nullptr;
+};
+
+// Dense peak FLOP/s of one GPU for the compute dtype ("bf16" or "fp32" = TF32), from its name
+// (cudaDeviceProp::name); 0 when unknown.
+double PeakFlopsPerDevice(const std::string& device_name, const std::string& dtype);
+
+// "[#########.........] 120/200 60% ETA 0:12" (no newline).
+std::string ProgressBar(int64_t done, int64_t total, double seconds_per_step, int width = 30);
+
+// "12.3 MiB"
+std::string HumanBytes(double bytes);
+
+}  // namespace fsdp

@@ -1,0 +1,201 @@
+#include "models/gpt.h"
+
+#include <cmath>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+
+#include "sharding/fsdp_model.h"
+
+namespace fsdp {
+namespace {
+
+torch::Tensor Param(torch::nn::Module& m, const std::string& name, std::vector<int64_t> shape) {
+  return m.register_parameter(name, DeferredTensor(shape));
+}
+
+torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return torch::nn::functional::linear(x, w, b.defined() ? b : torch::Tensor());
+}
+
+// Rotary embedding on pairs of the last dimension: x [batch, seq, heads, head_dim].
+torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  int64_t t = x.size(1);
+  auto c = cos.narrow(0, 0, t).view({1, t, 1, -1}).to(x.scalar_type());
+  auto s = sin.narrow(0, 0, t).view({1, t, 1, -1}).to(x.scalar_type());
+  auto pairs = x.unflatten(-1, {-1, 2});
+  auto x1 = pairs.select(-1, 0), x2 = pairs.select(-1, 1);
+  return torch::stack({x1 * c - x2 * s, x1 * s + x2 * c}, -1).flatten(-2);
+}
+
+}  // namespace
+
+int64_t GptConfig::ffn() const {
+  if (ffn_hidden > 0) return ffn_hidden;
+  if (activation == "swiglu") return (8 * dim / 3 + 63) / 64 * 64;
+  return 4 * dim;
+}
+
+NormImpl::NormImpl(const GptConfig& c) : rms(c.norm == "rmsnorm"), eps(c.norm_eps) {
+  weight = Param(*this, "weight", {c.dim});
+  if (!rms) bias = Param(*this, "bias", {c.dim});
+}
+
+torch::Tensor NormImpl::forward(const torch::Tensor& x) {
+  if (!rms) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  auto xf = x.to(at::kFloat);
+  auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return y.to(x.scalar_type()) * weight;
+}
+
+AttentionImpl::AttentionImpl(const GptConfig& c) : n_heads(c.n_heads), head_dim(c.head_dim()) {
+  wq = Param(*this, "wq", {c.dim, c.dim});
+  wk = Param(*this, "wk", {c.dim, c.dim});
+  wv = Param(*this, "wv", {c.dim, c.dim});
+  wo = Param(*this, "wo", {c.dim, c.dim});
+  if (c.biases()) {
+    bq = Param(*this, "bq", {c.dim});
+    bk = Param(*this, "bk", {c.dim});
+    bv = Param(*this, "bv", {c.dim});
+    bo = Param(*this, "bo", {c.dim});
+  }
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                     const torch::Tensor& sin) {
+  int64_t b = x.size(0), t = x.size(1);
+  auto q = Linear(x, wq, bq).view({b, t, n_heads, head_dim});
+  auto k = Linear(x, wk, bk).view({b, t, n_heads, head_dim});
+  auto v = Linear(x, wv, bv).view({b, t, n_heads, head_dim});
+  if (cos.defined()) {
+    q = Rotate(q, cos, sin);
+    k = Rotate(k, cos, sin);
+  }
+  auto y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                            v.transpose(1, 2), {}, 0.0, /*is_causal=*/true);
+  return Linear(y.transpose(1, 2).reshape({b, t, n_heads * head_dim}), wo, bo);
+}
+
+FeedForwardImpl::FeedForwardImpl(const GptConfig& c) : swiglu(c.activation == "swiglu") {
+  w1 = Param(*this, "w1", {c.ffn(), c.dim});
+  w2 = Param(*this, "w2", {c.dim, c.ffn()});
+  if (swiglu) w3 = Param(*this, "w3", {c.ffn(), c.dim});
+  if (c.biases()) {
+    b1 = Param(*this, "b1", {c.ffn()});
+    b2 = Param(*this, "b2", {c.dim});
+  }
+}
+
+torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
+  torch::Tensor h = swiglu ? torch::silu(Linear(x, w1, b1)) * Linear(x, w3, torch::Tensor())
+                           : torch::gelu(Linear(x, w1, b1), "tanh");
+  return Linear(h, w2, b2);
+}
+
+TransformerBlockImpl::TransformerBlockImpl(const GptConfig& c, const torch::Tensor& cos,
+                                           const torch::Tensor& sin)
+    : cos(cos), sin(sin) {
+  if (c.attention()) {
+    attention_norm = register_module("attention_norm", Norm(c));
+    attention = register_module("attention", Attention(c));
+  }
+  ffn_norm = register_module("ffn_norm", Norm(c));
+  feed_forward = register_module("feed_forward", FeedForward(c));
+}
+
+torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
+  return UnitForward(this, x, [&](const torch::Tensor& input) {
+    torch::Tensor h = input;
+    if (attention) h = h + attention->forward(attention_norm->forward(h), cos, sin);
+    return h + feed_forward->forward(ffn_norm->forward(h));
+  });
+}
+
+GptImpl::GptImpl(const GptConfig& c) : config(c) {
+  tok_embeddings = Param(*this, "tok_embeddings", {c.vocab_size, c.dim});
+  if (c.attention() && c.positions == "learned") {
+    pos_embeddings = Param(*this, "pos_embeddings", {c.seq_len, c.dim});
+  }
+  if (c.attention() && c.positions == "rope") {
+    int64_t half = c.head_dim() / 2;
+    auto inv = torch::pow(c.rope_theta, -torch::arange(half, torch::kDouble) * 2.0 / c.head_dim());
+    auto angles = torch::outer(torch::arange(c.seq_len, torch::kDouble), inv);
+    rope_cos = register_buffer("rope_cos", angles.cos().to(torch::kFloat));
+    rope_sin = register_buffer("rope_sin", angles.sin().to(torch::kFloat));
+  }
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layers; ++i) layers->push_back(TransformerBlock(c, rope_cos, rope_sin));
+  norm = register_module("norm", Norm(c));
+  if (!c.tie_embeddings) output = Param(*this, "output", {c.vocab_size, c.dim});
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+  return UnitForward(this, tokens, [&](const torch::Tensor& t) {
+    torch::Tensor h = at::embedding(tok_embeddings, t);
+    if (pos_embeddings.defined()) h = h + pos_embeddings.narrow(0, 0, t.size(1));
+    for (const auto& layer : *layers) h = layer->as<TransformerBlockImpl>()->forward(h);
+    h = norm->forward(h);
+    return torch::nn::functional::linear(h, output.defined() ? output : tok_embeddings);
+  });
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> GptImpl::FsdpUnits() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& layer : *layers) units.push_back(layer);
+  return units;
+}
+
+InitSpec GptImpl::InitSpecFor(const std::string& name) const {
+  auto ends_with = [&](const std::string& suffix) { return name.ends_with(suffix); };
+  if (name.find("norm.") != std::string::npos) {
+    return ends_with(".weight") ? InitSpec::Ones() : InitSpec::Zeros();
+  }
+  if (ends_with(".bq") || ends_with(".bk") || ends_with(".bv") || ends_with(".bo") ||
+      ends_with(".b1") || ends_with(".b2")) {
+    return InitSpec::Zeros();
+  }
+  // Projections into the residual stream are scaled down with depth (GPT-2).
+  if (ends_with(".wo") || ends_with(".w2")) {
+    return InitSpec::Normal(config.init_std / std::sqrt(2.0 * config.n_layers));
+  }
+  if (name == "pos_embeddings") return InitSpec::Normal(config.init_std / 2);
+  return InitSpec::Normal(config.init_std);
+}
+
+ParamInitFn GptImpl::ParamInit(uint64_t seed) const {
+  return SeededInit(seed, [this](const std::string& name) { return InitSpecFor(name); });
+}
+
+void GptImpl::MaterializeSeeded(uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    if (!IsDeferred(item.value())) continue;
+    std::vector<int64_t> shape(item.value().sizes().begin(), item.value().sizes().end());
+    item.value().set_data(SeededFull(seed, item.key(), shape, InitSpecFor(item.key())));
+  }
+}
+
+int64_t GptImpl::NumParameters() const {
+  std::set<const void*> seen;
+  int64_t n = 0;
+  for (const auto& p : parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  }
+  return n;
+}
+
+double GptImpl::FlopsPerToken() const {
+  // Matmul parameters: everything but the input embedding lookup (counted once when tied,
+  // since the head multiplies by it) and the learned positions.
+  double matmul = static_cast<double>(NumParameters());
+  if (!config.tie_embeddings) matmul -= static_cast<double>(tok_embeddings.numel());
+  if (pos_embeddings.defined()) matmul -= static_cast<double>(pos_embeddings.numel());
+  double attention = config.attention()
+                         ? 12.0 * config.n_layers * config.dim * config.seq_len
+                         : 0.0;
+  return 6.0 * matmul + attention;
+}
+
+}  // namespace fsdp

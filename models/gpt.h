@@ -1,0 +1,119 @@
+// A GPT / Llama-style decoder in libtorch's C++ frontend, and the token-wise MLP model used by
+// the smallest tests. Sizes and choices come from GptConfig (engine/ maps the YAML `model`
+// section onto it):
+//   token embedding, learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU MLP,
+//   causal attention through scaled_dot_product_attention, optional tied output projection.
+//
+// FSDP units: one per transformer block (FsdpUnits()); the root unit holds the embeddings, the
+// final norm and the head (the tied embedding/head pair must share a unit). Every forward goes
+// through fsdp::UnitForward, so the model also runs unchanged in one process.
+//
+// Initialisation: parameters are created without memory (fsdp::DeferredTensor); values are
+// then a function of (seed, name, element index) only (InitSpecFor + SeededInit): either each
+// rank creates its shards when wrapping (FsdpOptions::param_init = ParamInit(seed)) or a single
+// process materialises them all (MaterializeSeeded). Both give identical parameters.
+//
+//   Gpt model(GptConfig{.vocab_size = 256, .dim = 128, .n_layers = 4, .n_heads = 4});
+//   model->MaterializeSeeded(1234);                 // one process
+//   torch::Tensor logits = model->forward(tokens);  // [batch, seq, vocab]
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include "sharding/deferred_init.h"
+
+namespace fsdp {
+
+struct GptConfig {
+  std::string arch = "gpt";  // gpt (biases), llama (no biases), mlp (no attention)
+  int64_t vocab_size = 256;
+  int64_t dim = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t seq_len = 64;
+  int64_t ffn_hidden = 0;  // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
+  std::string norm = "layernorm";    // layernorm | rmsnorm
+  std::string activation = "gelu";   // gelu | swiglu
+  std::string positions = "learned";  // learned | rope
+  bool tie_embeddings = true;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t ffn() const;
+  bool attention() const { return arch != "mlp"; }
+  bool biases() const { return arch == "gpt" || arch == "mlp"; }
+};
+
+// LayerNorm (weight, bias) or RMSNorm (weight) over the last dimension.
+struct NormImpl : torch::nn::Module {
+  NormImpl(const GptConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  bool rms;
+  double eps;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Norm);
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const GptConfig& c);
+  // x: [batch, seq, dim]; rope: [seq_max, head_dim / 2] cos and sin tables, or undefined.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  int64_t n_heads, head_dim;
+  torch::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
+};
+TORCH_MODULE(Attention);
+
+struct FeedForwardImpl : torch::nn::Module {
+  explicit FeedForwardImpl(const GptConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  bool swiglu;
+  torch::Tensor w1, w2, w3, b1, b2;
+};
+TORCH_MODULE(FeedForward);
+
+struct TransformerBlockImpl : torch::nn::Module {
+  TransformerBlockImpl(const GptConfig& c, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor forward(const torch::Tensor& x);  // an FSDP unit
+  Norm attention_norm{nullptr}, ffn_norm{nullptr};
+  Attention attention{nullptr};
+  FeedForward feed_forward{nullptr};
+  torch::Tensor cos, sin;  // shared rope tables (not registered here: the root's buffers)
+};
+TORCH_MODULE(TransformerBlock);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const GptConfig& config);
+  // tokens: [batch, seq] int64 -> logits [batch, seq, vocab].
+  torch::Tensor forward(const torch::Tensor& tokens);
+
+  // The modules that become FSDP units (the transformer blocks).
+  std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const;
+  // How each parameter is initialised (by its state-dict name).
+  InitSpec InitSpecFor(const std::string& name) const;
+  // FsdpOptions::param_init for deferred parameters.
+  ParamInitFn ParamInit(uint64_t seed) const;
+  // Gives every deferred parameter its seeded values (single process, no sharding).
+  void MaterializeSeeded(uint64_t seed);
+  // Training FLOPs per token (forward + backward): 6 x matmul parameters + 12 x layers x
+  // dim x seq_len for attention scores (the PaLM / nanoGPT estimate). See docs/models.md.
+  double FlopsPerToken() const;
+  int64_t NumParameters() const;  // each tensor once
+
+  GptConfig config;
+  torch::Tensor tok_embeddings, pos_embeddings, output;  // output undefined when tied
+  torch::Tensor rope_cos, rope_sin;                      // buffers (rope only)
+  torch::nn::ModuleList layers{nullptr};
+  Norm norm{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+}  // namespace fsdp

@@ -1,0 +1,564 @@
+#include "engine/data.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/strings.h"
+#include "engine/config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace fsdp {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using testing::InvalidArgumentWith;
+
+MATCHER_P2(StatusIs, code, message_matcher,
+           "has code " + ::testing::PrintToString(code) + " and a message that " +
+               ::testing::DescribeMatcher<std::string>(message_matcher)) {
+  const absl::Status& status = testing::StatusOf(arg);
+  if (status.code() != code) {
+    *result_listener << "status is " << status.ToString();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(message_matcher, std::string(status.message()),
+                                       result_listener);
+}
+
+// Token i is i: a window's first input tells which window it is.
+class IotaDataset : public TokenDataset {
+ public:
+  explicit IotaDataset(int64_t size) : size_(size) {}
+  int64_t size() const override { return size_; }
+  int64_t vocab_size() const override { return size_; }
+  void Read(int64_t begin, int64_t count, int64_t* out) const override {
+    ASSERT_LE(begin + count, size_);
+    for (int64_t i = 0; i < count; ++i) out[i] = begin + i;
+  }
+  std::string Describe() const override { return "iota"; }
+
+ private:
+  int64_t size_;
+};
+
+std::vector<int64_t> ToVector(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+std::vector<int64_t> ReadAll(const TokenDataset& dataset) {
+  std::vector<int64_t> tokens(dataset.size());
+  dataset.Read(0, dataset.size(), tokens.data());
+  return tokens;
+}
+
+// The training windows (index = first input / seq_len) of `batch`, one per row.
+std::vector<int64_t> WindowsOf(const Batch& batch, int64_t seq_len) {
+  std::vector<int64_t> inputs = ToVector(batch.inputs);
+  std::vector<int64_t> windows;
+  for (size_t i = 0; i < inputs.size(); i += seq_len) windows.push_back(inputs[i] / seq_len);
+  return windows;
+}
+
+// Every rank's windows of the current global batch, in (micro-step, rank) order.
+std::vector<int64_t> GlobalBatchWindows(const TokenDataset& dataset, LoaderOptions options,
+                                        const DataPosition& position) {
+  std::vector<int64_t> windows;
+  for (int m = 0; m < options.grad_accum; ++m) {
+    for (int r = 0; r < options.dp_size; ++r) {
+      options.dp_rank = r;
+      absl::StatusOr<DataLoader> loader = DataLoader::Create(dataset, options);
+      EXPECT_TRUE(loader.ok()) << loader.status();
+      loader->set_position(position);
+      std::vector<int64_t> w = WindowsOf(loader->Get(m), options.seq_len);
+      windows.insert(windows.end(), w.begin(), w.end());
+    }
+  }
+  return windows;
+}
+
+DataSection Synthetic(int64_t tokens) {
+  DataSection data;
+  data.source = "synthetic";
+  data.synthetic_tokens = tokens;
+  return data;
+}
+
+std::unique_ptr<TokenDataset> OpenOrDie(const DataSection& data, int64_t vocab, uint64_t seed) {
+  absl::StatusOr<std::unique_ptr<TokenDataset>> dataset = OpenDataset(data, vocab, seed);
+  EXPECT_TRUE(dataset.ok()) << dataset.status();
+  return dataset.ok() ? std::move(*dataset) : nullptr;
+}
+
+std::string TempPath(const std::string& name) {
+  return StrCat(::testing::TempDir(), "fsdp_data_test_", ::getpid(), "_", name);
+}
+
+std::string WriteBytes(const std::string& name, const std::string& bytes) {
+  const std::string path = TempPath(name);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  return path;
+}
+
+template <typename Int>
+std::string LittleEndian(const std::vector<int64_t>& ids) {
+  std::string bytes;
+  for (int64_t id : ids) {
+    for (size_t b = 0; b < sizeof(Int); ++b) bytes.push_back(static_cast<char>(id >> (8 * b)));
+  }
+  return bytes;
+}
+
+DataSection TokensFile(const std::string& path, const std::string& dtype) {
+  DataSection data;
+  data.source = "tokens";
+  data.path = path;
+  data.token_dtype = dtype;
+  return data;
+}
+
+// --- Synthetic source ---------------------------------------------------------------------------
+
+TEST(SyntheticDataTest, SameSeedSameTokensDifferentSeedDifferentTokens) {
+  std::unique_ptr<TokenDataset> a = OpenOrDie(Synthetic(10000), 256, 7);
+  std::unique_ptr<TokenDataset> b = OpenOrDie(Synthetic(10000), 256, 7);
+  std::unique_ptr<TokenDataset> c = OpenOrDie(Synthetic(10000), 256, 8);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(a->size(), 10000);
+  EXPECT_EQ(a->vocab_size(), 256);
+  EXPECT_EQ(a->Describe(), "synthetic, 10000 tokens, vocab 256");
+  EXPECT_EQ(ReadAll(*a), ReadAll(*b));
+  EXPECT_NE(ReadAll(*a), ReadAll(*c));
+  std::vector<int64_t> tokens = ReadAll(*a);
+  EXPECT_GE(*std::min_element(tokens.begin(), tokens.end()), 0);
+  EXPECT_LT(*std::max_element(tokens.begin(), tokens.end()), 256);
+  EXPECT_GT(std::set<int64_t>(tokens.begin(), tokens.end()).size(), 200u);
+
+  std::vector<int64_t> middle(5);
+  a->Read(100, 5, middle.data());
+  EXPECT_THAT(middle, ElementsAreArray(tokens.begin() + 100, tokens.begin() + 105));
+}
+
+TEST(SyntheticDataTest, LargeVocabStaysInRange) {
+  std::unique_ptr<TokenDataset> data = OpenOrDie(Synthetic(50000), 50304, 1);
+  ASSERT_TRUE(data);
+  std::vector<int64_t> tokens = ReadAll(*data);
+  EXPECT_LT(*std::max_element(tokens.begin(), tokens.end()), 50304);
+  EXPECT_GT(*std::max_element(tokens.begin(), tokens.end()), 40000);
+}
+
+// Cross-entropy of the second half under order-2 counts of the first half (additive smoothing):
+// an estimate from above of what a model can reach, far below log(vocab).
+double HeldOutCrossEntropy(const std::vector<int64_t>& tokens, int64_t vocab) {
+  const size_t half = tokens.size() / 2;
+  std::unordered_map<int64_t, std::unordered_map<int64_t, double>> counts;
+  std::unordered_map<int64_t, double> totals;
+  for (size_t i = 2; i < half; ++i) {
+    const int64_t context = tokens[i - 2] * vocab + tokens[i - 1];
+    counts[context][tokens[i]] += 1;
+    totals[context] += 1;
+  }
+  constexpr double kAlpha = 0.01;
+  double nats = 0;
+  for (size_t i = half; i < tokens.size(); ++i) {
+    const int64_t context = tokens[i - 2] * vocab + tokens[i - 1];
+    auto seen = counts.find(context);
+    double count = 0;
+    double total = 0;
+    if (seen != counts.end()) {
+      auto token = seen->second.find(tokens[i]);
+      count = token == seen->second.end() ? 0.0 : token->second;
+      total = totals[context];
+    }
+    nats -= std::log((count + kAlpha) / (total + kAlpha * vocab));
+  }
+  return nats / static_cast<double>(tokens.size() - half);
+}
+
+TEST(SyntheticDataTest, StreamIsLearnable) {
+  std::unique_ptr<TokenDataset> data = OpenOrDie(Synthetic(1 << 21), 256, 1234);
+  ASSERT_TRUE(data);
+  const double entropy = HeldOutCrossEntropy(ReadAll(*data), 256);
+  EXPECT_LT(entropy, std::log(256.0) - 1.0);
+
+  // The estimate itself does not go below log(vocab) on a stream with no structure.
+  std::vector<int64_t> noise(1 << 16);
+  uint64_t x = 1;
+  for (int64_t& t : noise) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    t = static_cast<int64_t>(x >> 56);
+  }
+  EXPECT_GT(HeldOutCrossEntropy(noise, 256), std::log(256.0));
+}
+
+TEST(SyntheticDataTest, RejectsBadSettings) {
+  EXPECT_THAT(OpenDataset(Synthetic(0), 256, 1),
+              InvalidArgumentWith(HasSubstr("data.synthetic_tokens")));
+  EXPECT_THAT(OpenDataset(Synthetic(100), 0, 1),
+              InvalidArgumentWith(HasSubstr("model.vocab_size")));
+  DataSection data = Synthetic(100);
+  data.source = "parquet";
+  EXPECT_THAT(
+      OpenDataset(data, 256, 1),
+      InvalidArgumentWith("data.source: expected synthetic, tokens or text, got 'parquet'"));
+}
+
+// --- Token and text files -----------------------------------------------------------------------
+
+TEST(TokenFileDataTest, ReadsUint16File) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 1000; ++i) ids.push_back((i * 7919) % 50304);
+  const std::string path = WriteBytes("u16.bin", LittleEndian<uint16_t>(ids));
+  std::unique_ptr<TokenDataset> data = OpenOrDie(TokensFile(path, "uint16"), 50304, 1);
+  ASSERT_TRUE(data);
+  EXPECT_EQ(data->size(), 1000);
+  EXPECT_EQ(data->vocab_size(), 50304);
+  EXPECT_EQ(data->Describe(), StrCat("tokens '", path, "', 1000 tokens (uint16), vocab 50304"));
+  EXPECT_EQ(ReadAll(*data), ids);
+
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(*data, {.seq_len = 10, .micro_batch = 2, .val_fraction = 0.1});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  std::vector<int64_t> inputs = ToVector(loader->Get(0).inputs);
+  std::vector<int64_t> targets = ToVector(loader->Get(0).targets);
+  for (int row = 0; row < 2; ++row) {
+    auto start = std::find(ids.begin(), ids.end(), inputs[row * 10]) - ids.begin();
+    ASSERT_EQ(start % 10, 0);
+    for (int j = 0; j < 10; ++j) {
+      EXPECT_EQ(inputs[row * 10 + j], ids[start + j]);
+      EXPECT_EQ(targets[row * 10 + j], ids[start + j + 1]);
+    }
+  }
+  ::unlink(path.c_str());
+}
+
+TEST(TokenFileDataTest, ReadsUint32File) {
+  const std::vector<int64_t> ids = {0, 1, 70000, 65536, 99999, 3, 255, 256};
+  const std::string path = WriteBytes("u32.bin", LittleEndian<uint32_t>(ids));
+  std::unique_ptr<TokenDataset> data = OpenOrDie(TokensFile(path, "uint32"), 100000, 1);
+  ASSERT_TRUE(data);
+  EXPECT_EQ(data->size(), 8);
+  EXPECT_EQ(ReadAll(*data), ids);
+  std::vector<int64_t> part(3);
+  data->Read(2, 3, part.data());
+  EXPECT_THAT(part, ElementsAre(70000, 65536, 99999));
+  ::unlink(path.c_str());
+}
+
+TEST(TokenFileDataTest, ReportsEveryFileError) {
+  const std::string missing = TempPath("missing.bin");
+  EXPECT_THAT(
+      OpenDataset(TokensFile(missing, "uint16"), 50304, 1),
+      StatusIs(absl::StatusCode::kNotFound, StrCat("data.path '", missing, "': no such file")));
+
+  const std::string odd = WriteBytes("odd.bin", std::string(7, '\1'));
+  EXPECT_THAT(OpenDataset(TokensFile(odd, "uint16"), 50304, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat("data.path '", odd,
+                              "': size 7 bytes is not a multiple of 2 (uint16 tokens)")));
+  const std::string six = WriteBytes("six.bin", std::string(6, '\1'));
+  EXPECT_THAT(
+      OpenDataset(TokensFile(six, "uint32"), 50304, 1),
+      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(six), HasSubstr("size 6 bytes"))));
+
+  const std::string empty = WriteBytes("empty.bin", "");
+  EXPECT_THAT(OpenDataset(TokensFile(empty, "uint16"), 50304, 1),
+              StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(empty), HasSubstr("empty"))));
+
+  const std::string big_id = WriteBytes("big.bin", LittleEndian<uint32_t>({5, 6, 70000, 7}));
+  EXPECT_THAT(OpenDataset(TokensFile(big_id, "uint32"), 50304, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat("data.path '", big_id,
+                              "': token id 70000 at position 2 is >= model.vocab_size 50304")));
+
+  // Past the first 64K tokens: found in the sampled tail.
+  std::vector<int64_t> long_ids(200000, 1);
+  long_ids[199990] = 1000;
+  const std::string tail = WriteBytes("tail.bin", LittleEndian<uint16_t>(long_ids));
+  EXPECT_THAT(OpenDataset(TokensFile(tail, "uint16"), 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("token id 1000 at position 199990 is >= model.vocab_size 512")));
+
+  EXPECT_THAT(OpenDataset(TokensFile(odd, "int8"), 50304, 1),
+              InvalidArgumentWith("data.token_dtype: expected uint16 or uint32, got 'int8'"));
+  EXPECT_THAT(OpenDataset(TokensFile("", "uint16"), 50304, 1),
+              InvalidArgumentWith(HasSubstr("data.path")));
+  EXPECT_THAT(OpenDataset(TokensFile(::testing::TempDir(), "uint16"), 50304, 1),
+              InvalidArgumentWith(HasSubstr("not a regular file")));
+  for (const std::string& path : {odd, six, empty, big_id, tail}) ::unlink(path.c_str());
+}
+
+TEST(TextFileDataTest, ReadsBytesAsTokens) {
+  const std::string text = "hello, world\n\xff\x01";
+  const std::string path = WriteBytes("text.txt", text);
+  DataSection section;
+  section.source = "text";
+  section.path = path;
+  std::unique_ptr<TokenDataset> data = OpenOrDie(section, 512, 1);
+  ASSERT_TRUE(data);
+  EXPECT_EQ(data->vocab_size(), 256);
+  EXPECT_EQ(data->size(), static_cast<int64_t>(text.size()));
+  EXPECT_EQ(data->Describe(), StrCat("text '", path, "', 15 bytes, vocab 256"));
+  std::vector<int64_t> expected;
+  for (char c : text) expected.push_back(static_cast<unsigned char>(c));
+  EXPECT_EQ(ReadAll(*data), expected);
+
+  EXPECT_THAT(OpenDataset(section, 100, 1),
+              InvalidArgumentWith(AllOf(HasSubstr("model.vocab_size >= 256"), HasSubstr("100"))));
+  const std::string empty = WriteBytes("empty.txt", "");
+  section.path = empty;
+  EXPECT_THAT(OpenDataset(section, 256, 1),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(empty)));
+  ::unlink(path.c_str());
+  ::unlink(empty.c_str());
+}
+
+// --- DataLoader ---------------------------------------------------------------------------------
+
+TEST(DataLoaderTest, TargetsAreInputsShiftedByOne) {
+  IotaDataset data(10000);
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(data, {.seq_len = 16, .micro_batch = 4, .grad_accum = 2, .seed = 3});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  for (int m = 0; m < 2; ++m) {
+    Batch batch = loader->Get(m);
+    EXPECT_THAT(batch.inputs.sizes(), ElementsAre(4, 16));
+    EXPECT_THAT(batch.targets.sizes(), ElementsAre(4, 16));
+    EXPECT_EQ(batch.inputs.scalar_type(), at::kLong);
+    EXPECT_EQ(batch.targets.scalar_type(), at::kLong);
+    EXPECT_TRUE(batch.inputs.device().is_cpu());
+    std::vector<int64_t> inputs = ToVector(batch.inputs);
+    std::vector<int64_t> targets = ToVector(batch.targets);
+    for (int row = 0; row < 4; ++row) {
+      EXPECT_EQ(inputs[row * 16] % 16, 0) << "windows start at multiples of seq_len";
+      for (int j = 0; j < 16; ++j) {
+        EXPECT_EQ(inputs[row * 16 + j], inputs[row * 16] + j);
+        EXPECT_EQ(targets[row * 16 + j], inputs[row * 16 + j] + 1);
+      }
+    }
+  }
+}
+
+TEST(DataLoaderTest, SameSeedSameBatchesDifferentSeedDifferent) {
+  std::unique_ptr<TokenDataset> data = OpenOrDie(Synthetic(1 << 16), 256, 5);
+  ASSERT_TRUE(data);
+  LoaderOptions options{.seq_len = 32, .micro_batch = 4, .seed = 11};
+  absl::StatusOr<DataLoader> a = DataLoader::Create(*data, options);
+  absl::StatusOr<DataLoader> b = DataLoader::Create(*data, options);
+  options.seed = 12;
+  absl::StatusOr<DataLoader> c = DataLoader::Create(*data, options);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  bool any_different = false;
+  for (int step = 0; step < 5; ++step) {
+    EXPECT_EQ(ToVector(a->Get(0).inputs), ToVector(b->Get(0).inputs));
+    EXPECT_EQ(ToVector(a->Get(0).targets), ToVector(b->Get(0).targets));
+    any_different |= ToVector(a->Get(0).inputs) != ToVector(c->Get(0).inputs);
+    a->Advance();
+    b->Advance();
+    c->Advance();
+  }
+  EXPECT_TRUE(any_different);
+}
+
+TEST(DataLoaderTest, RanksGetDistinctWindowsThatMakeUpTheGlobalBatch) {
+  IotaDataset data(16 * 500 + 1);
+  const LoaderOptions options{
+      .seq_len = 16, .micro_batch = 2, .grad_accum = 3, .dp_size = 4, .seed = 9, .val_fraction = 0};
+  absl::StatusOr<DataLoader> single =
+      DataLoader::Create(data, {.seq_len = 16, .micro_batch = 24, .seed = 9, .val_fraction = 0});
+  ASSERT_TRUE(single.ok());
+  for (int64_t b : {0, 1, 7}) {
+    std::vector<int64_t> windows = GlobalBatchWindows(data, options, {.epoch = 0, .batch = b});
+    ASSERT_EQ(windows.size(), 24u);
+    EXPECT_EQ(std::set<int64_t>(windows.begin(), windows.end()).size(), 24u);
+    // The same windows in the same order as one rank taking the whole global batch.
+    single->set_position({.epoch = 0, .batch = b});
+    EXPECT_EQ(windows, WindowsOf(single->Get(0), 16));
+  }
+  // Sharded differently, same global batch size: same batches.
+  const LoaderOptions other{
+      .seq_len = 16, .micro_batch = 6, .grad_accum = 1, .dp_size = 4, .seed = 9, .val_fraction = 0};
+  EXPECT_EQ(GlobalBatchWindows(data, options, {.epoch = 2, .batch = 3}),
+            GlobalBatchWindows(data, other, {.epoch = 2, .batch = 3}));
+}
+
+TEST(DataLoaderTest, EpochsCoverEveryWindowOnceInANewOrder) {
+  IotaDataset data(8 * 64 + 1);  // 64 windows of seq_len 8
+  absl::StatusOr<DataLoader> loader = DataLoader::Create(
+      data, {.seq_len = 8, .micro_batch = 4, .grad_accum = 2, .seed = 1, .val_fraction = 0});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  ASSERT_EQ(loader->batches_per_epoch(), 8);
+  std::vector<std::vector<int64_t>> epochs(3);
+  for (int64_t e = 0; e < 3; ++e) {
+    for (int64_t b = 0; b < 8; ++b) {
+      EXPECT_EQ(loader->position().epoch, e);
+      EXPECT_EQ(loader->position().batch, b);
+      for (int m = 0; m < 2; ++m) {
+        std::vector<int64_t> w = WindowsOf(loader->Get(m), 8);
+        epochs[e].insert(epochs[e].end(), w.begin(), w.end());
+      }
+      loader->Advance();
+    }
+  }
+  std::vector<int64_t> all(64);
+  for (int64_t i = 0; i < 64; ++i) all[i] = i;
+  for (const std::vector<int64_t>& order : epochs) {
+    std::vector<int64_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(sorted, all);
+  }
+  EXPECT_NE(epochs[0], epochs[1]);
+  EXPECT_NE(epochs[1], epochs[2]);
+  EXPECT_NE(epochs[0], all);
+}
+
+TEST(DataLoaderTest, DropsTheRemainderOfAnEpoch) {
+  IotaDataset data(8 * 67 + 1);  // 67 windows, global batch 8
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(data, {.seq_len = 8, .micro_batch = 8, .seed = 2, .val_fraction = 0});
+  ASSERT_TRUE(loader.ok());
+  EXPECT_EQ(loader->batches_per_epoch(), 8);
+  std::set<int64_t> seen;
+  for (int b = 0; b < 8; ++b) {
+    for (int64_t w : WindowsOf(loader->Get(0), 8)) EXPECT_TRUE(seen.insert(w).second) << w;
+    loader->Advance();
+  }
+  EXPECT_EQ(seen.size(), 64u);
+  EXPECT_EQ(loader->position().epoch, 1);
+}
+
+TEST(DataLoaderTest, ResumesExactlyFromAPosition) {
+  std::unique_ptr<TokenDataset> data = OpenOrDie(Synthetic(20000), 256, 4);
+  ASSERT_TRUE(data);
+  const LoaderOptions options{
+      .seq_len = 16, .micro_batch = 4, .grad_accum = 2, .dp_rank = 1, .dp_size = 2, .seed = 7};
+  absl::StatusOr<DataLoader> run = DataLoader::Create(*data, options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const int64_t per_epoch = run->batches_per_epoch();
+  ASSERT_GT(per_epoch, 10);
+  for (int64_t k : {int64_t{0}, int64_t{3}, per_epoch - 1, per_epoch + 5}) {
+    absl::StatusOr<DataLoader> original = DataLoader::Create(*data, options);
+    ASSERT_TRUE(original.ok());
+    for (int64_t i = 0; i < k; ++i) original->Advance();
+    absl::StatusOr<DataLoader> resumed = DataLoader::Create(*data, options);
+    ASSERT_TRUE(resumed.ok());
+    resumed->set_position(original->position());
+    EXPECT_EQ(resumed->position().epoch, original->position().epoch);
+    EXPECT_EQ(resumed->position().batch, original->position().batch);
+    for (int step = 0; step < 4; ++step) {
+      for (int m = 0; m < 2; ++m) {
+        EXPECT_EQ(ToVector(resumed->Get(m).inputs), ToVector(original->Get(m).inputs)) << k;
+        EXPECT_EQ(ToVector(resumed->Get(m).targets), ToVector(original->Get(m).targets)) << k;
+      }
+      original->Advance();
+      resumed->Advance();
+    }
+  }
+  // Going back to an earlier epoch re-derives its permutation.
+  absl::StatusOr<DataLoader> fresh = DataLoader::Create(*data, options);
+  ASSERT_TRUE(fresh.ok());
+  std::vector<int64_t> first = ToVector(fresh->Get(0).inputs);
+  fresh->set_position({.epoch = 3, .batch = 2});
+  fresh->set_position({.epoch = 0, .batch = 0});
+  EXPECT_EQ(ToVector(fresh->Get(0).inputs), first);
+}
+
+TEST(DataLoaderTest, HeldOutWindowsNeverAppearInTraining) {
+  IotaDataset data(10000);
+  LoaderOptions options{
+      .seq_len = 10, .micro_batch = 3, .dp_size = 2, .seed = 1, .val_fraction = 0.1};
+  absl::StatusOr<DataLoader> loader = DataLoader::Create(data, options);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  // The last 1000 tokens: 99 windows, 16 batches of 2 ranks x 3.
+  EXPECT_EQ(loader->batches_per_epoch(), 899 / 6);
+  EXPECT_EQ(loader->num_val_batches(), 16);
+  for (int64_t b = 0; b < 2 * loader->batches_per_epoch(); ++b) {
+    for (int r = 0; r < 2; ++r) {
+      options.dp_rank = r;
+      absl::StatusOr<DataLoader> rank = DataLoader::Create(data, options);
+      rank->set_position(loader->position());
+      for (int64_t t : ToVector(rank->Get(0).targets)) ASSERT_LT(t, 9000);
+    }
+    loader->Advance();
+  }
+  std::set<int64_t> val_windows;
+  for (int64_t v = 0; v < loader->num_val_batches(); ++v) {
+    for (int r = 0; r < 2; ++r) {
+      options.dp_rank = r;
+      absl::StatusOr<DataLoader> rank = DataLoader::Create(data, options);
+      Batch batch = rank->ValBatch(v);
+      EXPECT_EQ(ToVector(batch.inputs), ToVector(rank->ValBatch(v).inputs));
+      for (int64_t t : ToVector(batch.inputs)) EXPECT_GE(t, 9000);
+      for (int64_t w : WindowsOf(batch, 10)) EXPECT_TRUE(val_windows.insert(w).second) << w;
+      EXPECT_EQ(ToVector(batch.targets)[0], ToVector(batch.inputs)[0] + 1);
+    }
+  }
+  EXPECT_EQ(val_windows.size(), 96u);
+  EXPECT_EQ(*val_windows.begin(), 900);
+}
+
+TEST(DataLoaderTest, HoldsOutAtLeastOneWindow) {
+  IotaDataset data(64 * 40 + 1);
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(data, {.seq_len = 64, .micro_batch = 1, .val_fraction = 0.001});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  // 65 tokens held out (one window), so the training part ends one token short of window 38.
+  EXPECT_EQ(loader->num_val_batches(), 1);
+  EXPECT_EQ(loader->batches_per_epoch(), 38);
+  absl::StatusOr<DataLoader> none =
+      DataLoader::Create(data, {.seq_len = 64, .micro_batch = 1, .val_fraction = 0});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->num_val_batches(), 0);
+  EXPECT_EQ(none->batches_per_epoch(), 40);
+}
+
+TEST(DataLoaderTest, TooShortDataIsAnError) {
+  IotaDataset data(1000);
+  EXPECT_THAT(
+      DataLoader::Create(
+          data,
+          {.seq_len = 64, .micro_batch = 8, .grad_accum = 1, .dp_size = 4, .val_fraction = 0}),
+      InvalidArgumentWith("data: 1000 tokens give 15 training windows of seq_len 64, "
+                          "fewer than one global batch of 32 (dp 4 x micro_batch 8 x "
+                          "grad_accum 1)"));
+  EXPECT_THAT(DataLoader::Create(data, {.seq_len = 64, .micro_batch = 15, .val_fraction = 0.05}),
+              InvalidArgumentWith("data: 1000 tokens give 14 training windows of seq_len 64 "
+                                  "(after holding out the last 65 tokens for validation), fewer "
+                                  "than one global batch of 15 (dp 1 x micro_batch 15 x "
+                                  "grad_accum 1)"));
+  IotaDataset tiny(50);
+  EXPECT_THAT(DataLoader::Create(tiny, {.seq_len = 64, .micro_batch = 1}),
+              InvalidArgumentWith(HasSubstr("50 tokens give 0 training windows")));
+}
+
+TEST(DataLoaderTest, RejectsBadOptions) {
+  IotaDataset data(10000);
+  EXPECT_THAT(DataLoader::Create(data, {.dp_rank = 2, .dp_size = 2}),
+              InvalidArgumentWith(HasSubstr("dp_rank 2")));
+  EXPECT_THAT(DataLoader::Create(data, {.seq_len = 0}), InvalidArgumentWith(HasSubstr("seq_len")));
+  EXPECT_THAT(DataLoader::Create(data, {.val_fraction = 1.0}),
+              InvalidArgumentWith(HasSubstr("data.val_fraction")));
+}
+
+}  // namespace
+}  // namespace fsdp

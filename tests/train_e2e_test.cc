@@ -1,0 +1,145 @@
+// `fsdp train` end to end: every strategy's per-step losses on 2 and 4 CPU ranks equal the
+// 1-rank run's at the same global batch; the default config's loss falls; errors exit cleanly;
+// the example program trains on 2 ranks.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/strings.h"
+#include "tests/multirank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::CommandResult;
+using testing::FsdpBinary;
+using testing::RunCommand;
+
+std::string SourceDir() {
+  return std::filesystem::path(__FILE__).parent_path().parent_path().string();
+}
+
+struct TrainRun {
+  CommandResult result;
+  std::vector<double> losses;
+  std::vector<nlohmann::json> records;
+};
+
+TrainRun Train(const std::string& config, std::vector<std::string> sets, const std::string& tag) {
+  std::string dir = StrCat("/tmp/fsdp-e2e-", getpid(), "-", tag);
+  std::filesystem::remove_all(dir);
+  std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/" + config,
+                                   "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off"};
+  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
+  TrainRun run;
+  run.result = RunCommand(argv, {}, std::chrono::seconds(240));
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json record = nlohmann::json::parse(line);
+    if (record.contains("loss")) {  // JSON has no NaN: non-finite values are written as null
+      run.losses.push_back(record["loss"].is_null() ? std::nan("") : record["loss"].get<double>());
+    }
+    run.records.push_back(record);
+  }
+  std::filesystem::remove_all(dir);
+  return run;
+}
+
+std::vector<std::string> Common(int world, int global_batch = 8) {
+  return {"training.steps=6", "training.log_interval=3", "training.eval_interval=0",
+          StrCat("parallelism.nproc=", world),
+          StrCat("training.micro_batch_size=", global_batch / world),
+          "training.grad_accum_steps=2"};
+}
+
+struct StrategyCase {
+  std::string config;
+  int world;
+};
+void PrintTo(const StrategyCase& c, std::ostream* os) { *os << c.config << "@" << c.world; }
+
+class TrainStrategyTest : public ::testing::TestWithParam<StrategyCase> {};
+
+TEST_P(TrainStrategyTest, LossesEqualTheOneRankRun) {
+  const StrategyCase c = GetParam();
+  std::vector<std::string> one = Common(1);
+  one.insert(one.end(), {"parallelism.strategy=full_shard",
+                         "parallelism.data_parallel_replicate_degree=1",
+                         "parallelism.data_parallel_shard_degree=-1"});
+  TrainRun reference = Train(c.config, one, "ref");
+  ASSERT_TRUE(reference.result.exit.ok()) << reference.result.Output();
+  TrainRun run = Train(c.config, Common(c.world), StrCat("w", c.world));
+  ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
+  ASSERT_EQ(run.losses.size(), 6u) << run.result.Output();
+  ASSERT_EQ(reference.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_NEAR(run.losses[i], reference.losses[i], 2e-5 * reference.losses[i])
+        << "step " << i + 1;
+  }
+  // Every step's record has the fields a dashboard reads.
+  for (const char* key : {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu",
+                          "peak_mem_bytes"}) {
+    EXPECT_TRUE(run.records.at(0).contains(key)) << key;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, TrainStrategyTest,
+                         ::testing::Values(StrategyCase{"full_shard.yaml", 2},
+                                           StrategyCase{"full_shard.yaml", 4},
+                                           StrategyCase{"shard_grad_op.yaml", 2},
+                                           StrategyCase{"shard_grad_op.yaml", 4},
+                                           StrategyCase{"ddp.yaml", 2},
+                                           StrategyCase{"ddp.yaml", 4},
+                                           StrategyCase{"hybrid_shard.yaml", 4}),
+                         [](const ::testing::TestParamInfo<StrategyCase>& info) {
+                           std::string name = info.param.config.substr(0, info.param.config.find('.'));
+                           return StrCat(name, "_w", info.param.world);
+                         });
+
+TEST(TrainTest, DefaultConfigLossFalls) {
+  TrainRun run = Train("default.yaml", {"training.steps=60", "training.log_interval=20"}, "default");
+  ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
+  ASSERT_EQ(run.losses.size(), 60u);
+  EXPECT_LT(run.losses.back(), run.losses.front() - 1.0) << run.result.Output();
+  EXPECT_TRUE(run.result.StdoutHas("fsdp train: resolved configuration")) << run.result.Output();
+  EXPECT_TRUE(run.result.StdoutHas("val_loss")) << run.result.Output();
+}
+
+TEST(TrainTest, BadConfigurationExitsWithTheKey) {
+  TrainRun run = Train("default.yaml", {"training.stpes=5"}, "bad");
+  EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("training.stpes")) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("did you mean 'steps'")) << run.result.Output();
+}
+
+TEST(TrainTest, NonFiniteLossStopsNamingTheStep) {
+  TrainRun run = Train("default.yaml",
+                       {"training.steps=20", "optimizer.lr=1e12", "lr_scheduler.warmup_steps=0",
+                        "lr_scheduler.min_lr=0", "training.max_grad_norm=0",
+                        "training.log_interval=1", "parallelism.nproc=1"},
+                       "nan");
+  EXPECT_NE(run.result.exit.code, 0) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("the loss or the gradient norm is not finite"))
+      << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas(StrCat("step ", run.losses.size(), ": the loss")))
+      << "names the first non-finite step\n" << run.result.Output();
+  EXPECT_TRUE(std::isnan(run.losses.back()));
+}
+
+TEST(ExampleTest, CustomModelTrainsOnTwoRanks) {
+  std::string example =
+      (std::filesystem::path(FsdpBinary()).parent_path() / "train_custom_model").string();
+  CommandResult r = RunCommand({FsdpBinary(), "launch", "--nproc-per-node", "2", "--", example},
+                               {}, std::chrono::seconds(180));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("(learned)")) << r.Output();
+}
+
+}  // namespace
+}  // namespace fsdp
