@@ -1,15 +1,28 @@
 #include "cli/train.h"
 
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
 #include <iostream>
 
 #include "common/env.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/launch_env.h"
 #include "engine/config.h"
+#include "engine/metrics.h"
 #include "engine/trainer.h"
 #include "launcher/launch.h"
 
 namespace fsdp {
+
+namespace {
+
+bool ProgressBarWanted(const std::string& setting) {
+  return setting == "on" || (setting == "auto" && isatty(STDERR_FILENO));
+}
+
+}  // namespace
 
 int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
   absl::StatusOr<RunConfig> config = LoadRunConfig(command.config_path, command.overrides);
@@ -35,6 +48,19 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       // Start the ranks like torchrun --standalone: this same command, once per rank.
       LaunchOptions launch;
       launch.nproc_per_node = static_cast<int>(nproc);
+      if (ProgressBarWanted(config->metrics.progress_bar)) {
+        // Rank 0's output reaches the terminal through this process: draw the bar here.
+        launch.status_line = [steps = config->training.steps, start = std::chrono::steady_clock::now(),
+                              last = std::string()](int rank, std::string_view line) mutable {
+          int64_t done = 0, total = 0;
+          if (rank == 0 && std::sscanf(std::string(line).c_str(), "step %ld/%ld", &done, &total) == 2) {
+            double per_step =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / done;
+            last = ProgressBar(done, total > 0 ? total : steps, per_step);
+          }
+          return last;
+        };
+      }
       launch.program.push_back("/proc/self/exe");
       for (int i = 1; i < argc; ++i) launch.program.push_back(argv[i]);
       return RunLaunch(launch);

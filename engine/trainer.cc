@@ -185,8 +185,9 @@ absl::Status Train(const RunConfig& config) {
     FSDP_ASSIGN_OR_RETURN(MetricsWriter w, MetricsWriter::Open((run_dir / "metrics.jsonl").string()));
     jsonl.emplace(std::move(w));
   }
-  bool progress = rank == 0 && (config.metrics.progress_bar == "on" ||
-                                (config.metrics.progress_bar == "auto" && isatty(STDERR_FILENO)));
+  // On a terminal of its own (torchrun, srun): rank 0 draws the bar. Under `fsdp train`'s own
+  // launcher the output goes through a pipe and the launcher draws it (cli/train.cc).
+  bool progress = rank == 0 && config.metrics.progress_bar != "off" && isatty(STDERR_FILENO);
   if (rank == 0) {
     std::cout << fmt::format(
         "fsdp train: {} on {} rank(s), mesh {}, strategy {}, model {} ({} parameters, {:.3g} "

@@ -118,12 +118,16 @@ int RunLaunch(const LaunchOptions& o) {
 
   InstallStopSignalHandlers();
   std::mutex out_mu;
+  std::string status;  // shown on the last line of stderr, below the workers' output
   auto sink = [&](const OutputLine& line) {
     std::lock_guard<std::mutex> lock(out_mu);
+    if (!status.empty()) std::cerr << "\r\033[K" << std::flush;
     std::ostream& os = line.is_stderr ? std::cerr : std::cout;
     if (o.prefix_output) os << "[rank" << line.rank << "]: ";
     os << line.text << '\n';
     os.flush();
+    if (o.status_line) status = o.status_line(line.rank, line.text);
+    if (!status.empty()) std::cerr << status << std::flush;
   };
 
   for (int attempt = 0;; ++attempt) {
@@ -154,6 +158,10 @@ int RunLaunch(const LaunchOptions& o) {
       return other_failed;
     };
     GroupResult result = group.Wait(wait);
+    if (!status.empty()) {
+      std::cerr << "\n";
+      status.clear();
+    }
     if (result.ok()) {
       std::cerr << "fsdp launch: " << result.Summary() << "\n";
       return 0;

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,9 @@ struct LaunchOptions {
   bool prefix_output = true;
   std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
   std::vector<std::string> program;  // PROGRAM ARGS...
+  // Optional: sees every output line of the workers and returns a status text (e.g. a
+  // progress bar) that the launcher keeps on the last line of its stderr; empty for none.
+  std::function<std::string(int rank, std::string_view line)> status_line;
 
   // kInvalidArgument naming the option and what would be valid.
   absl::Status Validate() const;

@@ -96,6 +96,7 @@ INSTANTIATE_TEST_SUITE_P(Configs, TrainStrategyTest,
                                            StrategyCase{"shard_grad_op.yaml", 4},
                                            StrategyCase{"ddp.yaml", 2},
                                            StrategyCase{"ddp.yaml", 4},
+                                           StrategyCase{"hybrid_shard.yaml", 2},
                                            StrategyCase{"hybrid_shard.yaml", 4}),
                          [](const ::testing::TestParamInfo<StrategyCase>& info) {
                            std::string name = info.param.config.substr(0, info.param.config.find('.'));
