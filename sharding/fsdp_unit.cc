@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/StorageImpl.h>
 
 namespace fsdp {
@@ -105,6 +106,12 @@ void FsdpUnit::CopyOut(const at::Tensor& output, const UnitLayout& layout, int g
 void FsdpUnit::Unshard() {
   if (state_ == State::kUnsharded || state_ == State::kGathering || params_.empty()) return;
   at::NoGradGuard no_grad;
+  // See Note [Copy-in stream]: on CUDA the copy-in and the all-gather's issue happen on the
+  // copy-in stream; on CPU this is all on the caller's thread.
+  DeviceStreams& streams = *ctx_->streams;
+  streams.BeginCopyIn();
+  std::optional<c10::StreamGuard> on_copy_in;
+  if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
   at::TensorOptions opts = at::TensorOptions().dtype(compute_dtype_).device(ctx_->device);
   ProcessGroup* group = ctx_->shard_group;
   if (state_ == State::kShardedPostForward) {
@@ -135,6 +142,7 @@ void FsdpUnit::WaitForUnshard() {
   }
   CopyOut(gather_output_, gather_group_size_ == ctx_->num_shards ? layout_ : sub_layout_,
           gather_group_size_);
+  ctx_->streams->Stash({std::move(gather_input_), std::move(gather_output_)});
   gather_input_.reset();
   gather_output_.reset();
   state_ = State::kUnsharded;

@@ -33,6 +33,7 @@
 #include "sharding/comm_stats.h"
 #include "sharding/options.h"
 #include "sharding/shard_layout.h"
+#include "sharding/streams.h"
 
 namespace torch::nn {
 class Module;
@@ -53,6 +54,7 @@ struct EngineContext {
   CommStats stats;
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
+  std::unique_ptr<DeviceStreams> streams;  // copy-in stream on CUDA; no-op on CPU
 };
 
 struct FsdpParam {

@@ -153,6 +153,7 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
   EngineContext& ctx = model->ctx_;
   ctx.options = options;
   ctx.device = mesh.context().device();
+  ctx.streams = std::make_unique<DeviceStreams>(ctx.device);
 
   // Mesh axes.
   for (const std::string& axis : mesh.shape().axis_names) {
