@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "models/gpt.h"
 
 namespace fsdp {
 
@@ -28,21 +29,10 @@ struct RunSection {
   int64_t seed = 1234;
 };
 
-struct ModelSection {
-  std::string arch = "gpt";          // gpt | llama | mlp
-  int64_t vocab_size = 256;
-  int64_t dim = 128;
-  int64_t n_layers = 4;
-  int64_t n_heads = 4;
-  int64_t seq_len = 64;
-  int64_t ffn_hidden = 0;            // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
-  std::string norm = "layernorm";    // layernorm | rmsnorm
-  std::string activation = "gelu";   // gelu | swiglu
-  std::string positions = "learned";  // learned | rope
-  bool tie_embeddings = true;
-  double norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  double init_std = 0.02;
+// The model's own options (models/gpt.h: arch, vocab_size, dim, n_layers, n_heads, seq_len,
+// ffn_hidden, norm, activation, positions, tie_embeddings, norm_eps, rope_theta, init_std) and
+// how it is initialised.
+struct ModelSection : GptConfig {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
 };
 

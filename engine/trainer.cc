@@ -30,25 +30,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-GptConfig ModelConfig(const ModelSection& m) {
-  GptConfig c;
-  c.arch = m.arch;
-  c.vocab_size = m.vocab_size;
-  c.dim = m.dim;
-  c.n_layers = m.n_layers;
-  c.n_heads = m.n_heads;
-  c.seq_len = m.seq_len;
-  c.ffn_hidden = m.ffn_hidden;
-  c.norm = m.norm;
-  c.activation = m.activation;
-  c.positions = m.positions;
-  c.tie_embeddings = m.tie_embeddings;
-  c.norm_eps = m.norm_eps;
-  c.rope_theta = m.rope_theta;
-  c.init_std = m.init_std;
-  return c;
-}
-
 c10::ScalarType Dtype(const std::string& name) { return name == "bf16" ? at::kBFloat16 : at::kFloat; }
 
 absl::StatusOr<FsdpOptions> ShardingOptions(const RunConfig& config, const GptImpl& model) {
@@ -148,7 +129,7 @@ absl::Status Train(const RunConfig& config) {
   }
 
   // --- model, sharded ---------------------------------------------------------------------------
-  Gpt model(ModelConfig(config.model));
+  Gpt model(static_cast<const GptConfig&>(config.model));
   for (auto& buffer : model->buffers()) buffer.set_data(buffer.to(device));
   if (!config.model.deferred_init) {
     model->MaterializeSeeded(static_cast<uint64_t>(config.run.seed));  // the whole model, then sharded
