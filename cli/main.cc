@@ -2,6 +2,7 @@
 //   launch   start local ranks with torchrun's environment (launcher/launch.h)
 //   doctor   check versions, devices, mesh and collectives on a cluster (cli/doctor.h)
 //   train    train a model from a YAML configuration (cli/train.h, engine/trainer.h)
+//   checkpoint inspect | export: look into a checkpoint, write it as safetensors
 #include <iostream>
 #include <string>
 #include <vector>
@@ -9,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/doctor.h"
+#include "cli/checkpoint_command.h"
 #include "cli/train.h"
 #include "common/strings.h"
 #include "launcher/launch.h"
@@ -126,6 +128,22 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--set", train.overrides,
                         "Override a key: --set section.key=value (repeatable)");
 
+  // ---- checkpoint --------------------------------------------------------------------------
+  fsdp::CheckpointCommand ckpt;
+  CLI::App* ckpt_cmd = app.add_subcommand("checkpoint", "Inspect or export a checkpoint");
+  ckpt_cmd->require_subcommand(1);
+  CLI::App* inspect_cmd = ckpt_cmd->add_subcommand(
+      "inspect", "Print a checkpoint's step, mesh, tensors and sizes, and whether it is complete");
+  inspect_cmd->add_option("dir", ckpt.dir, "Checkpoint folder (step_N), or a run's checkpoints "
+                                           "folder (its newest checkpoint)")->required();
+  inspect_cmd->add_flag("--verify", ckpt.verify, "Also recompute every file's CRC-32");
+  CLI::App* export_cmd = ckpt_cmd->add_subcommand(
+      "export", "Write the model's tensors as one safetensors file, streaming tensor by tensor");
+  export_cmd->add_option("dir", ckpt.dir, "Checkpoint folder, or a checkpoints folder")->required();
+  export_cmd->add_option("--out", ckpt.out, "Output .safetensors file")->required();
+  export_cmd->add_option("--dtype", ckpt.dtype, "Convert floating tensors: bf16, fp16, fp32")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -144,6 +162,8 @@ int main(int argc, char** argv) {
     return fsdp::RunLaunch(launch);
   }
   if (train_cmd->parsed()) return fsdp::RunTrainCommand(train, argc, argv);
+  if (inspect_cmd->parsed()) return fsdp::RunCheckpointInspect(ckpt);
+  if (export_cmd->parsed()) return fsdp::RunCheckpointExport(ckpt);
   if (doctor_cmd->parsed()) {
     if (!program.empty()) {
       std::cerr << "fsdp doctor: unexpected arguments after --\n";

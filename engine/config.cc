@@ -54,7 +54,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"norm_eps", &c.model.norm_eps},
         {"rope_theta", &c.model.rope_theta},
         {"init_std", &c.model.init_std},
-        {"deferred_init", &c.model.deferred_init}}},
+        {"deferred_init", &c.model.deferred_init},
+        {"init_from", &c.model.init_from}}},
       {"data",
        {{"source", &c.data.source},
         {"path", &c.data.path},
@@ -98,6 +99,13 @@ std::vector<Section> Sections(RunConfig& c) {
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
         {"progress_bar", &c.metrics.progress_bar}}},
+      {"checkpoint",
+       {{"enabled", &c.checkpoint.enabled},
+        {"dir", &c.checkpoint.dir},
+        {"interval", &c.checkpoint.interval},
+        {"keep_latest_k", &c.checkpoint.keep_latest_k},
+        {"load", &c.checkpoint.load},
+        {"async", &c.checkpoint.async}}},
   };
 }
 
@@ -526,7 +534,9 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
   FSDP_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer, c.lr_scheduler, v));
   FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
   FSDP_RETURN_IF_ERROR(v.Positive("metrics.cpu_peak_flops", c.metrics.cpu_peak_flops));
-  return v.OneOf("metrics.progress_bar", c.metrics.progress_bar, {"auto", "on", "off"});
+  FSDP_RETURN_IF_ERROR(v.OneOf("metrics.progress_bar", c.metrics.progress_bar, {"auto", "on", "off"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
+  return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
 
 // Shortest round-trip text, with a '.' so that every YAML reader types it as a float

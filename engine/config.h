@@ -34,6 +34,7 @@ struct RunSection {
 // how it is initialised.
 struct ModelSection : GptConfig {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
+  std::string init_from;      // a safetensors file to start from, read shard by shard
 };
 
 struct DataSection {
@@ -94,6 +95,15 @@ struct MetricsSection {
   std::string progress_bar = "auto";  // auto (on a terminal) | on | off
 };
 
+struct CheckpointSection {
+  bool enabled = false;
+  std::string dir;            // "": <run.dir>/checkpoints
+  int64_t interval = 0;       // steps between saves; 0: only at the end (and on SIGTERM)
+  int64_t keep_latest_k = 3;  // older committed checkpoints are removed; the newest never
+  std::string load;           // "": start fresh; "latest": newest in dir (none: fresh); a path
+  bool async = true;          // write shards in the background after a copy to host memory
+};
+
 struct RunConfig {
   std::string source_file;  // where it was read from
   RunSection run;
@@ -104,6 +114,7 @@ struct RunConfig {
   LrSchedulerSection lr_scheduler;
   ParallelismSection parallelism;
   MetricsSection metrics;
+  CheckpointSection checkpoint;
 
   // Checks that need the world size: the degrees multiply to it (-1 inferred), and agree with
   // the strategy (full_shard / shard_grad_op: replicate 1; no_shard: shard 1; hybrid:

@@ -9,9 +9,9 @@
 
 namespace fsdp {
 
-absl::StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path) {
+absl::StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path, bool append) {
   MetricsWriter writer;
-  writer.file_ = std::fopen(path.c_str(), "w");
+  writer.file_ = std::fopen(path.c_str(), append ? "a" : "w");
   if (writer.file_ == nullptr) {
     return absl::FailedPreconditionError(StrCat("cannot write metrics file '", path, "'"));
   }

@@ -18,8 +18,9 @@ namespace fsdp {
 
 class MetricsWriter {
  public:
-  // Opens (truncates) `path`; kFailedPrecondition naming the path if it cannot.
-  static absl::StatusOr<MetricsWriter> Open(const std::string& path);
+  // Opens `path` (truncated, or appended to when resuming); kFailedPrecondition naming the
+  // path if it cannot.
+  static absl::StatusOr<MetricsWriter> Open(const std::string& path, bool append = false);
   MetricsWriter(MetricsWriter&& other) noexcept;
   ~MetricsWriter();
   // Appends one line and flushes it.

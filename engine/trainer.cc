@@ -1,6 +1,9 @@
 #include "engine/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <chrono>
 #include <filesystem>
@@ -18,6 +21,7 @@
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/torch_status.h"
+#include "engine/checkpointing.h"
 #include "engine/data.h"
 #include "engine/metrics.h"
 #include "engine/schedule.h"
@@ -29,6 +33,16 @@ namespace fsdp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+volatile std::sig_atomic_t g_term = 0;
+void OnTerm(int) { g_term = 1; }
+void InstallTermHandler() {
+  struct sigaction action {};
+  action.sa_handler = OnTerm;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+}
+bool TermRequested() { return g_term != 0; }
 
 c10::ScalarType Dtype(const std::string& name) { return name == "bf16" ? at::kBFloat16 : at::kFloat; }
 
@@ -156,6 +170,20 @@ absl::Status Train(const RunConfig& config) {
   lo.val_fraction = config.data.val_fraction;
   FSDP_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::Create(*dataset, lo));
 
+  // --- checkpoint: resume, or start from a safetensors file --------------------------------
+  Checkpointer checkpointer(config, ctx, mesh, *sharded, *optimizer);
+  FSDP_ASSIGN_OR_RETURN(std::optional<ResumePoint> resume, checkpointer.Load());
+  int64_t start_step = 0;
+  if (resume) {
+    start_step = resume->step;
+    loader.set_position(resume->data);
+    if (rank == 0) std::cout << "fsdp train: resumed from " << resume->dir << " at step " << start_step << "\n";
+  } else if (!config.model.init_from.empty()) {
+    FSDP_RETURN_IF_ERROR(InitFromSafetensors(config.model.init_from, *sharded));
+    if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
+  }
+  InstallTermHandler();
+
   const int64_t tokens_per_step = world * t.micro_batch_size * t.grad_accum_steps * config.model.seq_len;
   const double flops_per_token = model->FlopsPerToken();
   const std::string compute_dtype = t.mixed_precision;
@@ -163,7 +191,8 @@ absl::Status Train(const RunConfig& config) {
                               : config.metrics.cpu_peak_flops;
   std::optional<MetricsWriter> jsonl;
   if (rank == 0 && config.metrics.jsonl) {
-    FSDP_ASSIGN_OR_RETURN(MetricsWriter w, MetricsWriter::Open((run_dir / "metrics.jsonl").string()));
+    FSDP_ASSIGN_OR_RETURN(MetricsWriter w,
+                          MetricsWriter::Open((run_dir / "metrics.jsonl").string(), resume.has_value()));
     jsonl.emplace(std::move(w));
   }
   // On a terminal of its own (torchrun, srun): rank 0 draws the bar. Under `fsdp train`'s own
@@ -189,7 +218,18 @@ absl::Status Train(const RunConfig& config) {
   auto interval_start = Clock::now();
   auto run_start = interval_start;
   double last_loss = std::nan("");
-  for (int64_t step = 0; step < t.steps; ++step) {
+  const CheckpointSection& cs = config.checkpoint;
+  auto save = [&](int64_t steps_done) -> absl::Status {
+    FSDP_RETURN_IF_ERROR(checkpointer.Save(steps_done, loader.position()));
+    if (rank == 0) {
+      std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms)\n", steps_done,
+                               cs.async ? "saving in the background" : "saved",
+                               checkpointer.last_blocking_seconds() * 1e3);
+      if (jsonl) jsonl->Write({{"step", steps_done}, {"checkpoint_blocking_s", checkpointer.last_blocking_seconds()}});
+    }
+    return absl::OkStatus();
+  };
+  for (int64_t step = start_step; step < t.steps; ++step) {
     double lr = LearningRate(config.lr_scheduler, config.optimizer.lr, step, t.steps);
     SetLearningRate(*optimizer, lr);
     at::Tensor loss_sum = at::zeros({}, scalar);
@@ -225,6 +265,20 @@ absl::Status Train(const RunConfig& config) {
     losses.push_back(loss_sum);
     norms.push_back(norm);
     lrs.push_back(lr);
+    if (cs.enabled) {
+      // SIGTERM: every rank must agree before saving (they may see it at different steps).
+      at::Tensor term = at::full({}, TermRequested() ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(device));
+      ctx->world().AllReduce(term, c10d::ReduceOp::MAX)->wait();
+      if (term.item<int>() != 0) {
+        FSDP_RETURN_IF_ERROR(checkpointer.Save(step + 1, loader.position()));
+        FSDP_RETURN_IF_ERROR(checkpointer.Finish());
+        if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step + 1 << " and stopped\n";
+        return absl::OkStatus();
+      }
+      if (cs.interval > 0 && (step + 1) % cs.interval == 0 && step + 1 < t.steps) {
+        FSDP_RETURN_IF_ERROR(save(step + 1));
+      }
+    }
 
     bool log_now = (step + 1) % t.log_interval == 0 || step + 1 == t.steps;
     if (!log_now) continue;
@@ -286,6 +340,10 @@ absl::Status Train(const RunConfig& config) {
       }
     }
     interval_start = Clock::now();
+  }
+  if (cs.enabled) {
+    FSDP_RETURN_IF_ERROR(save(t.steps));
+    FSDP_RETURN_IF_ERROR(checkpointer.Finish());
   }
   if (rank == 0) {
     if (progress) std::cerr << "\n";

@@ -23,10 +23,10 @@ using testing::InvalidArgumentWith;
 using ::testing::StartsWith;
 
 constexpr char kSections[] =
-    "run, model, data, training, optimizer, lr_scheduler, parallelism, metrics";
+    "run, model, data, training, optimizer, lr_scheduler, parallelism, metrics, checkpoint";
 constexpr char kModelKeys[] =
     "arch, vocab_size, dim, n_layers, n_heads, seq_len, ffn_hidden, norm, activation, positions, "
-    "tie_embeddings, norm_eps, rope_theta, init_std, deferred_init";
+    "tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from";
 constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, max_grad_norm, mixed_precision, reduce_dtype, "
     "device, on_nonfinite, eval_interval, eval_batches, log_interval";
@@ -61,6 +61,13 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.model.rope_theta, b.model.rope_theta);
   EXPECT_EQ(a.model.init_std, b.model.init_std);
   EXPECT_EQ(a.model.deferred_init, b.model.deferred_init);
+  EXPECT_EQ(a.model.init_from, b.model.init_from);
+  EXPECT_EQ(a.checkpoint.enabled, b.checkpoint.enabled);
+  EXPECT_EQ(a.checkpoint.dir, b.checkpoint.dir);
+  EXPECT_EQ(a.checkpoint.interval, b.checkpoint.interval);
+  EXPECT_EQ(a.checkpoint.keep_latest_k, b.checkpoint.keep_latest_k);
+  EXPECT_EQ(a.checkpoint.load, b.checkpoint.load);
+  EXPECT_EQ(a.checkpoint.async, b.checkpoint.async);
   EXPECT_EQ(a.data.source, b.data.source);
   EXPECT_EQ(a.data.path, b.data.path);
   EXPECT_EQ(a.data.token_dtype, b.data.token_dtype);
@@ -154,9 +161,11 @@ TEST(RunConfigParseTest, UnknownSection) {
       ParseError("modle:\n  dim: 3\n"),
       InvalidArgumentWith(StrCat(
           "t.yaml:1: modle: unknown section; did you mean 'model'? (valid: ", kSections, ")")));
-  EXPECT_THAT(ParseError("run:\n  seed: 1\ncheckpoint:\n  interval: 5\n"),
+  EXPECT_THAT(ParseError("run:\n  seed: 1\nlogging:\n  interval: 5\n"),
               InvalidArgumentWith(
-                  StrCat("t.yaml:3: checkpoint: unknown section (valid: ", kSections, ")")));
+                  StrCat("t.yaml:3: logging: unknown section (valid: ", kSections, ")")));
+  EXPECT_THAT(ParseError("checkpoint:\n  keep_latest_k: 0\n"),
+              InvalidArgumentWith("t.yaml:2: checkpoint.keep_latest_k: must be >= 1, got 0"));
 }
 
 TEST(RunConfigParseTest, WrongTypes) {
@@ -357,8 +366,8 @@ TEST(RunConfigOverrideTest, UnknownSectionOrKey) {
               InvalidArgumentWith(StrCat("--set trainig.steps=5: trainig: unknown section; did "
                                          "you mean 'training'? (valid: ",
                                          kSections, ")")));
-  EXPECT_THAT(ParseError("", {"checkpoint.interval=5"}),
-              InvalidArgumentWith(StrCat("--set checkpoint.interval=5: checkpoint: unknown "
+  EXPECT_THAT(ParseError("", {"logging.interval=5"}),
+              InvalidArgumentWith(StrCat("--set logging.interval=5: logging: unknown "
                                          "section (valid: ",
                                          kSections, ")")));
 }

@@ -1,0 +1,162 @@
+// The on-disk checkpoint format: per-rank shard files plus one metadata index. Safe to open:
+// no pickle, no code; JSON metadata of bounded size, validated field by field; a CRC-32 per
+// chunk (checked on every read) and per file. Documented in docs/checkpoint.md.
+//
+// A checkpoint is a folder:
+//   step_000000120/metadata.json   the index (written last, by rank 0)
+//   step_000000120/rank00000.bin   rank 0's chunks: raw little-endian tensor bytes, 64-aligned
+//   step_000000120/rank00001.bin   ...
+// A tensor is stored as dim-0 row ranges ("chunks"), each in one rank's file; a reader needing
+// rows [a, b) of a tensor reads only the chunks (byte ranges) that overlap them, so a checkpoint
+// saved with one sharding loads into any other.
+//
+//   ShardWriter w(tmp_dir, rank);
+//   w.Add("model/layers.0.attention.wq", local_rows, /*row_begin=*/first_row, full_shape);
+//   absl::StatusOr<RankManifest> m = w.Finish();          // fsync'd; chunks + file CRC
+//   ... rank 0 merges every rank's manifest into Metadata, WriteMetadata, CommitCheckpoint ...
+//   absl::StatusOr<CheckpointReader> r = CheckpointReader::Open(dir);
+//   r->ReadRows("model/layers.0.attention.wq", 10, 20, out);   // any rows, any sharding
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fsdp::ckpt {
+
+constexpr int kFormatVersion = 1;
+constexpr const char* kMetadataFile = "metadata.json";
+constexpr int64_t kMaxMetadataBytes = 256 << 20;
+
+struct Chunk {
+  std::string file;       // file name inside the checkpoint folder, e.g. "rank00001.bin"
+  int64_t offset = 0;     // byte offset in the file
+  int64_t nbytes = 0;
+  int64_t row_begin = 0;  // dim-0 rows [row_begin, row_end) of the global tensor
+  int64_t row_end = 0;
+  uint32_t crc32 = 0;     // of the chunk's bytes
+};
+
+struct TensorEntry {
+  std::string name;
+  std::string dtype;            // "F32", "BF16", "F16", "F64", "I64", "I32" (safetensors names)
+  std::vector<int64_t> shape;   // global shape; a scalar is [] and stored as one row
+  std::vector<Chunk> chunks;    // ordered by row_begin; together they cover every row once
+};
+
+struct FileEntry {
+  std::string file;
+  int64_t size = 0;
+  uint32_t crc32 = 0;  // of the whole file
+};
+
+// What one rank wrote.
+struct RankManifest {
+  int rank = 0;
+  std::vector<TensorEntry> tensors;  // only this rank's chunks
+  FileEntry file;
+};
+
+struct Metadata {
+  int version = kFormatVersion;
+  int64_t step = 0;
+  int world_size = 1;
+  std::vector<std::string> mesh_axes;
+  std::vector<int> mesh_degrees;
+  std::string strategy;
+  nlohmann::json extra;  // trainer state: data position, RNG states, resolved config, ...
+  std::vector<TensorEntry> tensors;  // merged: every tensor with all its chunks
+  std::vector<FileEntry> files;
+};
+
+// Merges the ranks' manifests: chunks of one tensor from several ranks are combined and must
+// tile its rows exactly once (kInternal naming the tensor otherwise).
+absl::StatusOr<std::vector<TensorEntry>> MergeManifests(const std::vector<RankManifest>& ranks);
+
+nlohmann::json ToJson(const Metadata& metadata);
+// Validates every field (types, ranges, chunks within their files, rows tiling the shape);
+// kDataLoss naming `source` and the field otherwise.
+absl::StatusOr<Metadata> MetadataFromJson(const nlohmann::json& json, const std::string& source);
+
+const char* DtypeName(c10::ScalarType dtype);  // at::kFloat -> "F32"; "" if not supported
+absl::StatusOr<c10::ScalarType> DtypeFromName(const std::string& name);
+
+// Writes one rank's file. Tensors are copied to CPU (contiguous) as they are added.
+class ShardWriter {
+ public:
+  ShardWriter(std::string dir, int rank);
+  ShardWriter(ShardWriter&& other) noexcept;
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+  ShardWriter& operator=(ShardWriter&&) = delete;
+  ~ShardWriter();
+  // `rows` holds rows [row_begin, row_begin + rows.size(0)) of a tensor of `global_shape`
+  // (a scalar: a 0-dim tensor, row_begin 0). Empty row ranges are skipped.
+  absl::Status Add(const std::string& name, const at::Tensor& rows, int64_t row_begin,
+                   const std::vector<int64_t>& global_shape);
+  // Flushes and fsyncs the file; returns what was written.
+  absl::StatusOr<RankManifest> Finish();
+
+ private:
+  std::string dir_;
+  int rank_;
+  std::string file_name_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+  uint32_t file_crc_ = 0;
+  RankManifest manifest_;
+};
+
+std::string RankFileName(int rank);  // "rank00003.bin"
+
+// Writes metadata.json into `dir` (temp file + fsync + rename).
+absl::Status WriteMetadata(const std::string& dir, const Metadata& metadata);
+
+// Makes `tmp_dir` visible as `final_dir` (rename, then fsync of the parent folder). A folder
+// that was never committed is never mistaken for a checkpoint.
+absl::Status CommitCheckpoint(const std::string& tmp_dir, const std::string& final_dir);
+
+// "step_000000120" for step 120 (9 digits, more for larger steps); the temp folder of a save in
+// progress adds ".tmp". LatestCheckpoint and PruneCheckpoints accept any "step_<digits>".
+std::string StepDirName(int64_t step);
+// The newest committed checkpoint under `root` (folders step_N with a metadata.json), or
+// kNotFound naming root.
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
+// Removes committed checkpoints beyond the newest `keep` (never the newest) and stale .tmp
+// folders older than the newest committed one.
+absl::Status PruneCheckpoints(const std::string& root, int keep);
+
+class CheckpointReader {
+ public:
+  // Reads and validates metadata.json and checks every file exists with its recorded size:
+  // kNotFound (no metadata: not a checkpoint, or a save that never committed), kDataLoss
+  // (truncated or missing file, corrupt metadata), each naming the file.
+  static absl::StatusOr<CheckpointReader> Open(const std::string& dir);
+
+  const Metadata& metadata() const { return metadata_; }
+  const std::string& dir() const { return dir_; }
+  const TensorEntry* Find(const std::string& name) const;
+  // Reads rows [row_begin, row_end) of `name` into `out` (CPU, contiguous, the entry's dtype
+  // and shape [row_end - row_begin, shape[1:]...]; for a scalar, rows [0, 1) into a 0-dim
+  // tensor). Reads only the overlapping chunks and checks their CRC: kDataLoss naming the file
+  // and tensor on a mismatch or short read, kNotFound for an unknown tensor.
+  absl::Status ReadRows(const std::string& name, int64_t row_begin, int64_t row_end,
+                        at::Tensor& out) const;
+  // Recomputes every file's CRC (inspect --verify).
+  absl::Status VerifyFiles() const;
+
+ private:
+  std::string dir_;
+  Metadata metadata_;
+  std::map<std::string, size_t> index_;
+};
+
+}  // namespace fsdp::ckpt

@@ -1,0 +1,323 @@
+#include "engine/checkpointing.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "checkpoint/format.h"
+#include "checkpoint/safetensors.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "common/strings.h"
+#include "device_mesh/torch_status.h"
+
+namespace fsdp {
+
+struct Checkpointer::Pending {
+  struct Item {
+    std::string name;
+    at::Tensor rows;  // CPU copy
+    int64_t row_begin;
+    std::vector<int64_t> shape;
+  };
+  int64_t step = 0;
+  DataPosition data;
+  std::vector<Item> items;
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json ManifestToJson(const ckpt::RankManifest& m) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const ckpt::TensorEntry& t : m.tensors) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (const ckpt::Chunk& c : t.chunks) {
+      chunks.push_back({{"file", c.file}, {"offset", c.offset}, {"nbytes", c.nbytes},
+                        {"rows", {c.row_begin, c.row_end}}, {"crc32", c.crc32}});
+    }
+    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"chunks", chunks}});
+  }
+  return {{"rank", m.rank}, {"tensors", tensors},
+          {"file", {{"file", m.file.file}, {"size", m.file.size}, {"crc32", m.file.crc32}}}};
+}
+
+ckpt::RankManifest ManifestFromJson(const nlohmann::json& j) {
+  ckpt::RankManifest m;
+  m.rank = j.at("rank").get<int>();
+  for (const auto& t : j.at("tensors")) {
+    ckpt::TensorEntry e;
+    e.name = t.at("name").get<std::string>();
+    e.dtype = t.at("dtype").get<std::string>();
+    e.shape = t.at("shape").get<std::vector<int64_t>>();
+    for (const auto& c : t.at("chunks")) {
+      ckpt::Chunk chunk;
+      chunk.file = c.at("file").get<std::string>();
+      chunk.offset = c.at("offset").get<int64_t>();
+      chunk.nbytes = c.at("nbytes").get<int64_t>();
+      chunk.row_begin = c.at("rows")[0].get<int64_t>();
+      chunk.row_end = c.at("rows")[1].get<int64_t>();
+      chunk.crc32 = c.at("crc32").get<uint32_t>();
+      e.chunks.push_back(chunk);
+    }
+    m.tensors.push_back(std::move(e));
+  }
+  const auto& f = j.at("file");
+  m.file = {f.at("file").get<std::string>(), f.at("size").get<int64_t>(),
+            f.at("crc32").get<uint32_t>()};
+  return m;
+}
+
+// The optimizer's per-parameter state tensors that have the parameter's shape, by name.
+std::vector<std::pair<std::string, at::Tensor*>> StateTensors(torch::optim::OptimizerParamState& s) {
+  if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(&s)) {
+    return {{"exp_avg", &a->exp_avg()}, {"exp_avg_sq", &a->exp_avg_sq()}};
+  }
+  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&s)) {
+    return {{"exp_avg", &a->exp_avg()}, {"exp_avg_sq", &a->exp_avg_sq()}};
+  }
+  if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(&s)) {
+    return {{"momentum_buffer", &g->momentum_buffer()}};
+  }
+  return {};
+}
+
+int64_t* StepOf(torch::optim::OptimizerParamState& s) {
+  if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(&s)) return &a->step();
+  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&s)) return &a->step();
+  return nullptr;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> NewState(torch::optim::Optimizer& opt) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt)) return std::make_unique<torch::optim::AdamWParamState>();
+  if (dynamic_cast<torch::optim::Adam*>(&opt)) return std::make_unique<torch::optim::AdamParamState>();
+  return std::make_unique<torch::optim::SGDParamState>();
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(const RunConfig& config, std::shared_ptr<DistContext> ctx,
+                           const DeviceMesh& mesh, FsdpModel& model,
+                           torch::optim::Optimizer& optimizer)
+    : config_(config),
+      ctx_(std::move(ctx)),
+      mesh_(mesh),
+      model_(model),
+      optimizer_(optimizer),
+      worker_status_(std::make_shared<absl::Status>()) {
+  root_ = config.checkpoint.dir.empty()
+              ? (std::filesystem::path(config.run.dir) / "checkpoints").string()
+              : config.checkpoint.dir;
+  int r = mesh.shape().AxisIndex("replicate");
+  writes_shards_ = r < 0 || mesh.coord(r) == 0;  // replicas hold identical shards
+}
+
+Checkpointer::~Checkpointer() {
+  if (worker_.joinable()) worker_.join();
+}
+
+absl::Status Checkpointer::Finish() {
+  if (worker_.joinable()) worker_.join();
+  absl::Status status = *worker_status_;
+  *worker_status_ = absl::OkStatus();
+  return status;
+}
+
+absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
+  auto start = Clock::now();
+  FSDP_RETURN_IF_ERROR(Finish());  // one save in flight at a time
+  auto pending = std::make_shared<Pending>();
+  pending->step = step;
+  pending->data = data;
+  {
+    at::NoGradGuard no_grad;
+    const bool rank0 = ctx_->rank() == 0;
+    for (const auto& [name, shard] : model_.named_parameters()) {
+      const FsdpParam* p = model_.FindParam(name);
+      int64_t first = model_.FirstLocalRow(*p);
+      const std::vector<int64_t>& shape = p->sharding.shape;
+      auto add = [&](const std::string& key, const at::Tensor& t) {
+        if (!writes_shards_ || !t.defined() || t.size(0) == 0) return;
+        at::Tensor rows = t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+        if (shape.empty()) rows = rows.reshape({});
+        pending->items.push_back({key, rows, first, shape});
+      };
+      add("model/" + name, shard);
+      auto it = optimizer_.state().find(shard.unsafeGetTensorImpl());
+      if (it == optimizer_.state().end()) continue;
+      for (auto& [state_name, tensor] : StateTensors(*it->second)) {
+        add(StrCat("optim/", name, "/", state_name), *tensor);
+      }
+      if (int64_t* s = StepOf(*it->second); s != nullptr && rank0) {
+        pending->items.push_back({StrCat("optim/", name, "/step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
+      }
+    }
+  }
+  if (config_.checkpoint.async) {
+    worker_ = std::thread([this, pending, status = worker_status_] {
+      absl::Status s = CallTorch("checkpoint", [&] { *status = WriteAndCommit(*pending); });
+      if (!s.ok()) *status = s;
+    });
+  } else {
+    absl::Status status = WriteAndCommit(*pending);
+    if (!status.ok()) return status;
+  }
+  last_blocking_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
+  const std::string final_dir = (std::filesystem::path(root_) / ckpt::StepDirName(pending.step)).string();
+  const std::string tmp_dir = final_dir + ".tmp";
+  std::error_code ec;
+  std::filesystem::create_directories(tmp_dir, ec);
+  if (ec) return absl::FailedPreconditionError(StrCat("cannot create '", tmp_dir, "': ", ec.message()));
+  ckpt::RankManifest manifest;
+  manifest.rank = ctx_->rank();
+  if (!pending.items.empty()) {
+    ckpt::ShardWriter writer(tmp_dir, ctx_->rank());
+    for (const Pending::Item& item : pending.items) {
+      FSDP_RETURN_IF_ERROR(writer.Add(item.name, item.rows, item.row_begin, item.shape));
+    }
+    FSDP_ASSIGN_OR_RETURN(manifest, writer.Finish());
+  }
+  // Fault injection for the tests: this rank dies after writing its shard, before reporting.
+  if (const char* crash = std::getenv("FSDP_CHECKPOINT_CRASH_AFTER_WRITE");
+      crash != nullptr && ParseInt(crash) == ctx_->rank()) {
+    std::_Exit(137);
+  }
+  // Report to rank 0 through the store (thread-safe, outside the process groups' order).
+  const std::string key = StrCat("fsdp/ckpt/", pending.step, "/rank/");
+  std::string text = ManifestToJson(manifest).dump();
+  ctx_->store()->set(key + StrCat(ctx_->rank()), std::vector<uint8_t>(text.begin(), text.end()));
+  if (ctx_->rank() != 0) return absl::OkStatus();
+
+  std::vector<ckpt::RankManifest> manifests;
+  for (int r = 0; r < ctx_->world_size(); ++r) {
+    std::string k = key + StrCat(r);
+    FSDP_RETURN_IF_ERROR(CallTorch(StrCat("waiting for rank ", r, "'s checkpoint shard"), [&] {
+      ctx_->store()->wait({k}, ctx_->options().collective_timeout);
+    }));
+    std::vector<uint8_t> v = ctx_->store()->get(k);
+    ckpt::RankManifest m = ManifestFromJson(nlohmann::json::parse(std::string(v.begin(), v.end())));
+    if (!m.file.file.empty()) manifests.push_back(std::move(m));
+  }
+  ckpt::Metadata metadata;
+  metadata.step = pending.step;
+  metadata.world_size = ctx_->world_size();
+  metadata.mesh_axes = mesh_.shape().axis_names;
+  metadata.mesh_degrees = mesh_.shape().degrees;
+  metadata.strategy = config_.parallelism.strategy;
+  metadata.extra = {{"data", {{"epoch", pending.data.epoch}, {"batch", pending.data.batch}}},
+                    {"config", config_.ToYaml()}};
+  FSDP_ASSIGN_OR_RETURN(metadata.tensors, ckpt::MergeManifests(manifests));
+  for (const ckpt::RankManifest& m : manifests) metadata.files.push_back(m.file);
+  FSDP_RETURN_IF_ERROR(ckpt::WriteMetadata(tmp_dir, metadata));
+  FSDP_RETURN_IF_ERROR(ckpt::CommitCheckpoint(tmp_dir, final_dir));
+  FSDP_RETURN_IF_ERROR(ckpt::PruneCheckpoints(root_, static_cast<int>(config_.checkpoint.keep_latest_k)));
+  FSDP_LOG_INFO("checkpoint: step {} committed to {}", pending.step, final_dir);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
+  std::string dir = config_.checkpoint.load;
+  if (dir.empty()) return std::optional<ResumePoint>();
+  if (dir == "latest") {
+    absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(root_);
+    if (latest.status().code() == absl::StatusCode::kNotFound) return std::optional<ResumePoint>();
+    FSDP_RETURN_IF_ERROR(latest.status());
+    dir = *latest;
+  }
+  FSDP_ASSIGN_OR_RETURN(ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(dir));
+  at::NoGradGuard no_grad;
+  auto read_into = [&](const std::string& key, at::Tensor& dst, int64_t first,
+                       const std::vector<int64_t>& shape) -> absl::Status {
+    const ckpt::TensorEntry* e = reader.Find(key);
+    if (e == nullptr) {
+      return absl::FailedPreconditionError(StrCat(dir, ": no tensor '", key,
+                                                  "': the checkpoint was saved from another model"));
+    }
+    if (e->shape != shape) {
+      return absl::FailedPreconditionError(StrCat(dir, ": tensor '", key, "' has shape [",
+                                                  StrJoin(e->shape, ", "), "], the model expects [",
+                                                  StrJoin(shape, ", "), "]"));
+    }
+    if (dst.size(0) == 0) return absl::OkStatus();
+    at::Tensor rows;
+    FSDP_RETURN_IF_ERROR(reader.ReadRows(key, first, first + dst.size(0), rows));
+    dst.copy_(rows.reshape(dst.sizes()));
+    return absl::OkStatus();
+  };
+  for (const auto& [name, shard] : model_.named_parameters()) {
+    const FsdpParam* p = model_.FindParam(name);
+    int64_t first = model_.FirstLocalRow(*p);
+    at::Tensor dst = shard;
+    FSDP_RETURN_IF_ERROR(read_into("model/" + name, dst, first, p->sharding.shape));
+    if (!p->requires_grad) continue;
+    std::unique_ptr<torch::optim::OptimizerParamState> state = NewState(optimizer_);
+    bool any = false;
+    for (auto& [state_name, tensor] : StateTensors(*state)) {
+      std::string key = StrCat("optim/", name, "/", state_name);
+      if (reader.Find(key) == nullptr) continue;
+      *tensor = at::zeros_like(shard);
+      FSDP_RETURN_IF_ERROR(read_into(key, *tensor, first, p->sharding.shape));
+      any = true;
+    }
+    if (int64_t* step = StepOf(*state); step != nullptr) {
+      if (const ckpt::TensorEntry* e = reader.Find(StrCat("optim/", name, "/step")); e != nullptr) {
+        at::Tensor s;
+        FSDP_RETURN_IF_ERROR(reader.ReadRows(e->name, 0, 1, s));
+        *step = s.item<int64_t>();
+      }
+    }
+    if (any) optimizer_.state()[shard.unsafeGetTensorImpl()] = std::move(state);
+  }
+  ResumePoint point;
+  point.step = reader.metadata().step;
+  point.dir = dir;
+  const nlohmann::json& extra = reader.metadata().extra;
+  if (extra.contains("data")) {
+    point.data.epoch = extra["data"].value("epoch", int64_t{0});
+    point.data.batch = extra["data"].value("batch", int64_t{0});
+  }
+  return std::optional<ResumePoint>(point);
+}
+
+}  // namespace fsdp
+
+namespace fsdp {
+
+absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
+  FSDP_ASSIGN_OR_RETURN(ckpt::SafetensorsFile file, ckpt::SafetensorsFile::Open(path));
+  at::NoGradGuard no_grad;
+  for (const auto& [name, shard] : model.named_parameters()) {
+    const FsdpParam* p = model.FindParam(name);
+    auto it = file.entries().find(name);
+    if (it == file.entries().end()) {
+      return absl::FailedPreconditionError(
+          StrCat("model.init_from '", path, "': no tensor '", name, "' (the model's parameter)"));
+    }
+    if (it->second.shape != p->sharding.shape) {
+      return absl::FailedPreconditionError(
+          StrCat("model.init_from '", path, "': tensor '", name, "' has shape [",
+                 StrJoin(it->second.shape, ", "), "], the model expects [",
+                 StrJoin(p->sharding.shape, ", "), "]"));
+    }
+    int64_t rows = shard.size(0);
+    if (rows == 0) continue;
+    int64_t first = model.FirstLocalRow(*p);
+    at::Tensor data;
+    FSDP_RETURN_IF_ERROR(file.ReadRows(name, first, first + rows, data));
+    at::Tensor dst = shard;
+    dst.copy_(data.reshape(dst.sizes()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,79 @@
+// Saving and restoring a training run through checkpoint/: model shards, optimizer state, step
+// and data position, written by each rank without gathering (replicas write once), committed
+// atomically by rank 0, loadable at any world size, mesh or strategy.
+//
+// Collective: every rank calls Save / Load at the same step. With async saves the shards are
+// copied to host memory in Save (the time the loop is blocked) and written by a background
+// thread; the ranks report to rank 0 through the rendezvous store (not the process groups,
+// whose collectives must stay in the training loop's order), and rank 0's thread merges the
+// manifests, writes metadata.json last and renames the folder into place.
+//
+//   Checkpointer ckpt(config, ctx, mesh, sharded, optimizer);
+//   absl::StatusOr<std::optional<ResumePoint>> resume = ckpt.Load();
+//   ... every interval: FSDP_RETURN_IF_ERROR(ckpt.Save(step, loader.position()));
+//   FSDP_RETURN_IF_ERROR(ckpt.Finish());   // waits for the last background save
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <torch/optim/optimizer.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "device_mesh/device_mesh.h"
+#include "engine/config.h"
+#include "engine/data.h"
+#include "sharding/fsdp_model.h"
+
+namespace fsdp {
+
+struct ResumePoint {
+  int64_t step = 0;  // steps completed
+  DataPosition data;
+  std::string dir;   // the checkpoint loaded
+};
+
+class Checkpointer {
+ public:
+  Checkpointer(const RunConfig& config, std::shared_ptr<DistContext> ctx, const DeviceMesh& mesh,
+               FsdpModel& model, torch::optim::Optimizer& optimizer);
+  ~Checkpointer();
+
+  // Loads checkpoint.load ("latest": the newest committed in the folder, none: nullopt; a
+  // path; empty: nullopt) into the shards and the optimizer. Errors name the file and tensor.
+  absl::StatusOr<std::optional<ResumePoint>> Load();
+  // Saves the state after `step` completed steps. Returns when the shards are copied to host
+  // memory (async) or written and committed (sync).
+  absl::Status Save(int64_t step, const DataPosition& data);
+  // Waits for a background save to finish and reports its error.
+  absl::Status Finish();
+
+  // Seconds the last Save kept the caller (the training loop) waiting.
+  double last_blocking_seconds() const { return last_blocking_seconds_; }
+  std::string root() const { return root_; }
+
+ private:
+  struct Pending;
+  absl::Status WriteAndCommit(const Pending& pending);
+
+  const RunConfig& config_;
+  std::shared_ptr<DistContext> ctx_;
+  const DeviceMesh& mesh_;
+  FsdpModel& model_;
+  torch::optim::Optimizer& optimizer_;
+  std::string root_;
+  bool writes_shards_;  // false on replicas other than replicate coordinate 0
+  std::thread worker_;
+  std::shared_ptr<absl::Status> worker_status_;
+  double last_blocking_seconds_ = 0;
+};
+
+// Fills the model's shards from a safetensors file whose tensor names are the model's
+// parameter names (model.init_from); each rank reads only its own rows.
+absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model);
+
+}  // namespace fsdp

@@ -1,0 +1,219 @@
+// Checkpoints through `fsdp train`: exact resume, the resharding matrix, a rank killed in the
+// middle of a save, corrupt files, inspect and export.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/format.h"
+#include "checkpoint/safetensors.h"
+#include "common/strings.h"
+#include "tests/multirank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::CommandResult;
+using testing::FsdpBinary;
+using testing::RunCommand;
+
+namespace fs = std::filesystem;
+
+std::string SourceDir() { return fs::path(__FILE__).parent_path().parent_path().string(); }
+
+struct TrainRun {
+  CommandResult result;
+  std::map<int64_t, double> losses;  // by step
+};
+
+constexpr int64_t kGlobalBatch = 12;  // divisible by 2, 3 and 4 ranks
+
+// One `fsdp train` of the tiny default model for 8 steps at the given layout.
+TrainRun Train(const std::string& dir, int world, const std::string& strategy,
+          std::vector<std::string> extra, std::map<std::string, std::string> env = {}) {
+  std::string replicate = "1", shard = "-1";
+  if (strategy == "no_shard") replicate = "-1", shard = "1";
+  if (strategy == "hybrid_shard") replicate = "2", shard = "-1";
+  std::vector<std::string> argv = {
+      FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
+      "--set", "metrics.progress_bar=off", "--set", "training.steps=8", "--set",
+      "training.log_interval=1", "--set", "training.eval_interval=0", "--set",
+      StrCat("parallelism.nproc=", world), "--set",
+      StrCat("training.micro_batch_size=", kGlobalBatch / world), "--set",
+      "parallelism.strategy=" + strategy, "--set",
+      "parallelism.data_parallel_replicate_degree=" + replicate, "--set",
+      "parallelism.data_parallel_shard_degree=" + shard, "--set", "model.n_layers=2"};
+  for (const std::string& s : extra) argv.insert(argv.end(), {"--set", s});
+  TrainRun run;
+  run.result = RunCommand(argv, env, std::chrono::seconds(180));
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json r = nlohmann::json::parse(line);
+    if (r.contains("loss") && !r["loss"].is_null()) run.losses[r["step"]] = r["loss"].get<double>();
+  }
+  return run;
+}
+
+std::string TempDir(const std::string& tag) {
+  std::string dir = StrCat("/tmp/fsdp-ckpt-e2e-", getpid(), "-", tag);
+  fs::remove_all(dir);
+  return dir;
+}
+
+TEST(CheckpointResumeTest, ResumedLossesEqualTheUninterruptedRunBitwise) {
+  std::string straight_dir = TempDir("straight"), dir = TempDir("resume");
+  TrainRun straight = Train(straight_dir, 2, "full_shard", {});
+  ASSERT_TRUE(straight.result.exit.ok()) << straight.result.Output();
+  // Save every 4 steps; then start again from the step-4 checkpoint.
+  TrainRun first = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.interval=4"});
+  ASSERT_TRUE(first.result.exit.ok()) << first.result.Output();
+  std::string step4 = dir + "/checkpoints/" + ckpt::StepDirName(4);
+  ASSERT_TRUE(fs::exists(step4 + "/metadata.json")) << first.result.Output();
+  fs::remove(dir + "/metrics.jsonl");
+  TrainRun resumed = Train(dir, 2, "full_shard", {"checkpoint.load=" + step4});
+  ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+  EXPECT_TRUE(resumed.result.StdoutHas("resumed from")) << resumed.result.Output();
+  ASSERT_EQ(resumed.losses.size(), 4u) << resumed.result.Output();
+  for (int64_t step = 5; step <= 8; ++step) {
+    EXPECT_EQ(resumed.losses.at(step), straight.losses.at(step)) << "step " << step;
+  }
+  fs::remove_all(straight_dir);
+  fs::remove_all(dir);
+}
+
+struct ReshardCase {
+  int from_world;
+  std::string from_strategy;
+  int to_world;
+  std::string to_strategy;
+};
+void PrintTo(const ReshardCase& c, std::ostream* os) {
+  *os << c.from_strategy << c.from_world << "->" << c.to_strategy << c.to_world;
+}
+
+class ReshardTest : public ::testing::TestWithParam<ReshardCase> {};
+
+TEST_P(ReshardTest, LoadsIntoAnotherLayoutAndTrainsOn) {
+  const ReshardCase c = GetParam();
+  std::string ref_dir = TempDir("ref"), dir = TempDir("reshard");
+  TrainRun reference = Train(ref_dir, c.to_world, c.to_strategy, {});  // never resharded
+  ASSERT_TRUE(reference.result.exit.ok()) << reference.result.Output();
+  TrainRun first = Train(dir, c.from_world, c.from_strategy,
+                    {"checkpoint.enabled=true", "checkpoint.interval=4"});
+  ASSERT_TRUE(first.result.exit.ok()) << first.result.Output();
+  fs::remove(dir + "/metrics.jsonl");
+  std::string step4 = dir + "/checkpoints/" + ckpt::StepDirName(4);
+  TrainRun resumed = Train(dir, c.to_world, c.to_strategy, {"checkpoint.load=" + step4});
+  ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+  ASSERT_EQ(resumed.losses.size(), 4u) << resumed.result.Output();
+  for (int64_t step = 5; step <= 8; ++step) {
+    EXPECT_NEAR(resumed.losses.at(step), reference.losses.at(step), 2e-5 * reference.losses.at(step))
+        << "step " << step;
+  }
+  fs::remove_all(ref_dir);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, ReshardTest,
+    ::testing::Values(ReshardCase{4, "full_shard", 2, "full_shard"},
+                      ReshardCase{4, "full_shard", 3, "full_shard"},
+                      ReshardCase{3, "full_shard", 4, "full_shard"},
+                      ReshardCase{4, "hybrid_shard", 4, "full_shard"},
+                      ReshardCase{2, "full_shard", 2, "no_shard"},
+                      ReshardCase{2, "no_shard", 2, "full_shard"}),
+    [](const ::testing::TestParamInfo<ReshardCase>& info) {
+      return StrCat(info.param.from_strategy, info.param.from_world, "_to_",
+                    info.param.to_strategy, info.param.to_world);
+    });
+
+TEST(CheckpointFaultTest, RankKilledDuringSaveLeavesThePreviousCheckpoint) {
+  std::string dir = TempDir("killed");
+  // Saves at step 4 and would save at 8: rank 1 dies right after writing its step-8 shard.
+  TrainRun crashed = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.interval=4",
+                                             "checkpoint.async=false"},
+                      {{"FSDP_CHECKPOINT_CRASH_AFTER_WRITE", ""}});
+  ASSERT_TRUE(crashed.result.exit.ok()) << crashed.result.Output();
+  fs::remove_all(dir + "/checkpoints/" + ckpt::StepDirName(8));
+  fs::remove(dir + "/metrics.jsonl");
+  TrainRun dying = Train(dir, 2, "full_shard",
+                    {"checkpoint.enabled=true", "checkpoint.async=false",
+                     "checkpoint.load=latest"},
+                    {{"FSDP_CHECKPOINT_CRASH_AFTER_WRITE", "1"}});
+  EXPECT_FALSE(dying.result.exit.ok()) << dying.result.Output();
+  EXPECT_FALSE(fs::exists(dir + "/checkpoints/" + ckpt::StepDirName(8) + "/metadata.json"));
+  absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(dir + "/checkpoints");
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(fs::path(*latest).filename(), ckpt::StepDirName(4));
+  fs::remove(dir + "/metrics.jsonl");
+  TrainRun again = Train(dir, 2, "full_shard", {"checkpoint.load=latest"});
+  ASSERT_TRUE(again.result.exit.ok()) << again.result.Output();
+  EXPECT_EQ(again.losses.size(), 4u);
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFaultTest, CorruptShardIsNamedWhenLoading) {
+  std::string dir = TempDir("corrupt");
+  TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true"});
+  ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
+  std::string step8 = dir + "/checkpoints/" + ckpt::StepDirName(8);
+  {
+    std::fstream f(step8 + "/" + ckpt::RankFileName(1), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    char byte = 0;
+    f.read(&byte, 1);
+    f.seekp(100);
+    byte ^= 0x5a;
+    f.write(&byte, 1);
+  }
+  TrainRun load = Train(dir, 2, "full_shard", {"checkpoint.load=" + step8});
+  EXPECT_FALSE(load.result.exit.ok());
+  EXPECT_TRUE(load.result.StderrHas(ckpt::RankFileName(1))) << load.result.Output();
+  CommandResult inspect = RunCommand({FsdpBinary(), "checkpoint", "inspect", step8, "--verify"});
+  EXPECT_EQ(inspect.exit.code, 1) << inspect.Output();
+  EXPECT_TRUE(inspect.StdoutHas("complete: no")) << inspect.Output();
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointToolsTest, InspectAndExport) {
+  std::string dir = TempDir("tools");
+  TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true"});
+  ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
+  std::string root = dir + "/checkpoints";
+  CommandResult inspect = RunCommand({FsdpBinary(), "checkpoint", "inspect", root, "--verify"});
+  ASSERT_TRUE(inspect.exit.ok()) << inspect.Output();
+  EXPECT_TRUE(inspect.StdoutHas("step        8")) << inspect.Output();
+  EXPECT_TRUE(inspect.StdoutHas("mesh (replicate=1, shard=2)")) << inspect.Output();
+  EXPECT_TRUE(inspect.StdoutHas("model/tok_embeddings")) << inspect.Output();
+  EXPECT_TRUE(inspect.StdoutHas("complete: yes")) << inspect.Output();
+  std::string out = dir + "/model.safetensors";
+  CommandResult exported = RunCommand({FsdpBinary(), "checkpoint", "export", root, "--out", out});
+  ASSERT_TRUE(exported.exit.ok()) << exported.Output();
+  absl::StatusOr<ckpt::SafetensorsFile> file = ckpt::SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(*ckpt::LatestCheckpoint(root));
+  ASSERT_TRUE(reader.ok());
+  int tensors = 0;
+  for (const auto& [name, entry] : file->entries()) {
+    at::Tensor a, b;
+    int64_t rows = entry.shape.empty() ? 1 : entry.shape[0];
+    ASSERT_TRUE(file->ReadRows(name, 0, rows, a).ok());
+    ASSERT_TRUE(reader->ReadRows("model/" + name, 0, rows, b).ok());
+    EXPECT_TRUE(a.equal(b)) << name;
+    ++tensors;
+  }
+  EXPECT_GT(tensors, 10);
+  // Training can start from the exported file.
+  TrainRun from = Train(TempDir("from"), 2, "full_shard", {"model.init_from=" + out, "training.steps=9"});
+  ASSERT_TRUE(from.result.exit.ok()) << from.result.Output();
+  EXPECT_TRUE(from.result.StdoutHas("parameters from")) << from.result.Output();
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp
