@@ -48,6 +48,7 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       // Start the ranks like torchrun --standalone: this same command, once per rank.
       LaunchOptions launch;
       launch.nproc_per_node = static_cast<int>(nproc);
+      launch.grace = std::chrono::seconds(120);  // time for a SIGTERM checkpoint
       if (ProgressBarWanted(config->metrics.progress_bar)) {
         // Rank 0's output reaches the terminal through this process: draw the bar here.
         launch.status_line = [steps = config->training.steps, start = std::chrono::steady_clock::now(),

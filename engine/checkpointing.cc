@@ -1,6 +1,9 @@
 #include "engine/checkpointing.h"
 
 #include <chrono>
+#include <iostream>
+
+#include <fmt/format.h>
 #include <cstdlib>
 #include <filesystem>
 
@@ -28,6 +31,7 @@ struct Checkpointer::Pending {
   int64_t step = 0;
   DataPosition data;
   std::vector<Item> items;
+  std::chrono::steady_clock::time_point started;
 };
 
 namespace {
@@ -133,6 +137,7 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
   auto start = Clock::now();
   FSDP_RETURN_IF_ERROR(Finish());  // one save in flight at a time
   auto pending = std::make_shared<Pending>();
+  pending->started = start;
   pending->step = step;
   pending->data = data;
   {
@@ -221,7 +226,10 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
   FSDP_RETURN_IF_ERROR(ckpt::WriteMetadata(tmp_dir, metadata));
   FSDP_RETURN_IF_ERROR(ckpt::CommitCheckpoint(tmp_dir, final_dir));
   FSDP_RETURN_IF_ERROR(ckpt::PruneCheckpoints(root_, static_cast<int>(config_.checkpoint.keep_latest_k)));
-  FSDP_LOG_INFO("checkpoint: step {} committed to {}", pending.step, final_dir);
+  std::cout << fmt::format("checkpoint: step {} committed to {} ({:.2f} s after the save began)\n",
+                           pending.step, final_dir,
+                           std::chrono::duration<double>(Clock::now() - pending.started).count());
+  std::cout.flush();
   return absl::OkStatus();
 }
 

@@ -172,12 +172,17 @@ absl::Status Train(const RunConfig& config) {
 
   // --- checkpoint: resume, or start from a safetensors file --------------------------------
   Checkpointer checkpointer(config, ctx, mesh, *sharded, *optimizer);
+  auto load_start = Clock::now();
   FSDP_ASSIGN_OR_RETURN(std::optional<ResumePoint> resume, checkpointer.Load());
+  double load_seconds = std::chrono::duration<double>(Clock::now() - load_start).count();
   int64_t start_step = 0;
   if (resume) {
     start_step = resume->step;
     loader.set_position(resume->data);
-    if (rank == 0) std::cout << "fsdp train: resumed from " << resume->dir << " at step " << start_step << "\n";
+    if (rank == 0) {
+      std::cout << fmt::format("fsdp train: resumed from {} at step {} (loaded in {:.2f} s)\n",
+                               resume->dir, start_step, load_seconds);
+    }
   } else if (!config.model.init_from.empty()) {
     FSDP_RETURN_IF_ERROR(InitFromSafetensors(config.model.init_from, *sharded));
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";

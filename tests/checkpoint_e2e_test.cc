@@ -2,7 +2,10 @@
 // middle of a save, corrupt files, inspect and export.
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <filesystem>
+#include <mutex>
 #include <fstream>
 
 #include <gmock/gmock.h>
@@ -12,6 +15,7 @@
 #include "checkpoint/format.h"
 #include "checkpoint/safetensors.h"
 #include "common/strings.h"
+#include "launcher/worker_group.h"
 #include "tests/multirank.h"
 
 namespace fsdp {
@@ -177,6 +181,49 @@ TEST(CheckpointFaultTest, CorruptShardIsNamedWhenLoading) {
   CommandResult inspect = RunCommand({FsdpBinary(), "checkpoint", "inspect", step8, "--verify"});
   EXPECT_EQ(inspect.exit.code, 1) << inspect.Output();
   EXPECT_TRUE(inspect.StdoutHas("complete: no")) << inspect.Output();
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
+  std::string dir = TempDir("sigterm");
+  std::vector<std::string> argv = {
+      FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
+      "--set", "metrics.progress_bar=off", "--set", "training.steps=100000", "--set",
+      "training.log_interval=1", "--set", "training.eval_interval=0", "--set",
+      "parallelism.nproc=2", "--set", "checkpoint.enabled=true", "--set", "model.n_layers=2"};
+  std::vector<std::string> lines;
+  std::mutex mu;
+  WorkerGroup group([&](const OutputLine& l) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.emplace_back(l.text);
+  });
+  WorkerSpec spec;
+  spec.argv = argv;
+  ASSERT_TRUE(group.Start({spec}).ok());
+  WaitOptions wait;
+  wait.grace = std::chrono::seconds(30);
+  wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool sent = false;
+  wait.stop_requested = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    int steps = 0;
+    for (const auto& l : lines) steps += l.find("]: step ") != std::string::npos;
+    if (steps >= 3 && !sent) {
+      group.SignalAll(SIGTERM);  // as a scheduler would, to the launcher
+      sent = true;
+    }
+    return false;
+  };
+  GroupResult result = group.Wait(wait);
+  std::string all;
+  for (const auto& l : lines) all += l + "\n";
+  ASSERT_TRUE(sent) << all;
+  EXPECT_TRUE(all.find("SIGTERM: saved step") != std::string::npos) << all;
+  absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(dir + "/checkpoints");
+  ASSERT_TRUE(latest.ok()) << latest.status() << "\n" << all;
+  absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(*latest);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_GE(reader->metadata().step, 3);
   fs::remove_all(dir);
 }
 
