@@ -1,18 +1,16 @@
 #include "sharding/memory_tracker.h"
 
 #include <cstring>
-#include <mutex>
-#include <unordered_map>
 
 #include <c10/core/CPUAllocator.h>
 
 namespace fsdp {
 namespace {
 
-// DataPtrs keep data == context (kernels use raw_allocate / raw_deallocate), so sizes are
-// looked up by address.
-std::mutex g_mu;
-std::unordered_map<void*, size_t>* g_sizes = nullptr;
+// Each allocation carries its size in a header in front of the data (kHeader keeps the data
+// 64-byte aligned, as the default CPU allocator does), so freeing needs no lock or lookup.
+// DataPtrs keep data == context: kernels use raw_allocate / raw_deallocate.
+constexpr size_t kHeader = 64;
 CpuMemoryTracker* g_tracker = nullptr;
 c10::Allocator* g_base = nullptr;
 
@@ -20,7 +18,6 @@ c10::Allocator* g_base = nullptr;
 
 CpuMemoryTracker& CpuMemoryTracker::Install() {
   static CpuMemoryTracker* tracker = [] {
-    g_sizes = new std::unordered_map<void*, size_t>();
     g_base = c10::GetCPUAllocator();
     g_tracker = new CpuMemoryTracker(g_base);
     c10::SetCPUAllocator(g_tracker, /*priority=*/100);
@@ -30,11 +27,9 @@ CpuMemoryTracker& CpuMemoryTracker::Install() {
 }
 
 c10::DataPtr CpuMemoryTracker::allocate(size_t n) {
-  void* data = base_->raw_allocate(n);
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    (*g_sizes)[data] = n;
-  }
+  auto* base = static_cast<char*>(base_->raw_allocate(n + kHeader));
+  *reinterpret_cast<size_t*>(base) = n;
+  void* data = base + kHeader;
   int64_t now = current_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
   int64_t peak = peak_.load();
   while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
@@ -44,17 +39,9 @@ c10::DataPtr CpuMemoryTracker::allocate(size_t n) {
 
 void CpuMemoryTracker::Free(void* data) {
   if (data == nullptr) return;
-  size_t n = 0;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_sizes->find(data);
-    if (it != g_sizes->end()) {
-      n = it->second;
-      g_sizes->erase(it);
-    }
-  }
-  g_tracker->current_.fetch_sub(static_cast<int64_t>(n));
-  g_base->raw_deallocate(data);
+  char* base = static_cast<char*>(data) - kHeader;
+  g_tracker->current_.fetch_sub(static_cast<int64_t>(*reinterpret_cast<size_t*>(base)));
+  g_base->raw_deallocate(base);
 }
 
 c10::DeleterFnPtr CpuMemoryTracker::raw_deleter() const { return &CpuMemoryTracker::Free; }
