@@ -1,6 +1,8 @@
 // The checkpoint format: see format.h and docs/checkpoint.md.
 #include "checkpoint/format.h"
 
+#include "checkpoint/file_io.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -76,49 +78,17 @@ std::string ParentDir(const std::string& path) {
   return parent.empty() ? "." : parent;
 }
 
-// Closes a file descriptor at scope exit.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-
- private:
-  int fd_;
-};
-
 absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(path, "write", errno);
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
+  if (!WriteFully(fd, data, n)) return ErrnoError(path, "write", errno);
   return absl::OkStatus();
 }
 
 // Reads up to `n` bytes at `offset`; returns how many were read (fewer only at end of file).
 absl::StatusOr<size_t> PreadAll(int fd, void* data, size_t n, int64_t offset,
                                 const std::string& path) {
-  char* p = static_cast<char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(path, "read", errno);
-    }
-    if (r == 0) break;
-    done += static_cast<size_t>(r);
-  }
-  return done;
+  int64_t done = PreadUpTo(fd, data, n, offset);
+  if (done < 0) return ErrnoError(path, "read", errno);
+  return static_cast<size_t>(done);
 }
 
 absl::Status FsyncPath(const std::string& path) {

@@ -1,5 +1,7 @@
 #include "checkpoint/safetensors.h"
 
+#include "checkpoint/file_io.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -38,58 +40,16 @@ bool CheckedNumel(const std::vector<int64_t>& shape, size_t first, int64_t& nume
   return true;
 }
 
-// Closes a file descriptor on scope exit.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  // Closes now; false (errno set) when close fails.
-  bool Close() {
-    int fd = std::exchange(fd_, -1);
-    return fd < 0 || ::close(fd) == 0;
-  }
-
- private:
-  int fd_;
-};
-
 bool WriteAll(int fd, const void* data, int64_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(size, int64_t{1} << 30)));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    p += n;
-    size -= n;
-  }
-  return true;
+  return WriteFully(fd, data, static_cast<size_t>(size));
 }
 
 // Reads exactly `size` bytes at `offset`; false on an error or end of file (errno 0 then).
 bool PReadAll(int fd, void* data, int64_t size, int64_t offset) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    ssize_t n =
-        ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(size, int64_t{1} << 30)), offset);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    if (n == 0) {
-      errno = 0;
-      return false;
-    }
-    p += n;
-    size -= n;
-    offset += n;
-  }
-  return true;
+  int64_t got = PreadUpTo(fd, data, static_cast<size_t>(size), offset);
+  if (got == size) return true;
+  if (got >= 0) errno = 0;
+  return false;
 }
 
 std::string ErrnoString() { return errno == 0 ? "unexpected end of file" : std::strerror(errno); }
