@@ -98,7 +98,9 @@ struct MetricsSection {
 struct CheckpointSection {
   bool enabled = false;
   std::string dir;            // "": <run.dir>/checkpoints
-  int64_t interval = 0;       // steps between saves; 0: only at the end (and on SIGTERM)
+  // Steps between saves; 0: only at the end. SIGTERM also saves, at the next log interval
+  // (where the ranks agree on it without an extra collective per step).
+  int64_t interval = 0;
   int64_t keep_latest_k = 3;  // older committed checkpoints are removed; the newest never
   std::string load;           // "": start fresh; "latest": newest in dir (none: fresh); a path
   bool async = true;          // write shards in the background after a copy to host memory

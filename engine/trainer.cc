@@ -69,7 +69,7 @@ absl::StatusOr<FsdpOptions> ShardingOptions(const RunConfig& config, const GptIm
 std::vector<std::shared_ptr<torch::nn::Module>> Units(GptImpl& model, const std::string& policy) {
   if (policy == "block") return model.FsdpUnits();
   int64_t min_params = ParseInt<int64_t>(policy.substr(policy.find(':') + 1)).value_or(1);
-  return SelectUnits(model, {.min_num_params = min_params});
+  return SelectUnits(model, {.module_types = {}, .min_num_params = min_params});
 }
 
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const OptimizerSection& o,
@@ -270,28 +270,23 @@ absl::Status Train(const RunConfig& config) {
     losses.push_back(loss_sum);
     norms.push_back(norm);
     lrs.push_back(lr);
-    if (cs.enabled) {
-      // SIGTERM: every rank must agree before saving (they may see it at different steps).
-      at::Tensor term = at::full({}, TermRequested() ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(device));
-      ctx->world().AllReduce(term, c10d::ReduceOp::MAX)->wait();
-      if (term.item<int>() != 0) {
-        FSDP_RETURN_IF_ERROR(checkpointer.Save(step + 1, loader.position()));
-        FSDP_RETURN_IF_ERROR(checkpointer.Finish());
-        if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step + 1 << " and stopped\n";
-        return absl::OkStatus();
-      }
-      if (cs.interval > 0 && (step + 1) % cs.interval == 0 && step + 1 < t.steps) {
-        FSDP_RETURN_IF_ERROR(save(step + 1));
-      }
+    if (cs.enabled && cs.interval > 0 && (step + 1) % cs.interval == 0 && step + 1 < t.steps) {
+      FSDP_RETURN_IF_ERROR(save(step + 1));
     }
 
     bool log_now = (step + 1) % t.log_interval == 0 || step + 1 == t.steps;
     if (!log_now) continue;
     // One host synchronisation per log interval: the losses (averaged over data-parallel
-    // ranks), the norms and the non-finite flag of every step since the last log.
-    at::Tensor stacked = at::stack(losses).to(at::kDouble);
+    // ranks), the norms and the non-finite flag of every step since the last log. The same
+    // all-reduce carries whether any rank got SIGTERM, so that all ranks stop at the same step.
+    const int64_t n = static_cast<int64_t>(losses.size());
+    at::Tensor term = at::full({1}, TermRequested() ? 1.0 : 0.0,
+                               at::TensorOptions().dtype(at::kDouble).device(device));
+    at::Tensor stacked = at::cat({at::stack(losses).to(at::kDouble), term});
     ctx->world().AllReduce(stacked)->wait();
-    stacked = (stacked / world).cpu();
+    stacked = stacked.cpu();
+    const bool terminate = stacked[n].item<double>() > 0;
+    stacked = stacked.narrow(0, 0, n) / world;
     at::Tensor norm_values = at::stack(norms).to(at::kDouble).cpu();
     int64_t bad_step = first_bad.item<int64_t>();
     double elapsed = std::chrono::duration<double>(Clock::now() - interval_start).count();
@@ -336,6 +331,16 @@ absl::Status Train(const RunConfig& config) {
       return absl::FailedPreconditionError(StrCat(
           "step ", bad_step, ": the loss or the gradient norm is not finite (NaN or inf); "
           "stopping. Lower optimizer.lr, or set training.on_nonfinite: skip"));
+    }
+    if (terminate) {
+      if (cs.enabled) {
+        FSDP_RETURN_IF_ERROR(checkpointer.Save(step + 1, loader.position()));
+        FSDP_RETURN_IF_ERROR(checkpointer.Finish());
+        if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step + 1 << " and stopped\n";
+        return absl::OkStatus();
+      }
+      return absl::AbortedError(StrCat("stopped by SIGTERM after step ", step + 1,
+                                       " (checkpoint.enabled is false: nothing saved)"));
     }
     if (t.eval_interval > 0 && ((step + 1) % t.eval_interval == 0 || step + 1 == t.steps)) {
       double val = Evaluate(*model, loader, t.eval_batches, ctx->world(), device);

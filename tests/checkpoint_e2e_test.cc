@@ -184,13 +184,20 @@ TEST(CheckpointFaultTest, CorruptShardIsNamedWhenLoading) {
   fs::remove_all(dir);
 }
 
-TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
-  std::string dir = TempDir("sigterm");
+// Starts a long `fsdp train`, sends SIGTERM to it (as a scheduler would) once three steps were
+// logged, and returns its output and how it ended.
+struct Terminated {
+  std::string output;
+  WorkerExit exit;
+  double seconds_after_signal = 0;
+};
+Terminated TrainUntilSigterm(const std::string& dir, std::vector<std::string> sets) {
   std::vector<std::string> argv = {
       FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
       "--set", "metrics.progress_bar=off", "--set", "training.steps=100000", "--set",
       "training.log_interval=1", "--set", "training.eval_interval=0", "--set",
-      "parallelism.nproc=2", "--set", "checkpoint.enabled=true", "--set", "model.n_layers=2"};
+      "parallelism.nproc=2", "--set", "model.n_layers=2"};
+  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   std::vector<std::string> lines;
   std::mutex mu;
   WorkerGroup group([&](const OutputLine& l) {
@@ -199,31 +206,52 @@ TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
   });
   WorkerSpec spec;
   spec.argv = argv;
-  ASSERT_TRUE(group.Start({spec}).ok());
+  Terminated t;
+  if (!group.Start({spec}).ok()) return t;
   WaitOptions wait;
   wait.grace = std::chrono::seconds(30);
   wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  bool sent = false;
+  std::optional<std::chrono::steady_clock::time_point> sent;
   wait.stop_requested = [&] {
     std::lock_guard<std::mutex> lock(mu);
     int steps = 0;
     for (const auto& l : lines) steps += l.find("]: step ") != std::string::npos;
     if (steps >= 3 && !sent) {
-      group.SignalAll(SIGTERM);  // as a scheduler would, to the launcher
-      sent = true;
+      group.SignalAll(SIGTERM);
+      sent = std::chrono::steady_clock::now();
     }
     return false;
   };
   GroupResult result = group.Wait(wait);
-  std::string all;
-  for (const auto& l : lines) all += l + "\n";
-  ASSERT_TRUE(sent) << all;
-  EXPECT_TRUE(all.find("SIGTERM: saved step") != std::string::npos) << all;
+  for (const auto& l : lines) t.output += l + "\n";
+  t.exit = result.exits.at(0);
+  if (sent) {
+    t.seconds_after_signal =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - *sent).count();
+  }
+  return t;
+}
+
+TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
+  std::string dir = TempDir("sigterm");
+  Terminated t = TrainUntilSigterm(dir, {"checkpoint.enabled=true"});
+  EXPECT_TRUE(t.output.find("SIGTERM: saved step") != std::string::npos) << t.output;
   absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(dir + "/checkpoints");
-  ASSERT_TRUE(latest.ok()) << latest.status() << "\n" << all;
+  ASSERT_TRUE(latest.ok()) << latest.status() << "\n" << t.output;
   absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(*latest);
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_GE(reader->metadata().step, 3);
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFaultTest, SigtermWithoutCheckpointingStopsPromptly) {
+  std::string dir = TempDir("sigterm-nockpt");
+  Terminated t = TrainUntilSigterm(dir, {});
+  EXPECT_TRUE(t.output.find("stopped by SIGTERM after step") != std::string::npos) << t.output;
+  // The ranks stop by themselves at the next log interval, long before the launcher's grace
+  // period (120 s) would kill them.
+  EXPECT_LT(t.seconds_after_signal, 60.0) << t.output;
+  EXPECT_FALSE(t.exit.ok());
   fs::remove_all(dir);
 }
 
