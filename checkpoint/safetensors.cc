@@ -10,6 +10,8 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -69,30 +71,28 @@ bool GetNonNegative(const nlohmann::json& value, int64_t& out) {
   return false;
 }
 
-struct ExportItem {
-  const TensorEntry* entry;
-  c10::ScalarType dtype;  // after conversion
-  int64_t nbytes;
+// One tensor of a file being written: its name, dtype and shape, and how to get its values.
+struct WriteItem {
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t nbytes = 0;
+  std::function<absl::StatusOr<at::Tensor>()> values;  // called once, in name order
 };
 
-absl::Status WriteTensors(const CheckpointReader& checkpoint, const std::string& header,
-                          const std::map<std::string, ExportItem>& items, int fd,
-                          const std::string& tmp_path) {
+absl::Status WriteTensors(const std::string& header, const std::map<std::string, WriteItem>& items,
+                          int fd, const std::string& tmp_path) {
   if (!WriteAll(fd, header.data(), static_cast<int64_t>(header.size()))) {
     return absl::FailedPreconditionError(
         StrCat("cannot write ", tmp_path, ": ", std::strerror(errno)));
   }
   for (const auto& [name, item] : items) {
     if (item.nbytes == 0) continue;
-    const TensorEntry& entry = *item.entry;
-    int64_t rows = entry.shape.empty() ? 1 : entry.shape[0];
-    at::Tensor tensor;
-    FSDP_RETURN_IF_ERROR(checkpoint.ReadRows(entry.name, 0, rows, tensor));
-    tensor = tensor.to(item.dtype).contiguous();
+    FSDP_ASSIGN_OR_RETURN(at::Tensor tensor, item.values());
+    tensor = tensor.to(at::kCPU).to(item.dtype).contiguous();
     if (static_cast<int64_t>(tensor.nbytes()) != item.nbytes) {
-      return absl::InternalError(StrCat("tensor ", entry.name, " of ", checkpoint.dir(), " read ",
-                                        tensor.nbytes(), " bytes, expected ", item.nbytes,
-                                        " (exporting ", tmp_path, ")"));
+      return absl::InternalError(StrCat("tensor ", name, " has ", tensor.nbytes(),
+                                        " bytes, expected ", item.nbytes, " (writing ", tmp_path,
+                                        ")"));
     }
     if (!WriteAll(fd, tensor.data_ptr(), item.nbytes)) {
       return absl::FailedPreconditionError(
@@ -106,43 +106,13 @@ absl::Status WriteTensors(const CheckpointReader& checkpoint, const std::string&
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::string& prefix,
-                               const std::string& out_path, std::optional<c10::ScalarType> dtype) {
-  // Select, rename and size every tensor; safetensors orders the data by name.
-  std::map<std::string, ExportItem> items;
-  for (const TensorEntry& entry : checkpoint.metadata().tensors) {
-    if (!StartsWith(entry.name, prefix)) continue;
-    std::string name = entry.name.substr(prefix.size());
-    if (name.empty() || name == kMetadataKey) {
-      return absl::InvalidArgumentError(StrCat("tensor '", entry.name, "' of ", checkpoint.dir(),
-                                               " cannot be exported to ", out_path,
-                                               " under the name '", name, "'"));
-    }
-    FSDP_ASSIGN_OR_RETURN(c10::ScalarType source, DtypeFromName(entry.dtype));
-    c10::ScalarType target = dtype && c10::isFloatingType(source) ? *dtype : source;
-    int64_t numel = 0;
-    int64_t nbytes = 0;
-    if (!CheckedNumel(entry.shape, 0, numel) ||
-        __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(target)), &nbytes)) {
-      return absl::InvalidArgumentError(
-          StrCat("tensor '", entry.name, "' of shape ", ShapeString(entry.shape), " is too large"));
-    }
-    items.emplace(std::move(name), ExportItem{&entry, target, nbytes});
-  }
-  if (items.empty()) {
-    return absl::InvalidArgumentError(StrCat("no tensor of checkpoint ", checkpoint.dir(),
-                                             " has a name starting with '", prefix, "' (exporting ",
-                                             out_path, ")"));
-  }
-
-  // The header, from the metadata alone.
+// Writes `items` (safetensors orders the data by name) to a temp file renamed to `out_path`.
+absl::Status WriteFile(const std::map<std::string, WriteItem>& items, const std::string& out_path) {
   nlohmann::json header_json = nlohmann::json::object();
   int64_t offset = 0;
   for (const auto& [name, item] : items) {
     header_json[name] = {{"dtype", DtypeName(item.dtype)},
-                         {"shape", item.entry->shape},
+                         {"shape", item.shape},
                          {"data_offsets", {offset, offset + item.nbytes}}};
     offset += item.nbytes;
   }
@@ -161,7 +131,7 @@ absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::st
         StrCat("cannot create ", tmp_path, ": ", std::strerror(errno)));
   }
   FdCloser closer(fd);
-  absl::Status status = WriteTensors(checkpoint, header, items, fd, tmp_path);
+  absl::Status status = WriteTensors(header, items, fd, tmp_path);
   if (status.ok() && !closer.Close()) {
     status = absl::FailedPreconditionError(
         StrCat("cannot close ", tmp_path, ": ", std::strerror(errno)));
@@ -175,6 +145,68 @@ absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::st
     ::unlink(tmp_path.c_str());
   }
   return status;
+}
+
+// Checks a tensor name and computes numel x element size; kInvalidArgument if it overflows.
+absl::StatusOr<int64_t> ByteSize(const std::string& name, const std::vector<int64_t>& shape,
+                                 c10::ScalarType dtype) {
+  int64_t numel = 0;
+  int64_t nbytes = 0;
+  if (!CheckedNumel(shape, 0, numel) ||
+      __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &nbytes)) {
+    return absl::InvalidArgumentError(
+        StrCat("tensor '", name, "' of shape ", ShapeString(shape), " is too large"));
+  }
+  return nbytes;
+}
+
+}  // namespace
+
+absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::string& prefix,
+                               const std::string& out_path, std::optional<c10::ScalarType> dtype) {
+  // Select, rename and size every tensor; each is read only when its turn comes.
+  std::map<std::string, WriteItem> items;
+  for (const TensorEntry& entry : checkpoint.metadata().tensors) {
+    if (!StartsWith(entry.name, prefix)) continue;
+    std::string name = entry.name.substr(prefix.size());
+    if (name.empty() || name == kMetadataKey) {
+      return absl::InvalidArgumentError(StrCat("tensor '", entry.name, "' of ", checkpoint.dir(),
+                                               " cannot be exported to ", out_path,
+                                               " under the name '", name, "'"));
+    }
+    FSDP_ASSIGN_OR_RETURN(c10::ScalarType source, DtypeFromName(entry.dtype));
+    c10::ScalarType target = dtype && c10::isFloatingType(source) ? *dtype : source;
+    FSDP_ASSIGN_OR_RETURN(int64_t nbytes, ByteSize(entry.name, entry.shape, target));
+    auto values = [&checkpoint, &entry]() -> absl::StatusOr<at::Tensor> {
+      at::Tensor tensor;
+      int64_t rows = entry.shape.empty() ? 1 : entry.shape[0];
+      FSDP_RETURN_IF_ERROR(checkpoint.ReadRows(entry.name, 0, rows, tensor));
+      return tensor;
+    };
+    items.emplace(std::move(name), WriteItem{target, entry.shape, nbytes, values});
+  }
+  if (items.empty()) {
+    return absl::InvalidArgumentError(StrCat("no tensor of checkpoint ", checkpoint.dir(),
+                                             " has a name starting with '", prefix, "' (exporting ",
+                                             out_path, ")"));
+  }
+  return WriteFile(items, out_path);
+}
+
+absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
+                             const std::string& out_path) {
+  std::map<std::string, WriteItem> items;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.empty() || name == kMetadataKey) {
+      return absl::InvalidArgumentError(
+          StrCat("a tensor cannot be saved under the name '", name, "' (", out_path, ")"));
+    }
+    std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+    FSDP_ASSIGN_OR_RETURN(int64_t nbytes, ByteSize(name, shape, tensor.scalar_type()));
+    items.emplace(name, WriteItem{tensor.scalar_type(), shape, nbytes,
+                                  [tensor]() -> absl::StatusOr<at::Tensor> { return tensor; }});
+  }
+  return WriteFile(items, out_path);
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {

@@ -3,6 +3,7 @@
 // then the raw bytes): export of a checkpoint's model tensors, and reading for init_from.
 //
 //   ExportSafetensors(reader, "model/", "model.safetensors", at::kBFloat16);   // streaming
+//   SaveSafetensors({{"w", weight}}, "init.safetensors");                       // in memory
 //   absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Open("model.safetensors");
 //   f->ReadRows("layers.0.attention.wq", 0, 16, out);
 #pragma once
@@ -27,6 +28,11 @@ namespace fsdp::ckpt {
 absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::string& prefix,
                                const std::string& out_path,
                                std::optional<c10::ScalarType> dtype = std::nullopt);
+
+// Writes `tensors` (any device and dtype; saved as they are, moved to the CPU one at a time)
+// into one file, through a temp file and a rename.
+absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
+                             const std::string& out_path);
 
 class SafetensorsFile {
  public:

@@ -3,14 +3,18 @@
 //   doctor   check versions, devices, mesh and collectives on a cluster (cli/doctor.h)
 //   train    train a model from a YAML configuration (cli/train.h, engine/trainer.h)
 //   checkpoint inspect | export: look into a checkpoint, write it as safetensors
+//   bench    compare | sweep: fsdp.cpp against PyTorch FSDP2, and across world sizes (bench/)
+//   plan     predict memory and step time per layout, recommend one (cli/plan_command.h)
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_command.h"
 #include "cli/doctor.h"
 #include "cli/checkpoint_command.h"
+#include "cli/plan_command.h"
 #include "cli/train.h"
 #include "common/strings.h"
 #include "launcher/launch.h"
@@ -144,6 +148,35 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--dtype", ckpt.dtype, "Convert floating tensors: bf16, fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
 
+  // ---- plan --------------------------------------------------------------------------------
+  fsdp::PlanCommand plan;
+  CLI::App* plan_cmd = app.add_subcommand(
+      "plan",
+      "Predict per-rank memory and step time of every layout (full_shard, shard_grad_op, "
+      "hybrid_shard RxS, no_shard) and recommend the fastest that fits. E.g.\n"
+      "  fsdp plan configs/llama_1b.yaml --world-size 64 --gpus-per-node 8 --gpu h100\n"
+      "  fsdp plan --calibrate --out cpu.json   (measure this machine's CPU profile)");
+  plan_cmd->add_option("config", plan.config_path, "YAML configuration file");
+  plan_cmd->add_option("--set", plan.overrides,
+                       "Override a key: --set section.key=value (repeatable)");
+  plan_cmd->add_option("--world-size", plan.world_size, "Total ranks (GPUs)");
+  plan_cmd->add_option("--gpus-per-node", plan.gpus_per_node,
+                       "Ranks per node (default: the world size up to 8, else 8)");
+  plan_cmd->add_option("--gpu", plan.gpu, "Hardware profile: h100, h200, a100-80gb, a100-40gb, cpu")
+      ->capture_default_str();
+  plan_cmd->add_option("--hardware", plan.hardware_file,
+                       "A JSON hardware profile (fields of plan::Hardware; see docs/cost_model.md)");
+  plan_cmd->add_option("--top", plan.top, "Show only the K best layouts")
+      ->check(CLI::NonNegativeNumber);
+  plan_cmd->add_option("--json", plan.json_out, "Also write every prediction to this JSON file");
+  plan_cmd->add_flag("--calibrate", plan.calibrate,
+                     "Measure this machine (GEMM, copy, Gloo all-gather) and print a profile");
+  plan_cmd->add_option("--out", plan.calibrate_out, "With --calibrate: write the profile here");
+
+  // ---- bench -------------------------------------------------------------------------------
+  fsdp::BenchCommand bench;
+  CLI::App* bench_cmd = fsdp::AddBenchCommand(app, bench);
+
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -162,8 +195,20 @@ int main(int argc, char** argv) {
     return fsdp::RunLaunch(launch);
   }
   if (train_cmd->parsed()) return fsdp::RunTrainCommand(train, argc, argv);
+  if (bench_cmd->parsed()) return fsdp::RunBenchCommand(bench);
   if (inspect_cmd->parsed()) return fsdp::RunCheckpointInspect(ckpt);
   if (export_cmd->parsed()) return fsdp::RunCheckpointExport(ckpt);
+  if (plan_cmd->parsed()) {
+    if (!program.empty()) {
+      std::cerr << "fsdp plan: unexpected arguments after --\n";
+      return 2;
+    }
+    if (!plan.calibrate && plan.world_size < 1) {
+      std::cerr << "fsdp plan: --world-size N is required (N >= 1), e.g. --world-size 8\n";
+      return 2;
+    }
+    return fsdp::RunPlanCommand(plan);
+  }
   if (doctor_cmd->parsed()) {
     if (!program.empty()) {
       std::cerr << "fsdp doctor: unexpected arguments after --\n";

@@ -36,6 +36,7 @@ void CudaSynchronize();
 // Peak bytes allocated by libtorch's CUDA caching allocator on `index` since the last reset
 // (0 without CUDA), and the reset.
 int64_t CudaPeakAllocatedBytes(int index);
+int64_t CudaAllocatedBytes(int index);  // currently allocated
 void CudaResetPeakMemory(int index);
 // Makes `index` this thread's current CUDA device.
 absl::Status SetCudaDevice(int index);

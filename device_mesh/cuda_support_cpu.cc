@@ -13,6 +13,7 @@ std::string NcclVersion() { return "none"; }
 
 void CudaSynchronize() {}
 int64_t CudaPeakAllocatedBytes(int) { return 0; }
+int64_t CudaAllocatedBytes(int) { return 0; }
 void CudaResetPeakMemory(int) {}
 
 absl::Status SetCudaDevice(int index) {

@@ -45,6 +45,12 @@ int64_t CudaPeakAllocatedBytes(int index) {
   return stats.allocated_bytes[0].peak;  // aggregate over pools
 }
 
+int64_t CudaAllocatedBytes(int index) {
+  if (index < 0 || index >= CudaDeviceCount()) return 0;
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.allocated_bytes[0].current;
+}
+
 void CudaResetPeakMemory(int index) {
   if (index < 0 || index >= CudaDeviceCount()) return;
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));

@@ -27,6 +27,7 @@
 #include "engine/schedule.h"
 #include "models/gpt.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/comm_stats.h"
 #include "sharding/memory_tracker.h"
 
 namespace fsdp {
@@ -107,6 +108,37 @@ double Evaluate(GptImpl& model, const DataLoader& loader, int64_t batches, Proce
   }
   world.AllReduce(sum)->wait();
   return n > 0 ? sum.item<double>() / (n * world.size()) : std::nan("");
+}
+
+// Note [Rank statistics]
+// At the end of a run every rank writes <run.dir>/rank_stats/rank<r>.json: its peak resident
+// set (VmHWM), its peak tensor bytes (CPU tracker or CUDA allocator), the tensor bytes right
+// after the last optimizer step (parameters, gradients and optimizer state, plus whatever
+// the step keeps alive: the model states the ZeRO formulas count), and the collectives it
+// issued (calls, bytes of the full buffers, seconds blocked waiting). Rank 0's metrics.jsonl
+// shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
+void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps,
+                    int64_t peak_rss, int64_t peak_tensor, int64_t state_bytes,
+                    const CommStats& comm) {
+  nlohmann::json stats = {{"rank", rank},
+                          {"steps", steps},
+                          {"peak_rss_bytes", peak_rss},
+                          {"peak_tensor_bytes", peak_tensor},
+                          {"state_bytes", state_bytes}};
+  double wait = 0;
+  int64_t bytes = 0;
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    const CommCounter& c = comm.Get(static_cast<CommKind>(k));
+    stats["comm"][CommKindName(static_cast<CommKind>(k))] = {
+        {"calls", c.calls}, {"bytes", c.bytes}, {"wait_s", c.wait_seconds}};
+    wait += c.wait_seconds;
+    bytes += c.bytes;
+  }
+  stats["comm_wait_s_total"] = wait;
+  stats["comm_bytes_total"] = bytes;
+  std::error_code ec;
+  std::filesystem::create_directories(run_dir / "rank_stats", ec);
+  std::ofstream(run_dir / "rank_stats" / fmt::format("rank{}.json", rank)) << stats.dump(1) << "\n";
 }
 
 }  // namespace
@@ -222,6 +254,10 @@ absl::Status Train(const RunConfig& config) {
   if (on_cuda) CudaResetPeakMemory(device.index());
   auto interval_start = Clock::now();
   auto run_start = interval_start;
+  int64_t state_bytes = 0;
+  CommStats& comm = sharded->comm_stats();
+  comm.Reset();
+  CommStats interval_comm = comm;  // counters at the start of the log interval
   double last_loss = std::nan("");
   const CheckpointSection& cs = config.checkpoint;
   auto save = [&](int64_t steps_done) -> absl::Status {
@@ -266,6 +302,9 @@ absl::Status Train(const RunConfig& config) {
       first_bad = at::where(bad & first_bad.lt(0), at::full_like(first_bad, step + 1), first_bad);
     }
     optimizer->step();
+    // Model states (parameters, gradients, optimizer state) right after the update: what the
+    // ZeRO formulas count. See Note [Rank statistics].
+    state_bytes = on_cuda ? CudaAllocatedBytes(device.index()) : cpu_memory.current_bytes();
     optimizer->zero_grad();
     losses.push_back(loss_sum);
     norms.push_back(norm);
@@ -294,6 +333,14 @@ absl::Status Train(const RunConfig& config) {
     double tokens_per_s = tokens_per_step / step_time;
     double mfu = peak_flops > 0 ? flops_per_token * tokens_per_s / world / peak_flops : 0.0;
     int64_t peak_mem = on_cuda ? CudaPeakAllocatedBytes(device.index()) : cpu_memory.peak_bytes();
+    double comm_wait = 0, comm_bytes = 0;  // this rank's, per step of the interval
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      const CommCounter &now = comm.Get(static_cast<CommKind>(k)),
+                        &before = interval_comm.Get(static_cast<CommKind>(k));
+      comm_wait += (now.wait_seconds - before.wait_seconds) / static_cast<double>(n);
+      comm_bytes += static_cast<double>(now.bytes - before.bytes) / static_cast<double>(n);
+    }
+    interval_comm = comm;
     int64_t first = step + 1 - static_cast<int64_t>(losses.size());
     for (size_t i = 0; i < losses.size(); ++i) {
       if (jsonl) {
@@ -305,7 +352,9 @@ absl::Status Train(const RunConfig& config) {
                       {"tokens_per_s", tokens_per_s},
                       {"tokens_per_s_per_device", tokens_per_s / world},
                       {"mfu", mfu},
-                      {"peak_mem_bytes", peak_mem}});
+                      {"peak_mem_bytes", peak_mem},
+                      {"comm_wait_s", comm_wait},
+                      {"comm_bytes", comm_bytes}});
       }
     }
     last_loss = stacked[static_cast<int64_t>(losses.size()) - 1].item<double>();
@@ -355,6 +404,9 @@ absl::Status Train(const RunConfig& config) {
     FSDP_RETURN_IF_ERROR(save(t.steps));
     FSDP_RETURN_IF_ERROR(checkpointer.Finish());
   }
+  WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
+                 on_cuda ? CudaPeakAllocatedBytes(device.index()) : cpu_memory.peak_bytes(),
+                 state_bytes, comm);
   if (rank == 0) {
     if (progress) std::cerr << "\n";
     double total = std::chrono::duration<double>(Clock::now() - run_start).count();

@@ -121,6 +121,10 @@ int RunLaunch(const LaunchOptions& o) {
   std::string status;  // shown on the last line of stderr, below the workers' output
   auto sink = [&](const OutputLine& line) {
     std::lock_guard<std::mutex> lock(out_mu);
+    if (o.echo && !o.echo(line.rank, line.is_stderr, line.text)) {
+      if (o.status_line) status = o.status_line(line.rank, line.text);
+      return;
+    }
     if (!status.empty()) std::cerr << "\r\033[K" << std::flush;
     std::ostream& os = line.is_stderr ? std::cerr : std::cout;
     if (o.prefix_output) os << "[rank" << line.rank << "]: ";

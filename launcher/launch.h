@@ -38,6 +38,8 @@ struct LaunchOptions {
   // Optional: sees every output line of the workers and returns a status text (e.g. a
   // progress bar) that the launcher keeps on the last line of its stderr; empty for none.
   std::function<std::string(int rank, std::string_view line)> status_line;
+  // Optional: which worker lines are printed (all when unset); status_line still sees all.
+  std::function<bool(int rank, bool is_stderr, std::string_view line)> echo;
 
   // kInvalidArgument naming the option and what would be valid.
   absl::Status Validate() const;

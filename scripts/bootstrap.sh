@@ -6,7 +6,8 @@
 # FSDP_SKIP_APT=1 skips the Debian part; FSDP_TORCH_DIR=<site-packages/torch> skips the wheel.
 #   - libtorch: the PyPI wheel torch==$FSDP_TORCH_VERSION in a virtualenv OUTSIDE the clone
 #     ($FSDP_CACHE_DIR, default ~/.cache/fsdp.cpp), shared by every clone and CI run on the
-#     machine. The wheel is several GB; it is installed once.
+#     machine. The wheel is several GB; it is installed once. Next to it: safetensors, numpy
+#     (tests) and matplotlib (bench/plot.py); a venv made before one of them was added gets it.
 #
 # On a machine where it already ran it only checks stamps and returns in about a second.
 # It prints the torch directory on its last line of stdout ("torch_dir=...") for the Makefile.
@@ -16,6 +17,10 @@ TORCH_VERSION="${FSDP_TORCH_VERSION:-2.11.0}"
 CACHE_DIR="${FSDP_CACHE_DIR:-$HOME/.cache/fsdp.cpp}"
 VENV="$CACHE_DIR/venv-torch-$TORCH_VERSION"
 STAMP="$VENV/.fsdp-bootstrap-ok"
+# Python packages installed with torch, by import name (= pip name for these). A venv counts as
+# complete when the stamp exists and each has its package directory (checked with a glob, no
+# python or pip started, so a second run stays at a few milliseconds).
+PY_PACKAGES=(safetensors numpy matplotlib)
 
 say() { echo "[bootstrap] $*" >&2; }
 die() { echo "[bootstrap] error: $*" >&2; exit 1; }
@@ -72,7 +77,7 @@ if [ ! -f "$STAMP" ]; then
   fi
   say "installing torch==$TORCH_VERSION from PyPI into $VENV (several GB, once per machine)"
   if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-      "torch==$TORCH_VERSION" safetensors numpy; then
+      "torch==$TORCH_VERSION" "${PY_PACKAGES[@]}"; then
     die "pip could not install torch==$TORCH_VERSION; fsdp.cpp does not fall back to another libtorch"
   fi
   tdir=$(find_torch_dir)
@@ -80,6 +85,16 @@ if [ ! -f "$STAMP" ]; then
   [ -d "$tdir/include/torch/csrc/distributed/c10d" ] || die "torch wheel at $tdir has no c10d headers"
   echo "$tdir" > "$STAMP"
   say "torch $TORCH_VERSION ready at $tdir"
+fi
+
+missing_py=()
+for m in "${PY_PACKAGES[@]}"; do
+  compgen -G "$VENV/lib/python3*/site-packages/$m/__init__.py" >/dev/null || missing_py+=("$m")
+done
+if [ ${#missing_py[@]} -gt 0 ]; then
+  say "installing ${missing_py[*]} into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${missing_py[@]}" ||
+    die "pip could not install: ${missing_py[*]}"
 fi
 
 echo "torch_dir=$(cat "$STAMP")"

@@ -1,5 +1,6 @@
 #include "sharding/memory_tracker.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include <c10/core/CPUAllocator.h>
@@ -48,6 +49,18 @@ c10::DeleterFnPtr CpuMemoryTracker::raw_deleter() const { return &CpuMemoryTrack
 
 void CpuMemoryTracker::copy_data(void* dest, const void* src, std::size_t count) const {
   std::memcpy(dest, src, count);
+}
+
+int64_t ProcessPeakRssBytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  long long kib = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<int64_t>(kib) * 1024;
 }
 
 }  // namespace fsdp

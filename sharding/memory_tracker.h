@@ -40,4 +40,9 @@ class CpuMemoryTracker final : public c10::Allocator {
   std::atomic<int64_t> peak_{0};
 };
 
+// The process's peak resident set size in bytes (VmHWM of /proc/self/status): everything the
+// process ever touched at once, libtorch's code and the allocator's caches included; 0 when
+// it cannot be read.
+int64_t ProcessPeakRssBytes();
+
 }  // namespace fsdp

@@ -1,0 +1,84 @@
+// `fsdp bench`: fsdp.cpp measured against PyTorch FSDP2, and against itself across world
+// sizes, strategies and model sizes.
+//
+//   compare  one configuration through (a) fsdp.cpp and (b) PyTorch FSDP2 (bench/
+//            fsdp2_reference.py: fully_shard over a DeviceMesh, same torch wheel), alternating
+//            runs, from the same initial weights (a safetensors file) and the same token
+//            batches (a file both read), so their losses must agree. Reports the median step
+//            time after warm-up, tokens/s, peak RSS per rank, time blocked in collectives, the
+//            ratios and the largest loss difference; writes compare.json / compare.csv /
+//            compare.png in the output folder.
+//   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
+//            (throughput, peak and model-state memory, bytes on the wire per step) beside the
+//            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
+//            sweep.csv and three PNG charts.
+//
+// Both start their ranks through the project's launcher (launcher/launch.h), which gives every
+// rank OMP_NUM_THREADS = cores / ranks, so the two engines run with the same threads. Only the
+// plots need Python packages beyond torch: the commands install what is missing into the
+// Python they use (see Note [Bench Python]).
+//
+//   fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50
+//   fsdp bench sweep --world-sizes 1,2,4,8 --out runs/sweep
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/config.h"
+
+namespace fsdp::bench {
+
+struct CompareOptions {
+  std::string config_path;
+  std::vector<std::string> overrides;  // --set section.key=value
+  int nproc = 0;         // 0: parallelism.nproc, or 2 on CPU
+  int steps = 50;
+  int warmup = 3;        // steps left out of the medians
+  int repeats = 1;       // runs per engine, alternating fsdp.cpp, FSDP2, fsdp.cpp, ...
+  std::string out;       // "": runs/bench_compare/<run.name>-<nproc>r
+  std::string python;    // "": $FSDP_PYTHON, or the build's venv python
+  bool plot = true;
+};
+
+struct SweepOptions {
+  std::vector<std::string> configs;       // model sizes; empty: the two built-in ones
+  std::vector<std::string> overrides;     // applied to every config
+  std::vector<int> world_sizes = {1, 2, 4, 8};
+  std::vector<std::string> strategies = {"full_shard", "shard_grad_op", "no_shard"};
+  int steps = 8;
+  int warmup = 3;
+  // Cost-model profile: "calibrate" (measure this machine first), a name, or a JSON file.
+  std::string hardware = "calibrate";
+  std::string out = "runs/bench_sweep";
+  std::string python;
+  bool plot = true;
+};
+
+int RunCompare(const CompareOptions& options);
+int RunSweep(const SweepOptions& options);
+
+// --- shared inputs (bench/inputs.cc) -------------------------------------------------------
+
+// The model's initial parameters (seeded from run.seed, as every run would create them) as a
+// safetensors file with the state-dict names.
+absl::Status WriteInitialWeights(const RunConfig& config, const std::string& path);
+
+// The token batches `world_size` data-parallel ranks read in the first `steps` steps, from the
+// trainer's own data loader: little-endian int32, laid out
+// [steps][grad_accum][world_size][2 (inputs, targets)][micro_batch][seq_len].
+absl::Status WriteBatches(const RunConfig& config, int world_size, int steps,
+                          const std::string& path);
+
+// The Python that runs the FSDP2 side and the plots: `requested`, else $FSDP_PYTHON, else the
+// python of the venv this build was configured with.
+std::string PythonPath(const std::string& requested);
+// Makes sure `python` can import torch, safetensors, numpy and matplotlib, installing what is
+// missing with pip; kFailedPrecondition naming the packages when it cannot.
+absl::Status EnsurePythonPackages(const std::string& python);
+// bench/<name> in the source tree this binary was built from.
+std::string ScriptPath(const std::string& name);
+
+}  // namespace fsdp::bench

@@ -1,0 +1,215 @@
+// `fsdp bench sweep`: see bench/bench.h.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "bench/bench.h"
+#include "bench/runs.h"
+#include "common/strings.h"
+#include "engine/metrics.h"
+#include "planner/cost_model.h"
+
+namespace fsdp::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The replicate x shard mesh a strategy gets on `world` ranks in the sweep: sharded
+// strategies over all ranks, no_shard replicated over all, hybrid 2 replicas of world/2.
+std::optional<plan::Layout> SweepLayout(const std::string& strategy, int world) {
+  if (strategy == "no_shard") return plan::Layout{strategy, world, 1};
+  if (StartsWith(strategy, "hybrid_shard")) {
+    if (world < 4 || world % 2 != 0) return std::nullopt;  // needs 2 replicas of >= 2 shards
+    return plan::Layout{strategy, 2, world / 2};
+  }
+  return plan::Layout{strategy, 1, world};
+}
+
+// Bytes one rank sends per step on the wire with ring algorithms, from the engine's own
+// counters (full buffers): all-gather / reduce-scatter (n-1)/n of the buffer over the shard
+// group, all-reduce 2(n-1)/n over the replicate group. See Note [Rank statistics].
+double WireBytesPerStep(const nlohmann::json& stats, const plan::Layout& layout, int64_t steps) {
+  auto bytes = [&](const char* kind) {
+    return stats.contains("comm") && stats["comm"].contains(kind)
+               ? stats["comm"][kind].value("bytes", 0.0)
+               : 0.0;
+  };
+  double s = layout.shard, r = layout.replicate;
+  double wire = (bytes("all_gather") + bytes("reduce_scatter")) * (s - 1) / s +
+                bytes("all_reduce") * 2 * (r - 1) / r;
+  return wire / static_cast<double>(std::max<int64_t>(steps, 1));
+}
+
+std::string Cell(double v, const char* format = "{:.6g}") {
+  return std::isfinite(v) ? fmt::format(fmt::runtime(format), v) : std::string();
+}
+
+}  // namespace
+
+int RunSweep(const SweepOptions& o) {
+  std::vector<std::string> configs = o.configs;
+  if (configs.empty()) {
+    configs = {StrCat(FSDP_SOURCE_DIR, "/configs/default.yaml"),
+               StrCat(FSDP_SOURCE_DIR, "/configs/sweep_medium.yaml")};
+  }
+  if (o.warmup >= o.steps) {
+    std::cerr << "fsdp bench sweep: --warmup " << o.warmup << " leaves no measured step of --steps "
+              << o.steps << "\n";
+    return 2;
+  }
+  for (int world : o.world_sizes) {
+    if (world < 1) {
+      std::cerr << "fsdp bench sweep: --world-sizes: " << world << " is not a rank count (>= 1)\n";
+      return 2;
+    }
+  }
+  fs::path out = fs::absolute(o.out);
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) {
+    std::cerr << "fsdp bench sweep: --out " << out << ": " << ec.message() << "\n";
+    return 2;
+  }
+
+  // The cost model's hardware: measured here, or a named / JSON profile.
+  plan::Hardware hw;
+  if (o.hardware == "calibrate") {
+    std::string log;
+    std::cout << "fsdp bench sweep: calibrating the CPU profile (GEMM rate, loopback all-gather)\n";
+    absl::StatusOr<plan::Hardware> measured = plan::CalibrateCpu("/proc/self/exe", &log);
+    if (!measured.ok()) {
+      std::cerr << "fsdp bench sweep: calibration failed: " << measured.status().message() << "\n" << log;
+      return 1;
+    }
+    hw = *measured;
+    std::ofstream(out / "hardware.json") << plan::HardwareToJson(hw) << "\n";
+  } else {
+    absl::StatusOr<plan::Hardware> named = fs::exists(o.hardware) ? plan::LoadHardwareJson(o.hardware)
+                                                                  : plan::HardwareByName(o.hardware);
+    if (!named.ok()) {
+      std::cerr << "fsdp bench sweep: --hardware: " << named.status().message() << "\n";
+      return 2;
+    }
+    hw = *named;
+  }
+
+  std::ofstream csv(out / "sweep.csv");
+  csv << "model,params,strategy,world_size,replicate,shard,tokens_per_s,tokens_per_s_per_rank,"
+         "step_time_s,peak_tensor_bytes,state_bytes,peak_rss_bytes,comm_buffer_bytes_per_step,"
+         "comm_wire_bytes_per_step,theory_state_bytes,theory_wire_bytes_per_step,"
+         "wire_vs_theory,predicted_step_time_s,predicted_peak_bytes,step_time_error,"
+         "peak_bytes_error\n";
+  std::cout << fmt::format("{:<14} {:<14} {:>5} {:>12} {:>12} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9}\n",
+                           "model", "strategy", "ranks", "tok/s/rank", "peak mem", "state",
+                           "wire/step", "theory", "wire/th", "t err", "mem err");
+  for (const std::string& config_path : configs) {
+    absl::StatusOr<RunConfig> config = LoadRunConfig(config_path, o.overrides);
+    if (!config.ok()) {
+      std::cerr << "fsdp bench sweep: " << config.status().message() << "\n";
+      return 2;
+    }
+    const std::string model_name = config->run.name;
+    const plan::ModelCounts counts = plan::CountModel(config->model);
+    for (const std::string& strategy : o.strategies) {
+      for (int world : o.world_sizes) {
+        std::optional<plan::Layout> layout = SweepLayout(strategy, world);
+        if (!layout) continue;
+        std::string dir = (out / "runs" / StrCat(model_name, "-", strategy, "-", world)).string();
+        fs::remove_all(dir, ec);
+        std::vector<std::string> sets = o.overrides;
+        for (std::string s : {StrCat("run.dir=", dir), StrCat("training.steps=", o.steps),
+                              std::string("training.log_interval=1"),
+                              std::string("training.eval_interval=0"),
+                              std::string("checkpoint.enabled=false"),
+                              std::string("metrics.progress_bar=off"),
+                              StrCat("parallelism.nproc=", world),
+                              StrCat("parallelism.strategy=", strategy),
+                              StrCat("parallelism.data_parallel_replicate_degree=", layout->replicate),
+                              StrCat("parallelism.data_parallel_shard_degree=", layout->shard)}) {
+          sets.push_back(s);
+        }
+        std::vector<std::string> program = {"/proc/self/exe", "train", config_path};
+        for (const std::string& s : sets) program.insert(program.end(), {"--set", s});
+        std::cout << fmt::format("fsdp bench sweep: {} {} on {} rank(s) ({}x{})\n", model_name,
+                                 strategy, world, layout->replicate, layout->shard);
+        std::cout.flush();
+        if (int code = LaunchRanks(world, program); code != 0) {
+          std::cerr << "fsdp bench sweep: the run failed (exit code " << code << "); files in "
+                    << dir << "\n";
+          return 1;
+        }
+        absl::StatusOr<RunResult> run = ReadRun("fsdp.cpp", 0, dir, world);
+        if (!run.ok()) {
+          std::cerr << "fsdp bench sweep: " << run.status().message() << "\n";
+          return 1;
+        }
+        const TrainingSection& t = config->training;
+        const int64_t tokens_per_step =
+            world * t.micro_batch_size * t.grad_accum_steps * config->model.seq_len;
+        const double step_s = run->MedianAfter(o.warmup, &StepRecord::step_time_s);
+        const double tokens_per_s = tokens_per_step / step_s;
+        const int64_t steps_run = run->rank_stats[0].value("steps", int64_t{0});
+        const double buffer_bytes = run->rank_stats[0].value("comm_bytes_total", 0.0) /
+                                    static_cast<double>(std::max<int64_t>(steps_run, 1));
+        const double wire = WireBytesPerStep(run->rank_stats[0], *layout, steps_run);
+        const int bytes_per_element = t.mixed_precision == "bf16" ? 2 : 4;
+        const double theory_wire = plan::TheoryWireBytesPerStep(
+            counts.params, bytes_per_element, strategy, layout->replicate, layout->shard,
+            static_cast<int>(t.grad_accum_steps));
+        const double theory_state =
+            plan::ZeroModelStateBytes(counts.params, strategy, layout->replicate, layout->shard);
+        double predicted_step = std::nan(""), predicted_peak = std::nan("");
+        absl::StatusOr<plan::PlanRequest> request =
+            plan::MakePlanRequest(config_path, sets, world, world, "cpu", "");
+        if (request.ok()) {
+          request->hw = hw;
+          if (absl::StatusOr<plan::Prediction> p = plan::Predict(*request, *layout); p.ok()) {
+            predicted_step = p->time.step_s;
+            predicted_peak = p->memory.total;
+          }
+        }
+        const double peak = static_cast<double>(run->MaxOverRanks("peak_tensor_bytes"));
+        const double state = static_cast<double>(run->MaxOverRanks("state_bytes"));
+        const double wire_ratio = theory_wire > 0 ? wire / theory_wire : std::nan("");
+        const double t_err = predicted_step / step_s - 1, m_err = predicted_peak / peak - 1;
+        csv << fmt::format("{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{},{},{},{},{},{},{},{},{},{}\n",
+                           model_name, counts.params, strategy, world, layout->replicate,
+                           layout->shard, Cell(tokens_per_s), Cell(tokens_per_s / world),
+                           Cell(step_s), peak, state, run->MaxOverRanks("peak_rss_bytes"),
+                           Cell(buffer_bytes, "{:.0f}"), Cell(wire, "{:.0f}"),
+                           Cell(theory_state, "{:.0f}"), Cell(theory_wire, "{:.0f}"),
+                           Cell(wire_ratio), Cell(predicted_step), Cell(predicted_peak, "{:.0f}"),
+                           Cell(t_err, "{:.4f}"), Cell(m_err, "{:.4f}"));
+        csv.flush();
+        std::cout << fmt::format(
+            "{:<14} {:<14} {:>5} {:>12.0f} {:>12} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9}\n",
+            model_name, strategy, world, tokens_per_s / world, HumanBytes(peak), HumanBytes(state),
+            HumanBytes(wire), HumanBytes(theory_wire), Cell(wire_ratio, "{:.4f}"),
+            Cell(100 * t_err, "{:+.0f}%"), Cell(100 * m_err, "{:+.0f}%"));
+        std::cout.flush();
+      }
+    }
+  }
+  csv.close();
+  std::ofstream(out / "sweep.json")
+      << nlohmann::json({{"machine", MachineDescription()}, {"date", Today()},
+                         {"steps", o.steps}, {"warmup_steps", o.warmup},
+                         {"hardware", nlohmann::json::parse(plan::HardwareToJson(hw), nullptr, false)}})
+             .dump(1)
+      << "\n";
+  std::cout << "fsdp bench sweep: " << (out / "sweep.csv").string() << "\n";
+  if (o.plot) {
+    std::string python = PythonPath(o.python);
+    if (absl::Status ready = EnsurePythonPackages(python); !ready.ok()) {
+      std::cerr << "fsdp bench sweep: no plots: " << ready.message() << "\n";
+      return 1;
+    }
+    Plot(python, "sweep", out.string());
+  }
+  return 0;
+}
+
+}  // namespace fsdp::bench

@@ -1,0 +1,69 @@
+#include "cli/bench_command.h"
+
+namespace fsdp {
+
+CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Benchmarks: fsdp.cpp against PyTorch FSDP2, and sweeps over world sizes");
+  bench->require_subcommand(1);
+
+  bench::CompareOptions& o = c.compare;
+  c.compare_cmd = bench->add_subcommand(
+      "compare",
+      "Run CONFIG through fsdp.cpp and through PyTorch FSDP2 (bench/fsdp2_reference.py) from the "
+      "same weights and batches, alternating runs; report median step time, tokens/s, peak RSS "
+      "per rank, communication wait, the ratios and the largest loss difference "
+      "(compare.json, compare.csv, compare.png in --out).\n"
+      "Example: fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50");
+  c.compare_cmd->add_option("config", o.config_path, "YAML configuration file")->required();
+  c.compare_cmd->add_option("--set", o.overrides, "Override a key: --set section.key=value");
+  c.compare_cmd->add_option("--nproc", o.nproc, "Ranks (default: parallelism.nproc, or 2)")
+      ->check(CLI::NonNegativeNumber);
+  c.compare_cmd->add_option("--steps", o.steps, "Steps per run")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c.compare_cmd->add_option("--warmup", o.warmup, "Steps left out of the medians")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  c.compare_cmd->add_option("--repeats", o.repeats, "Runs per engine, alternating")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  c.compare_cmd->add_option("--out", o.out, "Output folder (default runs/bench_compare/NAME-Nr)");
+  c.compare_cmd->add_option("--python", o.python,
+                            "Python with torch 2.11 (default $FSDP_PYTHON, or the build's venv)");
+  c.compare_cmd->add_flag("!--no-plot", o.plot, "Do not draw compare.png");
+
+  bench::SweepOptions& s = c.sweep;
+  c.sweep_cmd = bench->add_subcommand(
+      "sweep",
+      "Train each CONFIG (a model size; default: two built-in small GPTs) for a few steps at every "
+      "world size and strategy; write sweep.csv (tokens/s per rank, peak and model-state memory, "
+      "bytes on the wire per step, beside the ZeRO formulas and the cost model's prediction) and "
+      "sweep_*.png in --out.\n"
+      "Example: fsdp bench sweep --world-sizes 1,2,4,8 --out runs/sweep");
+  c.sweep_cmd->add_option("configs", s.configs, "YAML configurations, one per model size");
+  c.sweep_cmd->add_option("--set", s.overrides, "Override a key in every config");
+  c.sweep_cmd->add_option("--world-sizes", s.world_sizes, "Ranks, e.g. 1,2,4,8")
+      ->delimiter(',')->capture_default_str();
+  c.sweep_cmd->add_option("--strategies", s.strategies,
+                          "full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2")
+      ->delimiter(',')->capture_default_str()
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
+                             "hybrid_shard_zero2"}));
+  c.sweep_cmd->add_option("--steps", s.steps, "Steps per run")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c.sweep_cmd->add_option("--warmup", s.warmup, "Steps left out of the medians")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  c.sweep_cmd->add_option("--hardware", s.hardware,
+                          "Cost-model profile for the predictions: calibrate (measure this machine), a name (cpu, h100, ...) or a "
+                          "JSON file from `fsdp plan --calibrate --out F`")->capture_default_str();
+  c.sweep_cmd->add_option("--out", s.out, "Output folder")->capture_default_str();
+  c.sweep_cmd->add_option("--python", s.python, "Python for the plots");
+  c.sweep_cmd->add_flag("!--no-plot", s.plot, "Do not draw the charts");
+  return bench;
+}
+
+int RunBenchCommand(const BenchCommand& c) {
+  if (c.compare_cmd->parsed()) return bench::RunCompare(c.compare);
+  if (c.sweep_cmd->parsed()) return bench::RunSweep(c.sweep);
+  return 2;
+}
+
+}  // namespace fsdp

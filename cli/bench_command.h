@@ -1,0 +1,23 @@
+// `fsdp bench compare CONFIG ...` and `fsdp bench sweep ...` (bench/bench.h): options and
+// dispatch, kept out of main.cc.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include "bench/bench.h"
+
+namespace fsdp {
+
+struct BenchCommand {
+  bench::CompareOptions compare;
+  bench::SweepOptions sweep;
+  CLI::App* compare_cmd = nullptr;
+  CLI::App* sweep_cmd = nullptr;
+};
+
+// Adds `bench` and its subcommands to `app`; returns the `bench` subcommand.
+CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& command);
+// Runs whichever subcommand was parsed; the process exit code.
+int RunBenchCommand(const BenchCommand& command);
+
+}  // namespace fsdp

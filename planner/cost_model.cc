@@ -1,0 +1,402 @@
+#include "planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/strings.h"
+#include "sharding/options.h"
+
+namespace fsdp::plan {
+namespace {
+
+// Note [Activation bytes]
+// What autograd keeps per token and per block until backward, counted from the model's forward
+// (models/gpt.cc) in elements of the compute dtype (flash-style attention on CPU and CUDA keeps
+// no seq x seq matrix):
+//   norm: its input (LayerNorm) or its input and the normalised value (RMSNorm) -> 1 or 2 x dim
+//   attention: norm output (shared by wq/wk/wv), q, k, v, the attention output and its
+//              contiguous copy that wo reads -> 6 x dim; rope adds the rotated q and k: + 2 x dim
+//   MLP: norm output + w1 output and the GELU output (2 x ffn), or for SwiGLU w1 out, silu out,
+//        w3 out and the product (4 x ffn)
+// GPT-2 (layernorm, gelu, ffn = 4 dim) gives 17 x dim, the no-dropout, flash-attention case of
+// Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models".
+// The head keeps the final norm's input and output and the logits; the loss computes in fp32
+// (a copy when the logits are bf16), log_softmax keeps its fp32 output, and the start of
+// backward adds two fp32 vocab-sized gradients: see HeadBytesPerToken.
+double BlockActivationElements(const GptConfig& m) {
+  const double d = static_cast<double>(m.dim), f = static_cast<double>(m.ffn());
+  const double norm = m.norm == "rmsnorm" ? 2 * d : d;
+  double e = norm + d + (m.activation == "swiglu" ? 4 * f : 2 * f);
+  if (m.attention()) e += norm + 6 * d + (m.positions == "rope" ? 2 * d : 0);
+  return e;
+}
+
+double HeadBytesPerToken(const GptConfig& m, double cb) {
+  const double d = static_cast<double>(m.dim), v = static_cast<double>(m.vocab_size);
+  const double norm = m.norm == "rmsnorm" ? 2 * d : d;
+  const double fp32_copy = cb < 4 ? 4 * v : 0;
+  return (norm + d + v) * cb + fp32_copy + 4 * v /*log_softmax*/ + 2 * 4 * v /*bwd grads*/ +
+         16 /*int64 inputs and targets*/;
+}
+
+// Bytes the elementwise (non-matmul) ops move per activation byte kept: written in forward,
+// read in backward, its gradient written and read. Used for the memory-bound share of compute.
+constexpr double kActivationTrafficPasses = 4;
+// Bytes per parameter (of the local shard) the optimizer step moves: libtorch's AdamW is
+// unfused, about eight elementwise passes over 4-byte tensors, plus clipping's read of the
+// gradient and FinishGradients' copy.
+constexpr double kOptimizerBytesPerParam = 64;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Padded numel of a unit sharded n ways (Note [Dim-0 sharding with padding]).
+int64_t PaddedNumel(const std::vector<std::pair<int64_t, int64_t>>& shapes, int n) {
+  int64_t total = 0;
+  for (const auto& [rows, row_numel] : shapes) total += CeilDiv(rows, n) * n * row_numel;
+  return total;
+}
+
+// Note [Collective time]
+// Ring collectives over a group of n ranks, m of them on each of k = n / m nodes. Bus bandwidth
+// (nccl-tests' definition, so a measured busbw plugs in directly): the NVLink figure inside a
+// node; across nodes each of the m ranks drives its own NIC, so min(intra, m x inter). Latency:
+// one step per ring hop, (m - 1) inside and (k - 1) across nodes.
+//   all-gather, reduce-scatter: lat + (n-1)/n x buffer / busbw
+//   all-reduce:                 2 lat + 2 (n-1)/n x buffer / busbw
+struct Group {
+  int n = 1, per_node = 1;
+  double busbw = 0, latency = 0;
+  double Ring(double buffer_bytes) const {
+    if (n <= 1) return 0;
+    return latency + (n - 1.0) / n * buffer_bytes / busbw;
+  }
+  double AllReduce(double buffer_bytes) const {
+    if (n <= 1) return 0;
+    return 2 * latency + 2 * (n - 1.0) / n * buffer_bytes / busbw;
+  }
+};
+
+Group MakeGroup(int n, int per_node, const Hardware& hw) {
+  Group g;
+  g.n = n;
+  g.per_node = std::max(1, per_node);
+  int nodes = std::max(1, n / g.per_node);
+  g.busbw = nodes == 1 ? hw.intra_node_bw : std::min(hw.intra_node_bw, g.per_node * hw.inter_node_bw);
+  g.latency = (g.per_node - 1) * hw.intra_node_latency_s + (nodes - 1) * hw.inter_node_latency_s;
+  return g;
+}
+
+bool IsHybrid(const std::string& s) { return s == "hybrid_shard" || s == "hybrid_shard_zero2"; }
+bool ReshardsAfterForward(const std::string& s) { return s == "full_shard" || s == "hybrid_shard"; }
+
+double OptimizerStateBytesPerParam(const OptimizerSection& o) {
+  if (o.name == "sgd") return o.momentum != 0 ? 4 : 0;
+  return 8;  // adam, adamw: two fp32 moments
+}
+
+}  // namespace
+
+ModelCounts CountModel(const GptConfig& m) {
+  ModelCounts c;
+  const int64_t d = m.dim, v = m.vocab_size, f = m.ffn();
+  auto add_norm = [&](std::vector<std::pair<int64_t, int64_t>>& unit) {
+    unit.push_back({d, 1});
+    if (m.norm != "rmsnorm") unit.push_back({d, 1});
+  };
+  std::vector<std::pair<int64_t, int64_t>> root;
+  root.push_back({v, d});
+  const bool learned = m.attention() && m.positions == "learned";
+  if (learned) root.push_back({m.seq_len, d});
+  add_norm(root);
+  if (!m.tie_embeddings) root.push_back({v, d});
+  std::vector<std::pair<int64_t, int64_t>> block;
+  if (m.attention()) {
+    add_norm(block);
+    for (int i = 0; i < 4; ++i) block.push_back({d, d});
+    if (m.biases()) {
+      for (int i = 0; i < 4; ++i) block.push_back({d, 1});
+    }
+  }
+  add_norm(block);
+  block.push_back({f, d});
+  block.push_back({d, f});
+  if (m.activation == "swiglu") block.push_back({f, d});
+  if (m.biases()) {
+    block.push_back({f, 1});
+    block.push_back({d, 1});
+  }
+  c.unit_shapes.push_back(root);
+  for (int64_t i = 0; i < m.n_layers; ++i) c.unit_shapes.push_back(block);
+  for (const auto& unit : c.unit_shapes) {
+    int64_t n = 0;
+    for (const auto& [rows, row_numel] : unit) n += rows * row_numel;
+    c.unit_params.push_back(n);
+    c.params += n;
+  }
+  double matmul = static_cast<double>(c.params);
+  if (!m.tie_embeddings) matmul -= static_cast<double>(v * d);
+  if (learned) matmul -= static_cast<double>(m.seq_len * d);
+  double attention = m.attention() ? 12.0 * m.n_layers * m.dim * m.seq_len : 0.0;
+  c.flops_per_token = 6.0 * matmul + attention;
+  return c;
+}
+
+double ZeroModelStateBytes(int64_t params, const std::string& strategy, int replicate, int shard) {
+  const double p = static_cast<double>(params);
+  if (strategy == "no_shard") return 16 * p;
+  if (strategy == "shard_grad_op") return 4 * p + 12 * p / shard;
+  return 16 * p / shard;  // full_shard (shard = N), hybrid (shard = S)
+}
+
+double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, const std::string& strategy,
+                              int replicate, int shard, int grad_accum_steps) {
+  const double buffer = static_cast<double>(params) * bytes_per_element;
+  const double k = grad_accum_steps;
+  if (strategy == "no_shard") {
+    const double n = static_cast<double>(replicate) * shard;
+    return k * 2 * (n - 1) / n * buffer;
+  }
+  const double s = shard, r = replicate;
+  const double gathers = ReshardsAfterForward(strategy) ? 2 : 1;
+  double bytes = k * (gathers + 1) * (s - 1) / s * buffer;      // all-gathers + reduce-scatter
+  if (r > 1) bytes += 2 * (r - 1) / r * buffer / s;             // HSDP: once per step
+  return bytes;
+}
+
+// Note [Peak memory phases]
+// Per rank, always alive: the padded fp32 parameter shards and the optimizer state (after the
+// first step). On top, the larger of two phases:
+//   start of backward: every activation of the micro-batch (Note [Activation bytes]), the root
+//     unit unsharded and its gradient (the head's gradient is computed first and kept until the
+//     root's reduce-scatter at the very end), the blocks unsharded at once (max_unsharded_units
+//     with reshard after forward, all of them without: ZeRO-2, DDP), the gradient of the block
+//     in backward and one reduce buffer; the fp32 gradient shards when accumulating (they live
+//     across micro-batches), and HSDP's unreduced partial sums;
+//   end of backward: the gradient shards, with one unit's reduced buffer still to be copied.
+// MemoryBreakdown::total is this peak; grads is shown even when (one micro-batch) the gradient
+// shards are not alive at the peak, so the components may add up to more than the total.
+absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
+  const RunConfig& config = request.config;
+  const Hardware& hw = request.hw;
+  const int world = request.world_size;
+  const int per_node = request.gpus_per_node;
+  if (world < 1 || per_node < 1 || world % per_node != 0) {
+    return absl::InvalidArgumentError(StrCat("--world-size ", world,
+                                             " is not a multiple of --gpus-per-node ", per_node));
+  }
+  absl::StatusOr<Strategy> parsed = ParseStrategy(layout.strategy);
+  if (!parsed.ok()) return absl::InvalidArgumentError(std::string(parsed.status().message()));
+  const int r = layout.replicate, s = layout.shard;
+  if (r < 1 || s < 1 || r * s != world) {
+    return absl::InvalidArgumentError(StrCat("layout ", layout.strategy, " ", r, "x", s,
+                                             " does not multiply to the world size ", world));
+  }
+  const bool hybrid = IsHybrid(layout.strategy);
+  if ((layout.strategy == "no_shard" && s != 1) ||
+      ((layout.strategy == "full_shard" || layout.strategy == "shard_grad_op") && r != 1) ||
+      (hybrid && r < 2)) {
+    return absl::InvalidArgumentError(StrCat("layout ", r, "x", s, " does not fit strategy '",
+                                             layout.strategy, "'"));
+  }
+
+  const GptConfig& model = config.model;
+  const ModelCounts counts = CountModel(model);
+  const TrainingSection& t = config.training;
+  const double cb = t.mixed_precision == "bf16" ? 2 : 4;  // compute (unsharded) dtype
+  const double rb = t.reduce_dtype == "bf16" ? 2 : 4;     // gradient collectives
+  const double n = s;
+  const bool reshard = ReshardsAfterForward(layout.strategy);
+  const int num_units = static_cast<int>(counts.unit_shapes.size());
+  const int num_blocks = num_units - 1;
+  const double tokens_micro = static_cast<double>(t.micro_batch_size) * model.seq_len;
+  const double accum = static_cast<double>(t.grad_accum_steps);
+
+  std::vector<double> padded(num_units);
+  double padded_total = 0;
+  for (int u = 0; u < num_units; ++u) {
+    padded[u] = static_cast<double>(PaddedNumel(counts.unit_shapes[u], s));
+    padded_total += padded[u];
+  }
+  const double root = padded[0];
+  const double block = num_blocks > 0 ? padded[1] : 0;
+  const double real = static_cast<double>(counts.params);
+
+  // --- memory (See Note [Peak memory phases]) ---------------------------------------------------
+  Prediction p;
+  p.layout = layout;
+  MemoryBreakdown& mem = p.memory;
+  mem.params = real / n * 4;
+  mem.padding = (padded_total - real) / n * 4;
+  mem.grads = real / n * 4;
+  mem.optimizer = real / n * OptimizerStateBytesPerParam(config.optimizer);
+  const int max_units = std::max<int>(1, static_cast<int>(config.parallelism.max_unsharded_units));
+  const int blocks_unsharded = reshard ? std::min(num_blocks, max_units) : num_blocks;
+  mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
+                        (num_blocks > 0 ? block * cb + block * rb : 0);
+  mem.activations = tokens_micro * (num_blocks * BlockActivationElements(model) * cb +
+                                    HeadBytesPerToken(model, cb));
+  double backward_start = mem.unsharded_units + mem.activations;
+  if (t.grad_accum_steps > 1) {
+    backward_start += mem.grads;
+    if (hybrid) backward_start += real / n * rb;  // unreduced partial sums
+  }
+  const double largest_unit = *std::max_element(padded.begin(), padded.end());
+  const double backward_end = mem.grads + largest_unit / n * rb;
+  mem.total = mem.params + mem.padding + mem.optimizer + std::max(backward_start, backward_end);
+
+  double memory = hw.memory_bytes;
+  int ranks_on_node = per_node;
+  if (hw.cores_per_node > 0) memory /= ranks_on_node;  // CPU: the node's memory, shared
+  const double usable = memory * hw.usable_memory_fraction;
+  p.fits = mem.total <= usable;
+
+  // --- time ---------------------------------------------------------------------------------
+  TimeBreakdown& time = p.time;
+  double rate = t.mixed_precision == "bf16" && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
+                                                                       : hw.peak_flops_fp32;
+  if (hw.cores_per_node > 0) rate /= ranks_on_node;  // CPU: the node's cores, shared
+  const double achieved = rate * hw.compute_efficiency;
+  double mem_bw = hw.memory_bw;
+  if (hw.cores_per_node > 0) mem_bw /= ranks_on_node;
+  const double flops_micro = counts.flops_per_token * tokens_micro;
+  const double traffic_micro = kActivationTrafficPasses * mem.activations;
+  const double compute_micro = flops_micro / achieved + (mem_bw > 0 ? traffic_micro / mem_bw : 0);
+  time.compute_s = accum * compute_micro;
+  time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
+
+  // Block compute, forward one third of the step's FLOPs and backward two thirds.
+  const double block_share =
+      num_blocks > 0 ? (static_cast<double>(counts.unit_params[1]) * 6 +
+                        (model.attention() ? 12.0 * model.dim * model.seq_len : 0)) /
+                           counts.flops_per_token
+                     : 0;
+  const double block_fwd = compute_micro * block_share / 3;
+  const double block_bwd = compute_micro * block_share * 2 / 3;
+
+  // Groups: shard ranks are consecutive (inner axis), replicas stride by s.
+  const Group shard_group = MakeGroup(s, std::gcd(s, per_node), hw);
+  const int replicas_per_node = s >= per_node ? 1 : per_node / s;
+  const Group replicate_group = MakeGroup(r, std::max(1, std::min(r, replicas_per_node)), hw);
+
+  const double ag_root = shard_group.Ring(root * cb), ag_block = shard_group.Ring(block * cb);
+  const double rs_root = shard_group.Ring(root * rb), rs_block = shard_group.Ring(block * rb);
+  // DDP all-reduces every unit every micro-batch; HSDP the shards once per step.
+  const bool ddp = s == 1 && r > 1;
+  const double ar_root = replicate_group.AllReduce(root / n * rb);
+  const double ar_block = replicate_group.AllReduce(block / n * rb);
+  const double ar_micro = ddp ? ar_root + num_blocks * ar_block : 0;
+  const double ar_step = hybrid ? ar_root + num_blocks * ar_block : 0;
+
+  const double gathers_per_block = reshard ? 2 : 1;
+  const double ag_micro = ag_root + num_blocks * gathers_per_block * ag_block;
+  const double rs_micro = rs_root + num_blocks * rs_block;
+  time.all_gather_s = accum * ag_micro;
+  time.reduce_scatter_s = accum * rs_micro;
+  time.all_reduce_s = accum * ar_micro + ar_step;
+  // Clipping: one scalar all-reduce over the shard axis per step.
+  const double clip = shard_group.AllReduce(4);
+  time.comm_s = time.all_gather_s + time.reduce_scatter_s + time.all_reduce_s + clip;
+
+  // Overlap: a block's gather hides behind the previous block's compute (prefetch), a block's
+  // backward collectives behind the next block's backward; the first gathers and the last
+  // reductions have nothing to hide behind.
+  auto exposed_micro = [&](bool last_micro) {
+    double ar_b = ddp ? ar_block : (hybrid && last_micro ? ar_block : 0);
+    double ar_r = ddp ? ar_root : (hybrid && last_micro ? ar_root : 0);
+    if (num_blocks == 0) return ag_root + rs_root + ar_r;
+    double fwd = ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd);
+    double bwd_comm = (reshard ? ag_block : 0) + rs_block + ar_b;
+    double bwd = (num_blocks - 1) * std::max(0.0, bwd_comm - block_bwd) + rs_block + ar_b +
+                 rs_root + ar_r;
+    return fwd + bwd;
+  };
+  double exposed = (accum - 1) * exposed_micro(false) + exposed_micro(true) + clip;
+  exposed = std::min(exposed, time.comm_s);
+  time.exposed_comm_s = hw.comm_overlap * exposed + (1 - hw.comm_overlap) * time.comm_s;
+  time.step_s = time.compute_s + time.optimizer_s + time.exposed_comm_s;
+  const double tokens_rank = tokens_micro * accum;
+  time.tokens_per_s = tokens_rank * world / time.step_s;
+  time.mfu = rate > 0 ? counts.flops_per_token * tokens_rank / time.step_s / rate : 0;
+
+  if (!p.fits) {
+    p.note = fmt::format("needs {:.1f} GiB of {:.1f} GiB usable", mem.total / (1 << 30),
+                         usable / (1 << 30));
+  } else if (time.exposed_comm_s > 0.2 * time.step_s) {
+    p.note = "communication-bound";
+  }
+  return p;
+}
+
+absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request) {
+  const int world = request.world_size;
+  if (request.gpus_per_node < 1 || world < 1 || world % request.gpus_per_node != 0) {
+    return absl::InvalidArgumentError(StrCat("--world-size ", world,
+                                             " is not a multiple of --gpus-per-node ",
+                                             request.gpus_per_node));
+  }
+  std::vector<Layout> layouts;
+  layouts.push_back({"full_shard", 1, world});
+  if (world > 1) {
+    layouts.push_back({"shard_grad_op", 1, world});
+    layouts.push_back({"no_shard", world, 1});
+  }
+  for (int s = 2; s < world; ++s) {
+    if (world % s != 0) continue;
+    layouts.push_back({"hybrid_shard", world / s, s});
+    layouts.push_back({"hybrid_shard_zero2", world / s, s});
+  }
+  std::vector<Prediction> out;
+  for (const Layout& layout : layouts) {
+    absl::StatusOr<Prediction> p = Predict(request, layout);
+    if (!p.ok()) return p.status();
+    out.push_back(*std::move(p));
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Prediction& a, const Prediction& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.time.tokens_per_s > b.time.tokens_per_s;
+  });
+  return out;
+}
+
+}  // namespace fsdp::plan
+
+namespace fsdp::plan {
+
+absl::StatusOr<PlanRequest> MakePlanRequest(const std::string& config_path,
+                                            const std::vector<std::string>& overrides,
+                                            int world_size, int gpus_per_node,
+                                            const std::string& gpu,
+                                            const std::string& hardware_file) {
+  PlanRequest request;
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(StrCat("--world-size must be >= 1, got ", world_size));
+  }
+  if (gpus_per_node == 0) gpus_per_node = world_size <= 8 ? world_size : 8;
+  if (gpus_per_node < 1) {
+    return absl::InvalidArgumentError(StrCat("--gpus-per-node must be >= 1, got ", gpus_per_node));
+  }
+  if (world_size % gpus_per_node != 0) {
+    return absl::InvalidArgumentError(
+        StrCat("--world-size ", world_size, " is not a multiple of --gpus-per-node ",
+               gpus_per_node, " (nodes must be full; e.g. --world-size ",
+               (world_size / gpus_per_node + 1) * gpus_per_node, ")"));
+  }
+  request.world_size = world_size;
+  request.gpus_per_node = gpus_per_node;
+  if (!hardware_file.empty()) {
+    absl::StatusOr<Hardware> hw = LoadHardwareJson(hardware_file);
+    if (!hw.ok()) return hw.status();
+    request.hw = *hw;
+  } else {
+    absl::StatusOr<Hardware> hw = HardwareByName(gpu);
+    if (!hw.ok()) return hw.status();
+    request.hw = *hw;
+  }
+  absl::StatusOr<RunConfig> config = LoadRunConfig(config_path, overrides);
+  if (!config.ok()) return config.status();
+  request.config = *config;
+  return request;
+}
+
+}  // namespace fsdp::plan

@@ -1,0 +1,144 @@
+// The cost model behind `fsdp plan`: per-rank memory and step time of a training run for every
+// data-parallel layout (full_shard, shard_grad_op, hybrid_shard R x S, no_shard), from the run
+// configuration and a hardware profile alone. Pure arithmetic (no tensors, no processes), so it
+// answers for thousands of GPUs in microseconds.
+//
+// What it models is what the engine does (sharding/, engine/trainer.cc; docs/cost_model.md has
+// the formulas and the measured errors):
+//   - one unit per transformer block plus the root (embeddings, final norm, head), each sharded
+//     on dim 0 with padding to a multiple of the shard count (Note [Dim-0 sharding with padding]);
+//   - per micro-batch: one all-gather per unit in forward, again per block in backward when
+//     resharded after forward; one reduce-scatter per unit; HSDP all-reduces the gradient shard
+//     over the replicate axis on the last micro-batch; DDP all-reduces every unit every
+//     micro-batch;
+//   - at most parallelism.max_unsharded_units blocks unsharded at once with reshard after
+//     forward (all of them without), the root unsharded for the whole step.
+// See Note [Peak memory phases] and Note [Collective time] in cost_model.cc.
+//
+//   PlanRequest request{.config = *LoadRunConfig("configs/llama_1b.yaml", {}),
+//                       .world_size = 64, .gpus_per_node = 8,
+//                       .hw = *HardwareByName("h100")};
+//   absl::StatusOr<Prediction> p = Predict(request, {"hybrid_shard", 8, 8});
+//   p->memory.total;        // bytes per rank at the step's peak
+//   p->time.tokens_per_s;   // global
+//   auto all = EnumerateLayouts(request);   // fitting first, then fastest first
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/config.h"
+#include "models/gpt.h"
+
+namespace fsdp::plan {
+
+struct Hardware {
+  std::string name;  // "h100"
+  // Dense, per device (fp32 = TF32 on GPUs). CPU profiles (cores_per_node > 0): per node, shared
+  // by the ranks on it.
+  double peak_flops_bf16 = 0, peak_flops_fp32 = 0;
+  double memory_bytes = 0;   // per device (CPU profiles: per node)
+  double memory_bw = 0;      // bytes/s of device memory (the optimizer step is bound by it)
+  double intra_node_bw = 0;  // bytes/s, bus bandwidth as nccl-tests defines it
+  double intra_node_latency_s = 0;  // per ring step
+  double inter_node_bw = 0;  // bytes/s per GPU (its own NIC)
+  double inter_node_latency_s = 0;  // per ring step across nodes
+  double compute_efficiency = 0.5;  // achieved / peak for the model's training step
+  // Share of the communication that can run behind compute: 1 with CUDA streams (NCCL),
+  // 0 on CPU where Gloo's threads compete with compute for the same cores.
+  double comm_overlap = 1.0;
+  // Usable share of memory_bytes (CUDA context, allocator fragmentation).
+  double usable_memory_fraction = 0.92;
+  int cores_per_node = 0;  // CPU profile only: ranks on a node share these cores
+  std::string source;      // where the numbers come from (data sheet, calibration)
+};
+
+// h100, h200, a100-80gb, a100-40gb, cpu. kInvalidArgument naming the valid ones otherwise.
+absl::StatusOr<Hardware> HardwareByName(const std::string& name);
+std::vector<std::string> HardwareNames();
+// A profile from a JSON object with Hardware's field names (missing fields keep the defaults of
+// `base`, e.g. a built-in profile named by "base": "h100"). kNotFound / kInvalidArgument.
+absl::StatusOr<Hardware> LoadHardwareJson(const std::string& path);
+absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::string& name);
+std::string HardwareToJson(const Hardware& hw);
+
+// Measures this machine: a GEMM with the threads a rank would get under `nproc` local ranks
+// (OMP_NUM_THREADS = cores / nproc, as the launcher sets it) and a Gloo all-gather on loopback,
+// by running `fsdp_binary launch --nproc-per-node 2 -- fsdp_binary doctor` as a child. `log`
+// receives progress lines.
+absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log);
+
+struct ModelCounts {
+  int64_t params = 0;
+  std::vector<int64_t> unit_params;  // root first, then blocks
+  // Per unit (same order), every parameter as (dim0 rows, elements per row): the padding of
+  // dim-0 sharding depends on it.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_shapes;
+  double flops_per_token = 0;
+};
+// Analytic; equals Gpt(model)->NumParameters() and FlopsPerToken().
+ModelCounts CountModel(const GptConfig& model);
+
+struct Layout {
+  std::string strategy;  // as in parallelism.strategy
+  int replicate = 1;
+  int shard = 1;
+};
+
+// Bytes per rank. params / grads / optimizer are the real (unpadded) shards; padding is the
+// extra of the padded parameter shards; unsharded_units the gathered units, their gradients and
+// collective buffers in flight at the peak; total the modelled peak of the step.
+struct MemoryBreakdown {
+  double params = 0, grads = 0, optimizer = 0, unsharded_units = 0, activations = 0, padding = 0,
+         total = 0;
+};
+// Seconds per optimizer step; tokens_per_s is global (all ranks).
+struct TimeBreakdown {
+  double compute_s = 0, all_gather_s = 0, reduce_scatter_s = 0, all_reduce_s = 0, comm_s = 0,
+         exposed_comm_s = 0, optimizer_s = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
+};
+struct Prediction {
+  Layout layout;
+  MemoryBreakdown memory;
+  TimeBreakdown time;
+  bool fits = false;
+  std::string note;
+};
+
+struct PlanRequest {
+  RunConfig config;
+  int world_size = 1;
+  int gpus_per_node = 1;  // ranks per node
+  Hardware hw;
+};
+
+// What `fsdp plan` checks before predicting: the configuration (LoadRunConfig with the --set
+// overrides), the world size, the ranks per node (0: the world size up to 8, else 8), and the
+// hardware (`hardware_file`, a JSON profile, wins over `gpu`). kInvalidArgument names the
+// option and what would be valid; kNotFound for a missing file.
+absl::StatusOr<PlanRequest> MakePlanRequest(const std::string& config_path,
+                                            const std::vector<std::string>& overrides,
+                                            int world_size, int gpus_per_node,
+                                            const std::string& gpu,
+                                            const std::string& hardware_file);
+
+// kInvalidArgument for a layout that does not fit the world size or the strategy, or a request
+// whose world size is not a multiple of gpus_per_node.
+absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout);
+// Every layout for the world size: full_shard, shard_grad_op, no_shard, and hybrid_shard /
+// hybrid_shard_zero2 for every shard degree 1 < S < N dividing N. Fitting first, then by
+// tokens/s (fastest first).
+absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request);
+
+// The textbook figures the benchmark plots draw as lines (no padding, no activations):
+// model-state bytes per rank with AdamW in fp32 (DDP 16 bytes/param; shard_grad_op 4 + 12/N;
+// full_shard 16/N; hybrid 16/shard).
+double ZeroModelStateBytes(int64_t params, const std::string& strategy, int replicate, int shard);
+// Bytes each rank sends per optimizer step with ring algorithms (all-gather and reduce-scatter
+// (n-1)/n x buffer, all-reduce 2(n-1)/n x buffer); full_shard = 1.5 x no_shard's.
+double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, const std::string& strategy,
+                              int replicate, int shard, int grad_accum_steps);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,291 @@
+// Hardware profiles for the cost model: the built-in data-sheet figures (sources in
+// docs/cost_model.md), JSON profiles, and the calibration of this machine's CPU.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include "common/strings.h"
+#include "planner/cost_model.h"
+
+namespace fsdp::plan {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::vector<Hardware> BuiltIn() {
+  Hardware h100;
+  h100.name = "h100";
+  h100.peak_flops_bf16 = 989.4e12;  // dense
+  h100.peak_flops_fp32 = 494.7e12;  // TF32 dense
+  h100.memory_bytes = 80 * kGiB;
+  h100.memory_bw = 3.35e12;
+  h100.intra_node_bw = 360e9;  // NVLink 4: 450 GB/s per direction; ~80% as all-gather busbw
+  h100.intra_node_latency_s = 2e-6;
+  h100.inter_node_bw = 42e9;  // 400 Gb/s InfiniBand NDR per GPU = 50 GB/s; ~85% achievable
+  h100.inter_node_latency_s = 6e-6;
+  h100.compute_efficiency = 0.5;
+  h100.source = "NVIDIA H100 SXM5 data sheet; NVLink 4, 8 GPUs per node, 1 NDR NIC per GPU";
+  Hardware h200 = h100;
+  h200.name = "h200";
+  h200.memory_bytes = 141 * kGiB;
+  h200.memory_bw = 4.8e12;
+  h200.source = "NVIDIA H200 SXM data sheet (H100 compute, 141 GB HBM3e)";
+  Hardware a100 = h100;
+  a100.name = "a100-80gb";
+  a100.peak_flops_bf16 = 312e12;
+  a100.peak_flops_fp32 = 156e12;
+  a100.memory_bytes = 80 * kGiB;
+  a100.memory_bw = 2.039e12;
+  a100.intra_node_bw = 230e9;  // NVLink 3: 600 GB/s total, 300 per direction
+  a100.intra_node_latency_s = 3e-6;
+  a100.inter_node_bw = 22e9;  // 200 Gb/s InfiniBand HDR per GPU = 25 GB/s
+  a100.inter_node_latency_s = 7e-6;
+  a100.source = "NVIDIA A100 SXM4 data sheet; NVLink 3, 8 GPUs per node, 1 HDR NIC per GPU";
+  Hardware a100_40 = a100;
+  a100_40.name = "a100-40gb";
+  a100_40.memory_bytes = 40 * kGiB;
+  a100_40.memory_bw = 1.555e12;
+  // This machine (2 cores), from `fsdp plan --calibrate` and the validation runs in
+  // docs/cost_model.md; node-wide figures shared by the ranks on it.
+  Hardware cpu;
+  cpu.name = "cpu";
+  cpu.peak_flops_fp32 = 9.0e10;
+  cpu.peak_flops_bf16 = 0;  // bf16 on CPU: no faster than fp32 here
+  cpu.memory_bytes = 23.5 * kGiB;
+  cpu.memory_bw = 8e9;
+  cpu.intra_node_bw = 1.0e9;
+  cpu.intra_node_latency_s = 60e-6;
+  cpu.inter_node_bw = 0.1e9;
+  cpu.inter_node_latency_s = 100e-6;
+  cpu.compute_efficiency = 0.5;
+  cpu.comm_overlap = 0;
+  cpu.usable_memory_fraction = 0.8;
+  cpu.cores_per_node = 2;
+  cpu.source = "calibrated on the development machine (fsdp plan --calibrate)";
+  return {h100, h200, a100, a100_40, cpu};
+}
+
+// The first all_gather row of `fsdp doctor` with the largest buffer: (bytes, time_us, busbw).
+struct DoctorRow {
+  double time_us = 0, busbw_gbs = 0;
+  std::string bytes;
+};
+
+std::vector<DoctorRow> ParseDoctor(const std::string& output, const std::string& collective) {
+  std::vector<DoctorRow> rows;
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t at = line.find(collective);
+    if (at == std::string::npos) continue;
+    std::istringstream fields(line.substr(at));
+    std::string name, axis, ranks, busbw;
+    DoctorRow row;
+    double algbw = 0;
+    if (fields >> name >> axis >> ranks >> row.bytes >> row.time_us >> algbw >> busbw &&
+        name == collective) {
+      row.busbw_gbs = std::atof(busbw.c_str());
+      rows.push_back(row);
+    }
+  }
+  return rows;
+}
+
+std::string RunChild(const std::string& command, int* rc) {
+  std::string output;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    *rc = -1;
+    return output;
+  }
+  char buffer[4096];
+  size_t got;
+  while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, got);
+  *rc = pclose(pipe);
+  return output;
+}
+
+// Median FLOP/s of an fp32 [n x n] x [n x n] GEMM on `threads` intra-op threads.
+double TimeGemm(int threads, int64_t n) {
+  at::set_num_threads(threads);
+  at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  std::vector<double> rates;
+  for (int i = 0; i < 12; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    at::Tensor c = at::mm(a, b);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 2) rates.push_back(2.0 * n * n * n / s);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+// Copy bandwidth (read + write bytes per second) of a 64 MiB fp32 tensor.
+double TimeCopy(int threads) {
+  at::set_num_threads(threads);
+  at::Tensor a = at::randn({16 << 20}), b = at::empty_like(a);
+  std::vector<double> rates;
+  for (int i = 0; i < 8; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    b.copy_(a);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 2) rates.push_back(2.0 * a.nbytes() / s);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+}  // namespace
+
+std::vector<std::string> HardwareNames() {
+  std::vector<std::string> names;
+  for (const Hardware& hw : BuiltIn()) names.push_back(hw.name);
+  return names;
+}
+
+absl::StatusOr<Hardware> HardwareByName(const std::string& name) {
+  for (const Hardware& hw : BuiltIn()) {
+    if (hw.name == name) return hw;
+  }
+  return absl::InvalidArgumentError(StrCat("--gpu '", name, "': unknown hardware (valid: ",
+                                           StrJoin(HardwareNames(), ", "),
+                                           ", or --hardware FILE.json)"));
+}
+
+std::string HardwareToJson(const Hardware& hw) {
+  nlohmann::ordered_json j;
+  j["name"] = hw.name;
+  j["peak_flops_bf16"] = hw.peak_flops_bf16;
+  j["peak_flops_fp32"] = hw.peak_flops_fp32;
+  j["memory_bytes"] = hw.memory_bytes;
+  j["memory_bw"] = hw.memory_bw;
+  j["intra_node_bw"] = hw.intra_node_bw;
+  j["intra_node_latency_s"] = hw.intra_node_latency_s;
+  j["inter_node_bw"] = hw.inter_node_bw;
+  j["inter_node_latency_s"] = hw.inter_node_latency_s;
+  j["compute_efficiency"] = hw.compute_efficiency;
+  j["comm_overlap"] = hw.comm_overlap;
+  j["usable_memory_fraction"] = hw.usable_memory_fraction;
+  j["cores_per_node"] = hw.cores_per_node;
+  j["source"] = hw.source;
+  return j.dump(2);
+}
+
+absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::string& name) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(StrCat(name, ": not a JSON object"));
+  }
+  Hardware hw;
+  if (j.contains("base")) {
+    if (!j["base"].is_string()) return absl::InvalidArgumentError(StrCat(name, ": base: expected a string"));
+    absl::StatusOr<Hardware> base = HardwareByName(j["base"].get<std::string>());
+    if (!base.ok()) return absl::InvalidArgumentError(StrCat(name, ": base: ", std::string(base.status().message())));
+    hw = *base;
+  }
+  struct Field {
+    const char* key;
+    double* value;
+  };
+  const Field numbers[] = {{"peak_flops_bf16", &hw.peak_flops_bf16},
+                           {"peak_flops_fp32", &hw.peak_flops_fp32},
+                           {"memory_bytes", &hw.memory_bytes},
+                           {"memory_bw", &hw.memory_bw},
+                           {"intra_node_bw", &hw.intra_node_bw},
+                           {"intra_node_latency_s", &hw.intra_node_latency_s},
+                           {"inter_node_bw", &hw.inter_node_bw},
+                           {"inter_node_latency_s", &hw.inter_node_latency_s},
+                           {"compute_efficiency", &hw.compute_efficiency},
+                           {"comm_overlap", &hw.comm_overlap},
+                           {"usable_memory_fraction", &hw.usable_memory_fraction}};
+  std::vector<std::string> valid = {"name", "base", "cores_per_node", "source"};
+  for (const Field& f : numbers) valid.push_back(f.key);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (std::find(valid.begin(), valid.end(), it.key()) == valid.end()) {
+      return absl::InvalidArgumentError(StrCat(name, ": unknown key '", it.key(), "' (valid: ",
+                                               StrJoin(valid, ", "), ")"));
+    }
+  }
+  for (const Field& f : numbers) {
+    if (!j.contains(f.key)) continue;
+    if (!j[f.key].is_number() || j[f.key].get<double>() < 0) {
+      return absl::InvalidArgumentError(StrCat(name, ": ", f.key, ": expected a number >= 0"));
+    }
+    *f.value = j[f.key].get<double>();
+  }
+  if (j.contains("name")) hw.name = j["name"].is_string() ? j["name"].get<std::string>() : "";
+  if (j.contains("source") && j["source"].is_string()) hw.source = j["source"].get<std::string>();
+  if (j.contains("cores_per_node")) {
+    if (!j["cores_per_node"].is_number_integer() || j["cores_per_node"].get<int>() < 0) {
+      return absl::InvalidArgumentError(StrCat(name, ": cores_per_node: expected an integer >= 0"));
+    }
+    hw.cores_per_node = j["cores_per_node"].get<int>();
+  }
+  if (hw.name.empty()) hw.name = name;
+  if (hw.peak_flops_fp32 <= 0 && hw.peak_flops_bf16 <= 0) {
+    return absl::InvalidArgumentError(StrCat(name, ": peak_flops_fp32 or peak_flops_bf16 must be > 0"));
+  }
+  if (hw.memory_bytes <= 0 || hw.intra_node_bw <= 0 || hw.compute_efficiency <= 0) {
+    return absl::InvalidArgumentError(
+        StrCat(name, ": memory_bytes, intra_node_bw and compute_efficiency must be > 0"));
+  }
+  if (hw.comm_overlap > 1 || hw.compute_efficiency > 1 || hw.usable_memory_fraction > 1) {
+    return absl::InvalidArgumentError(
+        StrCat(name, ": comm_overlap, compute_efficiency and usable_memory_fraction are <= 1"));
+  }
+  if (hw.inter_node_bw <= 0) hw.inter_node_bw = hw.intra_node_bw;
+  return hw;
+}
+
+absl::StatusOr<Hardware> LoadHardwareJson(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(StrCat("--hardware ", path, ": cannot open the file"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseHardwareJson(text.str(), path);
+}
+
+absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log) {
+  Hardware hw = *HardwareByName("cpu");
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  hw.cores_per_node = cores;
+  // A rank alone gets every core; with `cores` ranks each gets one thread (launcher's
+  // OMP_NUM_THREADS = cores / nproc). The node rate is the larger of the two.
+  double all = TimeGemm(cores, 512);
+  double one = TimeGemm(1, 512);
+  hw.peak_flops_fp32 = std::max(all, one * cores);
+  hw.memory_bw = TimeCopy(cores);
+  *log += fmt::format("gemm 512^3 fp32: {:.3g} FLOP/s on {} thread(s), {:.3g} on 1; "
+                      "copy {:.3g} B/s\n", all, cores, one, hw.memory_bw);
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0) hw.memory_bytes = static_cast<double>(pages) * page;
+
+  std::string command = StrCat(fsdp_binary, " launch --no-prefix --nproc-per-node 2 -- ",
+                               fsdp_binary, " doctor --device cpu --min-bytes 4K --max-bytes 64M 2>&1");
+  *log += "running: " + command + "\n";
+  int rc = 0;
+  std::string output = RunChild(command, &rc);
+  std::vector<DoctorRow> rows = ParseDoctor(output, "all_gather");
+  if (rc != 0 || rows.empty()) {
+    return absl::UnavailableError(StrCat("calibration: `", command, "` failed (exit ", rc,
+                                         "); its output:\n", output));
+  }
+  // Bandwidth from the largest buffer; latency per ring hop from the smallest (n = 2: one hop).
+  hw.intra_node_bw = rows.back().busbw_gbs * 1e9;
+  hw.intra_node_latency_s = rows.front().time_us * 1e-6;
+  *log += fmt::format("gloo all_gather, 2 ranks: busbw {:.3g} GB/s at {}, {:.0f} us at {}\n",
+                      rows.back().busbw_gbs, rows.back().bytes, rows.front().time_us,
+                      rows.front().bytes);
+  hw.source = StrCat("fsdp plan --calibrate on this machine (", cores, " cores)");
+  return hw;
+}
+
+}  // namespace fsdp::plan

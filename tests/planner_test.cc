@@ -1,0 +1,291 @@
+// The cost model of `fsdp plan` (planner/cost_model.h): parameter counts against the real
+// model, the memory and communication formulas against hand-computed values, layouts that do
+// not fit, recommendations, and the errors the CLI shows.
+#include <chrono>
+#include <filesystem>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "models/gpt.h"
+#include "planner/cost_model.h"
+
+namespace fsdp::plan {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ConfigPath(const std::string& name) {
+  std::filesystem::path from_source =
+      std::filesystem::path(__FILE__).parent_path().parent_path() / "configs";
+  if (!std::filesystem::is_directory(from_source)) {
+    from_source = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "../../configs";
+  }
+  return (from_source / (name + ".yaml")).string();
+}
+
+PlanRequest Request(const std::string& config, int world, int per_node, const std::string& gpu,
+                    const std::vector<std::string>& overrides = {}) {
+  absl::StatusOr<PlanRequest> r =
+      MakePlanRequest(ConfigPath(config), overrides, world, per_node, gpu, "");
+  EXPECT_TRUE(r.ok()) << r.status();
+  return *r;
+}
+
+// Bandwidth only: no latency, one flat link, so collective times are bytes / bandwidth.
+Hardware FlatLink() {
+  Hardware hw = *HardwareByName("h100");
+  hw.intra_node_latency_s = hw.inter_node_latency_s = 0;
+  hw.inter_node_bw = hw.intra_node_bw;
+  return hw;
+}
+
+TEST(CountModelTest, EqualsTheRealModel) {
+  for (const std::string name : {"default", "gpt_125m", "llama_1b"}) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<RunConfig> config = LoadRunConfig(ConfigPath(name), {});
+    ASSERT_TRUE(config.ok()) << config.status();
+    const GptConfig& m = config->model;
+    Gpt gpt(m);
+    ModelCounts counts = CountModel(m);
+    EXPECT_EQ(counts.params, gpt->NumParameters());
+    EXPECT_DOUBLE_EQ(counts.flops_per_token, gpt->FlopsPerToken());
+    ASSERT_EQ(counts.unit_params.size(), static_cast<size_t>(m.n_layers + 1));
+    int64_t sum = 0;
+    for (int64_t n : counts.unit_params) sum += n;
+    EXPECT_EQ(sum, counts.params);
+    // The root (embeddings, final norm, head) is first.
+    int64_t root = 0;
+    for (const auto& p : gpt->named_parameters(/*recurse=*/true)) {
+      if (p.key().rfind("layers.", 0) != 0) root += p.value().numel();
+    }
+    EXPECT_EQ(counts.unit_params[0], root);
+  }
+}
+
+TEST(CountModelTest, VariantsMatchTheRealModel) {
+  GptConfig mlp{.arch = "mlp", .vocab_size = 100, .dim = 48, .n_layers = 3, .n_heads = 4};
+  GptConfig untied{.arch = "gpt", .vocab_size = 100, .dim = 64, .n_layers = 2, .n_heads = 4,
+                   .positions = "rope", .tie_embeddings = false};
+  for (const GptConfig& m : {mlp, untied}) {
+    Gpt gpt(m);
+    EXPECT_EQ(CountModel(m).params, gpt->NumParameters()) << m.arch;
+    EXPECT_DOUBLE_EQ(CountModel(m).flops_per_token, gpt->FlopsPerToken()) << m.arch;
+  }
+}
+
+TEST(MemoryTest, ModelStatesFollowTheZeroFormulas) {
+  PlanRequest r = Request("llama_1b", 8, 8, "h100");
+  const int64_t p = CountModel(r.config.model).params;
+  auto states = [](const Prediction& x) {
+    return x.memory.params + x.memory.grads + x.memory.optimizer;
+  };
+  Prediction full = *Predict(r, {"full_shard", 1, 8});
+  Prediction ddp = *Predict(r, {"no_shard", 8, 1});
+  Prediction hybrid = *Predict(r, {"hybrid_shard", 2, 4});
+  EXPECT_DOUBLE_EQ(states(full), 16.0 * p / 8);
+  EXPECT_DOUBLE_EQ(states(ddp), 16.0 * p);
+  EXPECT_DOUBLE_EQ(states(hybrid), 16.0 * p / 4);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "full_shard", 1, 8), 16.0 * p / 8);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "no_shard", 8, 1), 16.0 * p);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "shard_grad_op", 1, 8), 4.0 * p + 12.0 * p / 8);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "hybrid_shard", 2, 4), 16.0 * p / 4);
+  // llama_1b accumulates 4 micro-batches: the gradient shards are alive at the peak, which is
+  // at the start of backward: total = states + padding + unsharded units + activations.
+  EXPECT_DOUBLE_EQ(full.memory.total, states(full) + full.memory.padding +
+                                          full.memory.unsharded_units + full.memory.activations);
+  // ZeRO-2 keeps every block unsharded until its backward; FULL_SHARD at most 2 (prefetch).
+  Prediction zero2 = *Predict(r, {"shard_grad_op", 1, 8});
+  const double block_bf16 = CountModel(r.config.model).unit_params[1] * 2.0;
+  EXPECT_NEAR(zero2.memory.unsharded_units - full.memory.unsharded_units, 14 * block_bf16,
+              1e-6 * block_bf16);
+  // More prefetch, more memory: one block per extra unit.
+  r.config.parallelism.max_unsharded_units = 4;
+  EXPECT_NEAR(Predict(r, {"full_shard", 1, 8})->memory.unsharded_units -
+                  full.memory.unsharded_units,
+              2 * block_bf16, 1e-6 * block_bf16);
+}
+
+TEST(MemoryTest, PaddingOfDim0Sharding) {
+  // vocab 257 over 4 shards: 65 rows each, 3 padding rows of dim 128 in the tied embedding;
+  // every other dim-0 (128, 512, 64 positions, biases) divides by 4.
+  PlanRequest r = Request("default", 4, 4, "cpu", {"model.vocab_size=257"});
+  Prediction p = *Predict(r, {"full_shard", 1, 4});
+  EXPECT_DOUBLE_EQ(p.memory.padding, 3 * 128 * 4 / 4.0);
+  EXPECT_DOUBLE_EQ(Predict(r, {"no_shard", 4, 1})->memory.padding, 0);
+}
+
+TEST(MemoryTest, ActivationsScaleWithMicroBatch) {
+  PlanRequest r = Request("gpt_125m", 8, 8, "h100");
+  double a8 = Predict(r, {"full_shard", 1, 8})->memory.activations;
+  r.config.training.micro_batch_size = 16;
+  double a16 = Predict(r, {"full_shard", 1, 8})->memory.activations;
+  EXPECT_DOUBLE_EQ(a16, 2 * a8);
+  // GPT-2 block: 17 x dim elements per token (Note [Activation bytes]), bf16.
+  const double tokens = 8 * 1024;
+  EXPECT_GT(a8, tokens * 12 * 17 * 768 * 2);
+}
+
+TEST(CommTest, FullShardSendsOneAndAHalfTimesDdp) {
+  for (int n : {2, 8, 64}) {
+    const int64_t p = 1000000;
+    double ddp = TheoryWireBytesPerStep(p, 4, "no_shard", n, 1, 1);
+    EXPECT_DOUBLE_EQ(ddp, 2.0 * (n - 1) / n * p * 4);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "full_shard", 1, n, 1), 1.5 * ddp);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "shard_grad_op", 1, n, 1), ddp);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "no_shard", n, 1, 3), 3 * ddp);
+  }
+  // HSDP 2x4: per micro-batch 3 x (3/4) x buffer in the shard group, once 2 x (1/2) x buffer / 4.
+  EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(100, 4, "hybrid_shard", 2, 4, 2),
+                   2 * 3 * 0.75 * 400 + 1.0 * 400 / 4);
+}
+
+TEST(CommTest, PredictedTimesFollowTheEngine) {
+  // fp32 everywhere, no latency: FULL_SHARD moves every block twice (forward, backward) and the
+  // root once (it never reshards after forward), plus one reduce-scatter of everything; DDP one
+  // all-reduce of everything: ratio (3P - root) / 2P.
+  PlanRequest r = Request("default", 8, 8, "h100");
+  r.hw = FlatLink();
+  ModelCounts c = CountModel(r.config.model);
+  Prediction full = *Predict(r, {"full_shard", 1, 8});
+  Prediction ddp = *Predict(r, {"no_shard", 8, 1});
+  const double p = static_cast<double>(c.params), root = static_cast<double>(c.unit_params[0]);
+  EXPECT_NEAR(full.time.comm_s / ddp.time.comm_s, (3 * p - root) / (2 * p), 1e-9);
+  EXPECT_NEAR(ddp.time.all_reduce_s, 2 * 7.0 / 8 * p * 4 / r.hw.intra_node_bw, 1e-15);
+  EXPECT_EQ(full.time.all_reduce_s, 0);
+  EXPECT_EQ(ddp.time.all_gather_s, 0);
+  // Exposed communication never exceeds communication; step = compute + optimizer + exposed.
+  for (const Prediction& x : {full, ddp}) {
+    EXPECT_LE(x.time.exposed_comm_s, x.time.comm_s + 1e-15);
+    EXPECT_DOUBLE_EQ(x.time.step_s, x.time.compute_s + x.time.optimizer_s + x.time.exposed_comm_s);
+  }
+}
+
+TEST(CommTest, GroupsSpanningNodesUseTheNetwork) {
+  // 2 nodes x 8: full_shard over 16 ranks crosses nodes, hybrid 2x8 keeps gathers on NVLink.
+  PlanRequest r = Request("llama_1b", 16, 8, "h100");
+  r.hw.intra_node_latency_s = r.hw.inter_node_latency_s = 0;
+  r.hw.intra_node_bw = 8 * r.hw.inter_node_bw * 4;  // make the network the bottleneck
+  Prediction full = *Predict(r, {"full_shard", 1, 16});
+  Prediction hybrid = *Predict(r, {"hybrid_shard", 2, 8});
+  EXPECT_GT(full.time.all_gather_s, 3 * hybrid.time.all_gather_s);
+  EXPECT_GT(hybrid.time.all_reduce_s, 0);
+}
+
+TEST(LayoutsTest, EnumeratesSortsAndMarksWhatDoesNotFit) {
+  // A 7B Llama on 8 x H100: DDP needs 16 bytes x 6.7e9 parameters per GPU, FULL_SHARD fits.
+  PlanRequest r = Request("llama_1b", 8, 8, "h100",
+                          {"model.dim=4096", "model.n_layers=32", "model.n_heads=32",
+                           "model.ffn_hidden=11008", "training.micro_batch_size=1"});
+  absl::StatusOr<std::vector<Prediction>> all = EnumerateLayouts(r);
+  ASSERT_TRUE(all.ok()) << all.status();
+  // full_shard, shard_grad_op, no_shard, and two hybrids for each of shard 2, 4.
+  EXPECT_EQ(all->size(), 7u);
+  bool seen_unfit = false;
+  for (size_t i = 0; i < all->size(); ++i) {
+    const Prediction& p = (*all)[i];
+    if (!p.fits) {
+      seen_unfit = true;
+      EXPECT_THAT(p.note, HasSubstr("GiB"));
+    }
+    EXPECT_FALSE(seen_unfit && p.fits) << "a fitting layout after one that does not fit";
+    if (i > 0 && (*all)[i - 1].fits == p.fits) {
+      EXPECT_GE((*all)[i - 1].time.tokens_per_s, p.time.tokens_per_s);
+    }
+    if (p.layout.strategy == "no_shard") EXPECT_FALSE(p.fits);
+    if (p.layout.strategy == "full_shard") EXPECT_TRUE(p.fits);
+  }
+  EXPECT_TRUE(seen_unfit);
+  EXPECT_TRUE(all->front().fits);
+}
+
+TEST(LayoutsTest, RecommendationForLlama1bOnOneH100Node) {
+  PlanRequest r = Request("llama_1b", 8, 8, "h100");
+  std::vector<Prediction> all = *EnumerateLayouts(r);
+  const Prediction& best = all.front();
+  EXPECT_TRUE(best.fits);
+  EXPECT_LT(best.memory.total, 80.0 * (1 << 30));
+  // Inside one NVLink node the communication hides behind compute: MFU near the efficiency.
+  EXPECT_GT(best.time.mfu, 0.35);
+  EXPECT_LE(best.time.mfu, r.hw.compute_efficiency);
+  EXPECT_LT(best.time.exposed_comm_s, 0.1 * best.time.step_s);
+  // Tokens per second per GPU for a 1.1B model on H100 at ~45% MFU: tens of thousands.
+  double per_gpu = best.time.tokens_per_s / 8;
+  EXPECT_GT(per_gpu, 15000);
+  EXPECT_LT(per_gpu, 70000);
+}
+
+TEST(LayoutsTest, ThousandsOfGpusPreferHybrid) {
+  PlanRequest r = Request("llama_1b", 4096, 8, "h100");
+  auto start = std::chrono::steady_clock::now();
+  std::vector<Prediction> all = *EnumerateLayouts(r);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+  EXPECT_GT(all.size(), 20u);
+  const Prediction& best = all.front();
+  EXPECT_TRUE(best.layout.strategy == "hybrid_shard" || best.layout.strategy == "hybrid_shard_zero2")
+      << best.layout.strategy << " " << best.layout.replicate << "x" << best.layout.shard;
+  // The ring latency over 512 nodes makes full_shard much slower than the best hybrid.
+  for (const Prediction& p : all) {
+    if (p.layout.strategy == "full_shard") EXPECT_LT(p.time.tokens_per_s, 0.8 * best.time.tokens_per_s);
+  }
+}
+
+TEST(ErrorsTest, NameTheOptionAndTheValidValues) {
+  absl::StatusOr<Hardware> hw = HardwareByName("h1000");
+  ASSERT_FALSE(hw.ok());
+  EXPECT_EQ(hw.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(hw.status().message()),
+              HasSubstr("--gpu 'h1000': unknown hardware (valid: h100, h200, a100-80gb, a100-40gb, cpu"));
+  for (const std::string& name : HardwareNames()) EXPECT_TRUE(HardwareByName(name).ok()) << name;
+
+  absl::StatusOr<PlanRequest> r = MakePlanRequest(ConfigPath("default"), {}, 12, 8, "h100", "");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("--world-size 12 is not a multiple of --gpus-per-node 8"));
+  r = MakePlanRequest(ConfigPath("default"), {}, 0, 8, "h100", "");
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("--world-size must be >= 1"));
+  r = MakePlanRequest(ConfigPath("default"), {}, 8, 0, "h100", "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpus_per_node, 8);
+  r = MakePlanRequest(ConfigPath("default"), {"training.stpes=3"}, 8, 8, "h100", "");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("training.stpes"));
+  r = MakePlanRequest("/nonexistent/x.yaml", {}, 8, 8, "h100", "");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  r = MakePlanRequest(ConfigPath("default"), {}, 8, 8, "h100", "/nonexistent/hw.json");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+
+  PlanRequest ok = Request("default", 8, 8, "h100");
+  EXPECT_FALSE(Predict(ok, {"full_shard", 2, 4}).ok());   // replicate must be 1
+  EXPECT_FALSE(Predict(ok, {"no_shard", 4, 2}).ok());     // shard must be 1
+  EXPECT_FALSE(Predict(ok, {"hybrid_shard", 1, 8}).ok()); // replicate >= 2
+  EXPECT_FALSE(Predict(ok, {"hybrid_shard", 3, 3}).ok()); // 9 ranks, not 8
+  EXPECT_THAT(std::string(Predict(ok, {"zero4", 1, 8}).status().message()), HasSubstr("zero4"));
+}
+
+TEST(HardwareJsonTest, BaseOverridesAndErrors) {
+  absl::StatusOr<Hardware> hw = ParseHardwareJson(
+      R"({"base": "h100", "name": "my-h100", "inter_node_bw": 20e9})", "x.json");
+  ASSERT_TRUE(hw.ok()) << hw.status();
+  EXPECT_EQ(hw->name, "my-h100");
+  EXPECT_EQ(hw->inter_node_bw, 20e9);
+  EXPECT_EQ(hw->peak_flops_bf16, HardwareByName("h100")->peak_flops_bf16);
+  // Round trip.
+  absl::StatusOr<Hardware> again = ParseHardwareJson(HardwareToJson(*hw), "y.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->inter_node_bw, 20e9);
+  EXPECT_EQ(again->memory_bytes, hw->memory_bytes);
+
+  auto message = [](const std::string& text) {
+    return std::string(ParseHardwareJson(text, "x.json").status().message());
+  };
+  EXPECT_THAT(message(R"({"base": "h100", "memroy_bytes": 1})"),
+              HasSubstr("x.json: unknown key 'memroy_bytes'"));
+  EXPECT_THAT(message(R"({"base": "tpu"})"), HasSubstr("base: --gpu 'tpu'"));
+  EXPECT_THAT(message(R"({"base": "h100", "comm_overlap": 2})"), HasSubstr("<= 1"));
+  EXPECT_THAT(message(R"({"peak_flops_fp32": 1e12})"), HasSubstr("memory_bytes"));
+  EXPECT_THAT(message("[1, 2"), HasSubstr("not a JSON object"));
+}
+
+}  // namespace
+}  // namespace fsdp::plan
