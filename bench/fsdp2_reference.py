@@ -27,7 +27,8 @@ Development helpers (no launcher needed):
     --make-test-inputs DIR [--preset gpt|llama] [--world N] [--strategy S] ...   writes a spec,
         init.safetensors and batches.bin
     --reference --spec SPEC --out DIR   the same training in one process without FSDP, on the
-        concatenation of every rank's micro-batch (the global batch)
+        concatenation of every rank's micro-batch (the global batch); bf16 is emulated with
+        bf16 copies of the parameters (agrees to bf16 precision only)
     --compare A/metrics.jsonl B/metrics.jsonl [--rtol R]   per-step loss / grad_norm difference
 """
 
@@ -555,8 +556,7 @@ def train(args, spec, reference=False):
         # FSDP2's own default for the root).
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=root_mp)
         meter.install()
-    elif mp == "bf16":
-        die("--reference runs fp32 only")
+    ref_bf16 = reference and mp == "bf16"  # emulated: bf16 copies of the parameters
 
     params = list(model.parameters())
     optimizer = make_optimizer(o, params)
@@ -588,7 +588,14 @@ def train(args, spec, reference=False):
             if hsdp:
                 model.set_requires_all_reduce(m == ga - 1)
             x, y = batches.get_global(step, m) if reference else batches.get(step, m, rank)
-            logits = model(x)
+            if ref_bf16:
+                # Forward on bf16 copies (autograd casts the gradients back to fp32), the
+                # output cast to fp32, as FSDP2's MixedPrecisionPolicy does. Gradients are
+                # those of the global batch in bf16, so this agrees only to bf16 precision.
+                cast = {n: q.to(torch.bfloat16) for n, q in model.named_parameters()}
+                logits = torch.func.functional_call(model, cast, (x,)).to(torch.float32)
+            else:
+                logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).to(torch.float32), y.flatten()) / float(ga)
             loss.backward()
             loss_sum += loss.detach()
@@ -640,6 +647,8 @@ PRESETS = {
                 tie_embeddings=True),
     "llama": dict(arch="llama", norm="rmsnorm", activation="swiglu", positions="rope",
                   tie_embeddings=False),
+    "mlp": dict(arch="mlp", norm="layernorm", activation="gelu", positions="learned",
+                tie_embeddings=True),
 }
 
 

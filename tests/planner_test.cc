@@ -150,7 +150,8 @@ TEST(CommTest, PredictedTimesFollowTheEngine) {
   Prediction full = *Predict(r, {"full_shard", 1, 8});
   Prediction ddp = *Predict(r, {"no_shard", 8, 1});
   const double p = static_cast<double>(c.params), root = static_cast<double>(c.unit_params[0]);
-  EXPECT_NEAR(full.time.comm_s / ddp.time.comm_s, (3 * p - root) / (2 * p), 1e-9);
+  EXPECT_NEAR((full.time.all_gather_s + full.time.reduce_scatter_s) / ddp.time.all_reduce_s,
+              (3 * p - root) / (2 * p), 1e-12);
   EXPECT_NEAR(ddp.time.all_reduce_s, 2 * 7.0 / 8 * p * 4 / r.hw.intra_node_bw, 1e-15);
   EXPECT_EQ(full.time.all_reduce_s, 0);
   EXPECT_EQ(ddp.time.all_gather_s, 0);
@@ -192,8 +193,12 @@ TEST(LayoutsTest, EnumeratesSortsAndMarksWhatDoesNotFit) {
     if (i > 0 && (*all)[i - 1].fits == p.fits) {
       EXPECT_GE((*all)[i - 1].time.tokens_per_s, p.time.tokens_per_s);
     }
-    if (p.layout.strategy == "no_shard") EXPECT_FALSE(p.fits);
-    if (p.layout.strategy == "full_shard") EXPECT_TRUE(p.fits);
+    if (p.layout.strategy == "no_shard") {
+      EXPECT_FALSE(p.fits);
+    }
+    if (p.layout.strategy == "full_shard") {
+      EXPECT_TRUE(p.fits);
+    }
   }
   EXPECT_TRUE(seen_unfit);
   EXPECT_TRUE(all->front().fits);
@@ -226,7 +231,9 @@ TEST(LayoutsTest, ThousandsOfGpusPreferHybrid) {
       << best.layout.strategy << " " << best.layout.replicate << "x" << best.layout.shard;
   // The ring latency over 512 nodes makes full_shard much slower than the best hybrid.
   for (const Prediction& p : all) {
-    if (p.layout.strategy == "full_shard") EXPECT_LT(p.time.tokens_per_s, 0.8 * best.time.tokens_per_s);
+    if (p.layout.strategy == "full_shard") {
+      EXPECT_LT(p.time.tokens_per_s, 0.8 * best.time.tokens_per_s);
+    }
   }
 }
 
