@@ -100,7 +100,9 @@ int RunSweep(const SweepOptions& o) {
   if (o.hardware == "calibrate") {
     std::string log;
     std::cout << "fsdp bench sweep: calibrating the CPU profile (GEMM rate, loopback all-gather)\n";
-    absl::StatusOr<plan::Hardware> measured = plan::CalibrateCpu("/proc/self/exe", &log);
+    // The calibration runs `fsdp launch ... fsdp doctor` through a shell: the real path.
+    absl::StatusOr<plan::Hardware> measured =
+        plan::CalibrateCpu(fs::read_symlink("/proc/self/exe", ec).string(), &log);
     if (!measured.ok()) {
       std::cerr << "fsdp bench sweep: calibration failed: " << measured.status().message() << "\n" << log;
       return 1;
