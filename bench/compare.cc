@@ -18,20 +18,11 @@ namespace {
 constexpr const char* kCpp = "fsdp.cpp";
 constexpr const char* kFsdp2 = "fsdp2";
 
-// The replicate x shard degrees the trainer would resolve for `world`.
-std::pair<int, int> Degrees(const ParallelismSection& p, int world) {
-  int replicate = static_cast<int>(p.data_parallel_replicate_degree);
-  int shard = static_cast<int>(p.data_parallel_shard_degree);
-  if (replicate == -1) replicate = world / shard;
-  if (shard == -1) shard = world / replicate;
-  return {replicate, shard};
-}
-
 // What bench/fsdp2_reference.py reads (its --spec).
 nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std::string& init,
                              const std::string& batches) {
   const ModelSection& m = c.model;
-  auto [replicate, shard] = Degrees(c.parallelism, world);
+  auto [replicate, shard] = c.parallelism.MeshDegrees(world);
   return {
       {"model",
        {{"arch", m.arch}, {"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers},

@@ -37,15 +37,8 @@ absl::Status WriteBatches(const RunConfig& config, int world_size, int steps,
   const TrainingSection& t = config.training;
   std::vector<DataLoader> loaders;
   for (int r = 0; r < world_size; ++r) {
-    LoaderOptions lo;  // exactly as engine/trainer.cc builds it
-    lo.seq_len = config.model.seq_len;
-    lo.micro_batch = t.micro_batch_size;
-    lo.grad_accum = t.grad_accum_steps;
-    lo.dp_rank = r;
-    lo.dp_size = world_size;
-    lo.seed = static_cast<uint64_t>(config.run.seed);
-    lo.val_fraction = config.data.val_fraction;
-    FSDP_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::Create(*dataset, lo));
+    FSDP_ASSIGN_OR_RETURN(DataLoader loader,
+                          DataLoader::Create(*dataset, LoaderOptionsFor(config, r, world_size)));
     loaders.push_back(std::move(loader));
   }
   std::string tmp = path + ".tmp";

@@ -678,4 +678,12 @@ absl::StatusOr<RunConfig> LoadRunConfig(const std::string& path,
   return ParseRunConfig(text.str(), path, overrides);
 }
 
+std::pair<int, int> ParallelismSection::MeshDegrees(int world_size) const {
+  int replicate = static_cast<int>(data_parallel_replicate_degree);
+  int shard = static_cast<int>(data_parallel_shard_degree);
+  if (replicate == -1) replicate = world_size / shard;
+  if (shard == -1) shard = world_size / replicate;
+  return {replicate, shard};
+}
+
 }  // namespace fsdp

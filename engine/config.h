@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -87,6 +88,9 @@ struct ParallelismSection {
   std::string wrap_policy = "block";  // block | params:<N> (children with >= N parameters)
   int64_t max_unsharded_units = 2;
   std::string backend = "auto";  // auto | nccl | gloo (for CUDA tensors; CPU is always gloo)
+
+  // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
+  std::pair<int, int> MeshDegrees(int world_size) const;
 };
 
 struct MetricsSection {

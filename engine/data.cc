@@ -450,4 +450,16 @@ Batch DataLoader::Windows(const std::vector<int64_t>& starts) const {
   return batch;
 }
 
+LoaderOptions LoaderOptionsFor(const RunConfig& config, int dp_rank, int dp_size) {
+  LoaderOptions lo;
+  lo.seq_len = config.model.seq_len;
+  lo.micro_batch = config.training.micro_batch_size;
+  lo.grad_accum = config.training.grad_accum_steps;
+  lo.dp_rank = dp_rank;
+  lo.dp_size = dp_size;
+  lo.seed = static_cast<uint64_t>(config.run.seed);
+  lo.val_fraction = config.data.val_fraction;
+  return lo;
+}
+
 }  // namespace fsdp

@@ -66,6 +66,10 @@ struct LoaderOptions {
   double val_fraction = 0.05;
 };
 
+// The loader options of data-parallel rank `dp_rank` of `dp_size` for a run configuration
+// (what the trainer uses; `fsdp bench` writes the same batches for the FSDP2 side).
+LoaderOptions LoaderOptionsFor(const RunConfig& config, int dp_rank, int dp_size);
+
 // Resumable position in the training stream.
 struct DataPosition {
   int64_t epoch = 0;

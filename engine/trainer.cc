@@ -153,10 +153,7 @@ absl::Status Train(const RunConfig& config) {
   const int rank = ctx->rank();
   const int world = ctx->world_size();
   FSDP_RETURN_IF_ERROR(config.ValidateForWorld(world));
-  int replicate = static_cast<int>(config.parallelism.data_parallel_replicate_degree);
-  int shard = static_cast<int>(config.parallelism.data_parallel_shard_degree);
-  if (replicate == -1) replicate = world / shard;
-  if (shard == -1) shard = world / replicate;
+  const auto [replicate, shard] = config.parallelism.MeshDegrees(world);
   FSDP_ASSIGN_OR_RETURN(MeshShape shape,
                         ResolveMeshShape({"replicate", "shard"}, {replicate, shard}, world));
   FSDP_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(ctx, shape));
@@ -192,15 +189,9 @@ absl::Status Train(const RunConfig& config) {
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset,
                         OpenDataset(config.data, config.model.vocab_size,
                                     static_cast<uint64_t>(config.run.seed)));
-  LoaderOptions lo;
-  lo.seq_len = config.model.seq_len;
-  lo.micro_batch = t.micro_batch_size;
-  lo.grad_accum = t.grad_accum_steps;
-  lo.dp_rank = rank;  // every rank is a data-parallel rank (replicate x shard)
-  lo.dp_size = world;
-  lo.seed = static_cast<uint64_t>(config.run.seed);
-  lo.val_fraction = config.data.val_fraction;
-  FSDP_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::Create(*dataset, lo));
+  // Every rank is a data-parallel rank (replicate x shard).
+  FSDP_ASSIGN_OR_RETURN(DataLoader loader,
+                        DataLoader::Create(*dataset, LoaderOptionsFor(config, rank, world)));
 
   // --- checkpoint: resume, or start from a safetensors file --------------------------------
   Checkpointer checkpointer(config, ctx, mesh, *sharded, *optimizer);
