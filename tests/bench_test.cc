@@ -28,9 +28,8 @@ namespace {
 using testing::CommandResult;
 using testing::FsdpBinary;
 using testing::RunCommand;
+using testing::SourceDir;
 namespace fs = std::filesystem;
-
-std::string SourceDir() { return fs::path(__FILE__).parent_path().parent_path().string(); }
 
 std::string TempDir(const std::string& tag) {
   std::string dir = StrCat("/tmp/fsdp-bench-", getpid(), "-", tag);

@@ -24,10 +24,9 @@ namespace {
 using testing::CommandResult;
 using testing::FsdpBinary;
 using testing::RunCommand;
+using testing::SourceDir;
 
 namespace fs = std::filesystem;
-
-std::string SourceDir() { return fs::path(__FILE__).parent_path().parent_path().string(); }
 
 struct TrainRun {
   CommandResult result;

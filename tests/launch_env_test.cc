@@ -16,11 +16,7 @@ namespace fsdp {
 
 // Outside the anonymous namespace so that gtest finds it by argument-dependent lookup.
 static void PrintTo(const absl::StatusOr<LaunchEnv>& env, std::ostream* os) {
-  if (env.ok()) {
-    *os << env->Describe();
-  } else {
-    *os << env.status();
-  }
+  testing::PrintStatusOr(env, os, [](const LaunchEnv& value) { return value.Describe(); });
 }
 
 namespace {

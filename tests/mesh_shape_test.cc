@@ -18,11 +18,7 @@ namespace fsdp {
 
 // Outside the anonymous namespace so that gtest finds it by argument-dependent lookup.
 static void PrintTo(const absl::StatusOr<MeshShape>& shape, std::ostream* os) {
-  if (shape.ok()) {
-    *os << shape->ToString();
-  } else {
-    *os << shape.status();
-  }
+  testing::PrintStatusOr(shape, os, [](const MeshShape& value) { return value.ToString(); });
 }
 
 namespace {

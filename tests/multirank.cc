@@ -254,5 +254,6 @@ int FreePort() {
 }
 
 std::string FsdpBinary() { return FSDP_BINARY_PATH; }
+std::string SourceDir() { return FSDP_SOURCE_DIR; }
 
 }  // namespace fsdp::testing

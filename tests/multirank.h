@@ -73,5 +73,7 @@ int FreePort();
 
 // Paths of the built executables (set by CMake).
 std::string FsdpBinary();
+// The source tree the tests were built from (configs/, bench/ live there).
+std::string SourceDir();
 
 }  // namespace fsdp::testing

@@ -4,6 +4,7 @@
 //   EXPECT_THAT(GetIntEnv(env, "RANK"), IsOkAndHolds(3));
 #pragma once
 
+#include <ostream>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -12,6 +13,17 @@
 #include "absl/status/statusor.h"
 
 namespace fsdp::testing {
+
+// For a test's PrintTo(const absl::StatusOr<T>&, std::ostream*) (which must sit in T's
+// namespace for gtest to find it): the value as `describe(value)`, or the error status.
+template <typename T, typename Describe>
+void PrintStatusOr(const absl::StatusOr<T>& result, std::ostream* os, Describe describe) {
+  if (result.ok()) {
+    *os << describe(*result);
+  } else {
+    *os << result.status();
+  }
+}
 
 inline const absl::Status& StatusOf(const absl::Status& status) { return status; }
 template <typename T>

@@ -19,10 +19,7 @@ namespace {
 using testing::CommandResult;
 using testing::FsdpBinary;
 using testing::RunCommand;
-
-std::string SourceDir() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path().string();
-}
+using testing::SourceDir;
 
 struct TrainRun {
   CommandResult result;
