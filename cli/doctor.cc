@@ -123,6 +123,7 @@ int RunDoctor(const DoctorOptions& o) {
   DistOptions dist;
   dist.device = o.device;
   dist.cuda_backend = o.backend;
+  dist.cpu_collectives = o.cpu_collectives;
   dist.rendezvous_timeout = std::chrono::seconds(o.timeout_s);
   dist.collective_timeout = std::chrono::seconds(o.timeout_s);
   absl::StatusOr<std::shared_ptr<DistContext>> ctx_or = DistContext::InitFromEnvironment(dist);

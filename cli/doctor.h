@@ -16,6 +16,7 @@ struct DoctorOptions {
   std::string mesh;             // "" = 1-D over the world; see ParseMeshSpec
   std::string device = "auto";  // cpu | cuda | auto
   std::string backend = "nccl";  // for CUDA tensors: nccl | gloo
+  std::string cpu_collectives = "p2p";  // CPU all-gather / reduce-scatter: p2p | gloo
   int64_t min_bytes = 1 << 10;
   int64_t max_bytes = 4 << 20;
   int iters = 5;

@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   doctor_cmd->add_option("--backend", doctor.backend, "Backend for CUDA tensors: nccl or gloo")
       ->capture_default_str()->check(CLI::IsMember({"nccl", "gloo"}));
+  doctor_cmd->add_option("--cpu-collectives", doctor.cpu_collectives,
+                         "CPU all-gather / reduce-scatter: p2p (ours, over Gloo's send/recv) or "
+                         "gloo (c10d's Gloo collectives)")
+      ->capture_default_str()->check(CLI::IsMember({"p2p", "gloo"}));
   doctor_cmd->add_option("--min-bytes", min_bytes, "Smallest buffer (4096, 64K, 16M...)")
       ->capture_default_str();
   doctor_cmd->add_option("--max-bytes", max_bytes, "Largest buffer; sizes grow 4x")

@@ -174,6 +174,10 @@ absl::Status DistOptions::Validate() const {
     return absl::InvalidArgumentError(
         StrCat("backend '", cuda_backend, "' is not valid; valid: nccl, gloo"));
   }
+  if (cpu_collectives != "p2p" && cpu_collectives != "gloo") {
+    return absl::InvalidArgumentError(
+        StrCat("cpu_collectives '", cpu_collectives, "' is not valid; valid: p2p, gloo"));
+  }
   if (rendezvous_timeout.count() <= 0 || collective_timeout.count() <= 0) {
     return absl::InvalidArgumentError("timeouts must be positive");
   }
@@ -220,6 +224,7 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   bool want_cuda = options.device == "cuda" || (options.device == "auto" && CudaDeviceCount() > 0);
   ctx->group_options_.timeout = options.collective_timeout;
   ctx->group_options_.cuda_backend = options.cuda_backend;
+  ctx->group_options_.cpu_collectives = options.cpu_collectives;
   if (want_cuda) {
     int count = CudaDeviceCount();
     if (count == 0) {

@@ -41,6 +41,8 @@ struct DistOptions {
   std::string device = "cpu";
   // Backend for CUDA tensors: "nccl" or "gloo".
   std::string cuda_backend = "nccl";
+  // CPU all-gather / reduce-scatter: "p2p" or "gloo" (see GroupOptions::cpu_collectives).
+  std::string cpu_collectives = "p2p";
 
   absl::Status Validate() const;
 };

@@ -42,6 +42,13 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
                                                                  gloo_options);
   });
   if (!status.ok()) return status;
+  if (options.cpu_collectives != "p2p" && options.cpu_collectives != "gloo") {
+    return absl::InvalidArgumentError(StrCat("cpu_collectives is '", options.cpu_collectives,
+                                             "'; valid: p2p, gloo"));
+  }
+  if (options.cpu_collectives == "p2p" && size > 1) {
+    group->p2p_ = std::make_unique<P2pCollectives>(group->gloo_, rank, size, name);
+  }
   if (options.cuda_device >= 0 && options.cuda_backend == "nccl") {
     auto nccl_store = c10::make_intrusive<c10d::PrefixStore>(name + "/nccl", store);
     absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> nccl =
@@ -73,7 +80,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherInto(at::Tensor& output,
   TORCH_CHECK(output.numel() == input.numel() * size(), "AllGatherInto on '", name_,
               "': output has ", output.numel(), " elements, expected ", size(), " x ",
               input.numel());
+  if (p2p_ && input.device().is_cpu() && output.device().is_cpu()) {
+    return p2p_->AllGatherInto(output, input);
+  }
   return BackendFor(input.device())._allgather_base(output, input);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherPieces(std::vector<at::Tensor> outputs,
+                                                             std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(p2p_, "AllGatherPieces on '", name_, "': needs cpu_collectives p2p and 2+ ranks");
+  return p2p_->AllGatherPieces(std::move(outputs), std::move(inputs));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatterPieces(
+    at::Tensor output, std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(p2p_, "ReduceScatterPieces on '", name_,
+              "': needs cpu_collectives p2p and 2+ ranks");
+  return p2p_->ReduceScatterPieces(std::move(output), std::move(inputs));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatter(at::Tensor& output, at::Tensor& input,
@@ -81,6 +104,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatter(at::Tensor& output, a
   TORCH_CHECK(input.numel() == output.numel() * size(), "ReduceScatter on '", name_,
               "': input has ", input.numel(), " elements, expected ", size(), " x ",
               output.numel());
+  if (p2p_ && op == c10d::ReduceOp::SUM && input.device().is_cpu() &&
+      output.device().is_cpu()) {
+    return p2p_->ReduceScatterSum(output, input);
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op;
   return BackendFor(input.device())._reduce_scatter_base(output, input, opts);

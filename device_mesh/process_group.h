@@ -27,6 +27,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "absl/status/statusor.h"
+#include "device_mesh/p2p_collectives.h"
 
 namespace fsdp {
 
@@ -40,6 +41,10 @@ struct GroupOptions {
   std::string gloo_hostname;
   // Network interface for Gloo (GLOO_SOCKET_IFNAME); wins over gloo_hostname when set.
   std::string gloo_interface;
+  // All-gather and reduce-scatter of CPU tensors: "p2p" (our algorithms over Gloo's send/recv,
+  // see Note [Collectives over Gloo's point-to-point transport]) or "gloo" (c10d's Gloo
+  // collectives: the reduce-scatter is an all-reduce underneath).
+  std::string cpu_collectives = "p2p";
 };
 
 class ProcessGroup {
@@ -62,8 +67,19 @@ class ProcessGroup {
                                            c10d::ReduceOp op = c10d::ReduceOp::SUM);
   // output (contiguous, size() * input.numel() elements) = concat of all inputs by group rank.
   c10::intrusive_ptr<c10d::Work> AllGatherInto(at::Tensor& output, at::Tensor& input);
+  // True when AllGatherPieces can take tensors on `device`: CPU tensors over the p2p path.
+  bool SupportsPieces(const c10::Device& device) const { return p2p_ && device.is_cpu(); }
+  // For every i, outputs[i] (contiguous, size() * inputs[i].numel()) = concat of all inputs[i]
+  // by group rank, each received straight into place. Needs SupportsPieces.
+  c10::intrusive_ptr<c10d::Work> AllGatherPieces(std::vector<at::Tensor> outputs,
+                                                 std::vector<at::Tensor> inputs);
+  // Reduce-scatter (SUM) of an input given in pieces, sent straight from them: see
+  // P2pCollectives::ReduceScatterPieces. Needs SupportsPieces.
+  c10::intrusive_ptr<c10d::Work> ReduceScatterPieces(at::Tensor output,
+                                                     std::vector<at::Tensor> inputs);
   // input has size() * output.numel() elements; group rank g receives op over members of
-  // input chunk g. Gloo implements it as an all-reduce underneath (libtorch's emulation).
+  // input chunk g. CPU tensors with SUM take the p2p ring unless cpu_collectives is "gloo"
+  // (then libtorch's emulation: an all-reduce of a copy).
   c10::intrusive_ptr<c10d::Work> ReduceScatter(at::Tensor& output, at::Tensor& input,
                                                c10d::ReduceOp op = c10d::ReduceOp::SUM);
   // root is a group rank.
@@ -82,6 +98,8 @@ class ProcessGroup {
   int rank_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;  // null unless CUDA tensors use NCCL
+  // CPU all-gather / reduce-scatter (null when cpu_collectives is "gloo" or size() == 1).
+  std::unique_ptr<P2pCollectives> p2p_;
 };
 
 }  // namespace fsdp

@@ -70,6 +70,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"mixed_precision", &c.training.mixed_precision},
         {"reduce_dtype", &c.training.reduce_dtype},
         {"device", &c.training.device},
+        {"cpu_allocator", &c.training.cpu_allocator},
         {"on_nonfinite", &c.training.on_nonfinite},
         {"eval_interval", &c.training.eval_interval},
         {"eval_batches", &c.training.eval_batches},
@@ -94,7 +95,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"reshard_after_forward", &c.parallelism.reshard_after_forward},
         {"wrap_policy", &c.parallelism.wrap_policy},
         {"max_unsharded_units", &c.parallelism.max_unsharded_units},
-        {"backend", &c.parallelism.backend}}},
+        {"backend", &c.parallelism.backend},
+        {"cpu_collectives", &c.parallelism.cpu_collectives}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
@@ -467,6 +469,8 @@ absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.OneOf("training.mixed_precision", t.mixed_precision, {"fp32", "bf16"}));
   FSDP_RETURN_IF_ERROR(v.OneOf("training.reduce_dtype", t.reduce_dtype, {"fp32", "bf16"}));
   FSDP_RETURN_IF_ERROR(v.OneOf("training.device", t.device, {"auto", "cpu", "cuda"}));
+  FSDP_RETURN_IF_ERROR(
+      v.OneOf("training.cpu_allocator", t.cpu_allocator, {"caching", "default"}));
   FSDP_RETURN_IF_ERROR(v.OneOf("training.on_nonfinite", t.on_nonfinite, {"stop", "skip"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_batches", t.eval_batches, 1));
@@ -522,7 +526,8 @@ absl::Status ValidateParallelism(const ParallelismSection& p, const Validator& v
                "block, params:N (children with >= N parameters, N >= 1)")));
   FSDP_RETURN_IF_ERROR(
       v.AtLeast<int64_t>("parallelism.max_unsharded_units", p.max_unsharded_units, 1));
-  return v.OneOf("parallelism.backend", p.backend, {"auto", "nccl", "gloo"});
+  FSDP_RETURN_IF_ERROR(v.OneOf("parallelism.backend", p.backend, {"auto", "nccl", "gloo"}));
+  return v.OneOf("parallelism.cpu_collectives", p.cpu_collectives, {"p2p", "gloo"});
 }
 
 absl::Status Validate(const RunConfig& c, const Locations& where) {

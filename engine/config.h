@@ -54,6 +54,9 @@ struct TrainingSection {
   std::string mixed_precision = "fp32";  // fp32 | bf16 (compute dtype)
   std::string reduce_dtype = "fp32";     // fp32 | bf16 (gradient reduction)
   std::string device = "auto";       // auto | cpu | cuda
+  // Host tensor memory: caching (freed large blocks are reused, Note [Host caching]) | default
+  // (libtorch's CPU allocator: glibc, so every large block is a fresh mmap).
+  std::string cpu_allocator = "caching";
   std::string on_nonfinite = "stop";  // stop | skip
   int64_t eval_interval = 50;        // steps; 0: never
   int64_t eval_batches = 4;
@@ -88,6 +91,9 @@ struct ParallelismSection {
   std::string wrap_policy = "block";  // block | params:<N> (children with >= N parameters)
   int64_t max_unsharded_units = 2;
   std::string backend = "auto";  // auto | nccl | gloo (for CUDA tensors; CPU is always gloo)
+  // CPU all-gather / reduce-scatter: p2p (ring / direct exchange over Gloo's send/recv) | gloo
+  // (c10d's Gloo collectives; its reduce-scatter is an all-reduce underneath).
+  std::string cpu_collectives = "p2p";
 
   // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
   std::pair<int, int> MeshDegrees(int world_size) const;

@@ -125,6 +125,8 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
                           {"peak_rss_bytes", peak_rss},
                           {"peak_tensor_bytes", peak_tensor},
                           {"state_bytes", state_bytes}};
+  const HostHeapStats heap = GetHostHeapStats();
+  stats["host_heap"] = {{"held_bytes", heap.held_bytes}, {"free_bytes", heap.free_bytes}};
   double wait = 0;
   int64_t bytes = 0;
   for (int k = 0; k < kNumCommKinds; ++k) {
@@ -146,9 +148,11 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
 absl::Status Train(const RunConfig& config) {
   // --- rendezvous and mesh ---------------------------------------------------------------------
   const TrainingSection& t = config.training;
+  FSDP_RETURN_IF_ERROR(ConfigureHostAllocator(t.cpu_allocator));
   DistOptions dist;
   dist.device = t.device;
   dist.cuda_backend = config.parallelism.backend == "gloo" ? "gloo" : "nccl";
+  dist.cpu_collectives = config.parallelism.cpu_collectives;
   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<DistContext> ctx, DistContext::InitFromEnvironment(dist));
   const int rank = ctx->rank();
   const int world = ctx->world_size();

@@ -114,6 +114,10 @@ void FsdpUnit::Unshard() {
   if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
   at::TensorOptions opts = at::TensorOptions().dtype(compute_dtype_).device(ctx_->device);
   ProcessGroup* group = ctx_->shard_group;
+  if (state_ == State::kSharded && group->size() > 1 && group->SupportsPieces(ctx_->device)) {
+    GatherIntoParams(opts);
+    return;
+  }
   if (state_ == State::kShardedPostForward) {
     group = ctx_->reshard_group.get();
     gather_input_ = std::move(post_forward_shard_);
@@ -132,6 +136,31 @@ void FsdpUnit::Unshard() {
   state_ = State::kGathering;
 }
 
+void FsdpUnit::GatherIntoParams(const at::TensorOptions& opts) {
+  ProcessGroup* group = ctx_->shard_group;
+  bool cast = false;
+  for (const FsdpParam& p : params_) cast |= p.padded_shard.scalar_type() != compute_dtype_;
+  if (cast) {
+    gather_input_ = at::empty({layout_.chunk_numel}, opts);
+    CopyInShards(gather_input_);
+  }
+  std::vector<at::Tensor> outputs, inputs;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    FsdpParam& p = params_[i];
+    p.AllocateUnsharded();
+    outputs.push_back(p.UnshardedFlat());
+    inputs.push_back(cast ? gather_input_.narrow(0, layout_.offsets[i], layout_.pieces[i])
+                          : p.padded_shard.view(-1));
+    bytes += outputs.back().numel() * outputs.back().element_size();
+  }
+  gather_group_size_ = group->size();
+  gather_direct_ = true;
+  gather_work_ = group->AllGatherPieces(std::move(outputs), std::move(inputs));
+  ctx_->stats.RecordIssue(CommKind::kAllGather, bytes);
+  state_ = State::kGathering;
+}
+
 void FsdpUnit::WaitForUnshard() {
   if (state_ == State::kUnsharded || params_.empty()) return;
   if (state_ != State::kGathering) Unshard();
@@ -139,6 +168,12 @@ void FsdpUnit::WaitForUnshard() {
   if (gather_work_) {
     Wait(gather_work_, CommKind::kAllGather, ctx_->stats);
     gather_work_.reset();
+  }
+  if (gather_direct_) {
+    gather_direct_ = false;
+    gather_input_.reset();
+    state_ = State::kUnsharded;
+    return;
   }
   CopyOut(gather_output_, gather_group_size_ == ctx_->num_shards ? layout_ : sub_layout_,
           gather_group_size_);
@@ -169,6 +204,30 @@ void FsdpUnit::Reshard(bool after_forward) {
   for (FsdpParam& p : params_) p.FreeUnsharded();
 }
 
+namespace {
+
+// dst: [shards, rows_per_shard, row_numel]; shard k's rows of the gradient, padding rows zero,
+// nothing but zeros for a parameter unused in this forward (undefined grad).
+void CopyGradRows(const at::Tensor& grad, const ParamSharding& s, int n, at::Tensor dst) {
+  if (!grad.defined()) {
+    dst.zero_();
+    return;
+  }
+  at::Tensor g = grad.reshape({s.dim0, s.row_numel});
+  if (s.padded_rows() != s.dim0) {
+    // Padding rows reduce to zero; real rows are copied shard by shard (dst is strided).
+    dst.zero_();
+    for (int k = 0; k < n; ++k) {
+      int64_t local = s.LocalRows(k);
+      if (local > 0) dst[k].narrow(0, 0, local).copy_(g.narrow(0, s.FirstRow(k), local));
+    }
+  } else {
+    dst.copy_(g.view({n, s.rows_per_shard, s.row_numel}));
+  }
+}
+
+}  // namespace
+
 void FsdpUnit::PostBackward() {
   post_backward_done = true;
   Reshard(/*after_forward=*/false);
@@ -176,29 +235,41 @@ void FsdpUnit::PostBackward() {
   at::NoGradGuard no_grad;
   const int n = ctx_->num_shards;
   at::TensorOptions opts = at::TensorOptions().dtype(reduce_dtype_).device(ctx_->device);
+  ProcessGroup* group = ctx_->shard_group;
+  if (n > 1 && group->SupportsPieces(ctx_->device)) {
+    // Note [Reduce-scattering from the gradients]: the ring reads each gradient where it is;
+    // only a gradient with padding rows, in another dtype or missing gets a padded copy.
+    std::vector<at::Tensor> inputs;
+    int64_t bytes = 0;
+    for (size_t j = 0; j < grad_params_.size(); ++j) {
+      FsdpParam& p = params_[grad_params_[j]];
+      const ParamSharding& s = p.sharding;
+      at::Tensor& grad = p.param.mutable_grad();
+      if (grad.defined() && s.padded_rows() == s.dim0 && grad.scalar_type() == reduce_dtype_ &&
+          grad.is_contiguous()) {
+        inputs.push_back(grad.view(-1));
+      } else {
+        at::Tensor padded = at::empty({n * grad_layout_.pieces[j]}, opts);
+        CopyGradRows(grad, s, n, padded.view({n, s.rows_per_shard, s.row_numel}));
+        inputs.push_back(std::move(padded));
+      }
+      bytes += inputs.back().numel() * inputs.back().element_size();
+      grad.reset();  // the collective holds the unsharded gradient until it is done
+    }
+    reduce_output_ = at::empty({grad_layout_.chunk_numel}, opts);
+    reduce_work_ = group->ReduceScatterPieces(reduce_output_, std::move(inputs));
+    ctx_->stats.RecordIssue(CommKind::kReduceScatter, bytes);
+    return;
+  }
   reduce_input_ = at::empty({grad_layout_.total_numel()}, opts);
   at::Tensor rows = reduce_input_.view({n, grad_layout_.chunk_numel});
   for (size_t j = 0; j < grad_params_.size(); ++j) {
     FsdpParam& p = params_[grad_params_[j]];
     const ParamSharding& s = p.sharding;
-    at::Tensor dst = rows.narrow(1, grad_layout_.offsets[j], grad_layout_.pieces[j])
-                         .view({n, s.rows_per_shard, s.row_numel});
     at::Tensor& grad = p.param.mutable_grad();
-    if (!grad.defined()) {
-      dst.zero_();  // unused in this forward: contributes nothing
-      continue;
-    }
-    at::Tensor g = grad.reshape({s.dim0, s.row_numel});
-    if (s.padded_rows() != s.dim0) {
-      // Padding rows reduce to zero; real rows are copied shard by shard (dst is strided).
-      dst.zero_();
-      for (int k = 0; k < n; ++k) {
-        int64_t local = s.LocalRows(k);
-        if (local > 0) dst[k].narrow(0, 0, local).copy_(g.narrow(0, s.FirstRow(k), local));
-      }
-    } else {
-      dst.copy_(g.view({n, s.rows_per_shard, s.row_numel}));
-    }
+    CopyGradRows(grad, s, n,
+                 rows.narrow(1, grad_layout_.offsets[j], grad_layout_.pieces[j])
+                     .view({n, s.rows_per_shard, s.row_numel}));
     grad.reset();  // the unsharded gradient is not needed any more
   }
   if (n == 1) {
@@ -206,7 +277,7 @@ void FsdpUnit::PostBackward() {
     AfterReduceScatter();
   } else {
     reduce_output_ = at::empty({grad_layout_.chunk_numel}, opts);
-    reduce_work_ = ctx_->shard_group->ReduceScatter(reduce_output_, reduce_input_);
+    reduce_work_ = group->ReduceScatter(reduce_output_, reduce_input_);
     ctx_->stats.RecordIssue(CommKind::kReduceScatter, Bytes(reduce_input_));
   }
 }

@@ -8,10 +8,22 @@
 // Buffers alive per state (and counted by MemoryStats):
 //   kSharded              padded shards (always) only
 //   kGathering            + gather_input_ (1-D, chunk) and gather_output_ (1-D, group x chunk)
+//                         (direct gather, Note [Gathering into the parameters]: every
+//                         parameter's unsharded storage, and gather_input_ only for a cast)
 //   kUnsharded            + every parameter's unsharded storage (padded_numel, compute dtype)
 //   kShardedPostForward   + post_forward_shard_ (1-D, chunk of the sub-group layout)
 // After backward (PostBackward) the unit holds reduce_input_ (1-D, shards x grad chunk) and
-// reduce_output_ until FinishGradients writes each sharded parameter's .grad.
+// reduce_output_ until FinishGradients writes each sharded parameter's .grad. Note
+// [Reduce-scattering from the gradients]: with the p2p collectives (CPU) there is no
+// reduce_input_: the reduce-scatter holds the unsharded gradients themselves until it is done.
+//
+// Note [Gathering into the parameters]: on CPU with the p2p collectives (device_mesh/
+// p2p_collectives.h), the all-gather over the whole shard axis receives each rank's piece of
+// each parameter straight into the parameter's storage (which is laid out as the padded shards
+// of all ranks in rank order) and sends straight from the padded shards, so there is no
+// gather buffer, no copy-in and no copy-out; the unsharded storage is allocated when the
+// gather is issued. When the compute dtype differs from the shards' (mixed precision) the
+// shards are first cast into gather_input_ and sent from there.
 //
 // Note [Freeing unsharded storage]
 // The module keeps its own handle to each parameter tensor (P), and autograd saves P (or views
@@ -113,6 +125,8 @@ class FsdpUnit {
  private:
   void CopyInShards(at::Tensor& input) const;
   void AfterReduceScatter();
+  // Unshard's direct path: see Note [Gathering into the parameters].
+  void GatherIntoParams(const at::TensorOptions& opts);
   void CopyOut(const at::Tensor& output, const UnitLayout& layout, int group_size);
 
   std::string name_;
@@ -131,6 +145,7 @@ class FsdpUnit {
   at::Tensor gather_input_;    // 1-D, chunk
   at::Tensor gather_output_;   // 1-D, group_size x chunk
   int gather_group_size_ = 1;
+  bool gather_direct_ = false;  // Note [Gathering into the parameters]
   c10::intrusive_ptr<c10d::Work> gather_work_;
   at::Tensor post_forward_shard_;  // 1-D, sub_layout_.chunk_numel
   at::Tensor reduce_input_;        // 1-D, num_shards x grad chunk

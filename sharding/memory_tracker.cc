@@ -5,6 +5,12 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <climits>
+
 namespace fsdp {
 namespace {
 
@@ -49,6 +55,30 @@ c10::DeleterFnPtr CpuMemoryTracker::raw_deleter() const { return &CpuMemoryTrack
 
 void CpuMemoryTracker::copy_data(void* dest, const void* src, std::size_t count) const {
   std::memcpy(dest, src, count);
+}
+
+absl::Status ConfigureHostAllocator(const std::string& mode) {
+  if (mode != "caching" && mode != "default") {
+    return absl::InvalidArgumentError("cpu_allocator '" + mode + "'; valid: caching, default");
+  }
+#if defined(__GLIBC__)
+  if (mode == "caching") {
+    // See Note [Host caching]. Both also turn off glibc's dynamic threshold adjustment.
+    mallopt(M_MMAP_THRESHOLD, INT_MAX);
+    mallopt(M_TRIM_THRESHOLD, INT_MAX);
+  }
+#endif
+  return absl::OkStatus();
+}
+
+HostHeapStats GetHostHeapStats() {
+  HostHeapStats stats;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  struct mallinfo2 info = mallinfo2();
+  stats.held_bytes = static_cast<int64_t>(info.arena + info.hblkhd);
+  stats.free_bytes = static_cast<int64_t>(info.fordblks);
+#endif
+  return stats;
 }
 
 int64_t ProcessPeakRssBytes() {

@@ -29,7 +29,7 @@ constexpr char kModelKeys[] =
     "tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from";
 constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, max_grad_norm, mixed_precision, reduce_dtype, "
-    "device, on_nonfinite, eval_interval, eval_batches, log_interval";
+    "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval";
 constexpr char kStrategies[] =
     "full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard";
 
@@ -309,6 +309,10 @@ TEST(RunConfigParseTest, EveryValueRule) {
       {"parallelism.max_unsharded_units=0", "parallelism.max_unsharded_units: must be >= 1, got 0"},
       {"parallelism.backend=mpi",
        "parallelism.backend: 'mpi' is not valid; valid: auto, nccl, gloo"},
+      {"parallelism.cpu_collectives=ring",
+       "parallelism.cpu_collectives: 'ring' is not valid; valid: p2p, gloo"},
+      {"training.cpu_allocator=jemalloc",
+       "training.cpu_allocator: 'jemalloc' is not valid; valid: caching, default"},
       {"metrics.cpu_peak_flops=0", "metrics.cpu_peak_flops: must be > 0, got 0"},
       {"metrics.progress_bar=yes",
        "metrics.progress_bar: 'yes' is not valid; valid: auto, on, off"},

@@ -21,6 +21,7 @@ using ::testing::HasSubstr;
 using testing::InitDist;
 using testing::MultiRankOptions;
 using testing::RunOnRanks;
+using testing::TestDistOptions;
 
 std::string Message(const absl::Status& s) { return std::string(s.message()); }
 
@@ -127,6 +128,71 @@ TEST(DeviceMeshMultiRank, SeveralMeshesInOneJob) {
       absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(ctx, *ParseMeshSpec(spec, 4));
       ASSERT_TRUE(mesh.ok()) << spec << ": " << mesh.status();
       CheckEveryAxis(*mesh);
+    }
+  });
+}
+
+// Note [Collectives over Gloo's point-to-point transport]: the p2p all-gather and ring
+// reduce-scatter against c10d's Gloo collectives on the same random data, with chunks of
+// several ring segments and an odd tail, several collectives in flight at once, and the input
+// left as it was.
+TEST(DeviceMeshMultiRank, P2pCollectivesMatchGlooOnLargeUnevenBuffers) {
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    RunOnRanks(world, [world](int rank) {
+      std::shared_ptr<DistContext> p2p_ctx = InitDist();
+      DistOptions gloo_options = TestDistOptions();
+      gloo_options.cpu_collectives = "gloo";
+      std::shared_ptr<DistContext> gloo_ctx = InitDist(gloo_options);
+      const int64_t seg = P2pCollectives::kSegmentBytes / 4;
+      for (int64_t chunk : {int64_t{1}, 2 * seg + 77, 5 * seg}) {
+        SCOPED_TRACE("chunk " + std::to_string(chunk));
+        std::vector<at::Tensor> inputs, outputs, works_in;
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (int k = 0; k < 3; ++k) {  // three reduce-scatters in flight
+          at::manual_seed(1000 * rank + k);
+          inputs.push_back(at::randn({chunk * world}));
+          works_in.push_back(inputs.back().clone());
+          outputs.push_back(at::empty({chunk}));
+          works.push_back(p2p_ctx->world().ReduceScatter(outputs.back(), works_in.back()));
+        }
+        at::Tensor gathered = at::empty({chunk * world});
+        at::Tensor mine = inputs[0].narrow(0, 0, chunk).contiguous();
+        works.push_back(p2p_ctx->world().AllGatherInto(gathered, mine));
+        for (auto& w : works) w->wait();
+        for (int k = 0; k < 3; ++k) {
+          at::Tensor expected = at::empty({chunk});
+          at::Tensor in = inputs[k].clone();
+          gloo_ctx->world().ReduceScatter(expected, in)->wait();
+          EXPECT_TRUE(at::allclose(outputs[k], expected, 1e-5, 1e-5)) << "reduce-scatter " << k;
+          EXPECT_TRUE(works_in[k].equal(inputs[k])) << "the input was modified";
+        }
+        at::Tensor expected = at::empty({chunk * world});
+        gloo_ctx->world().AllGatherInto(expected, mine)->wait();
+        EXPECT_TRUE(gathered.equal(expected));
+      }
+    });
+  }
+}
+
+// A peer that is gone fails the p2p collective (and the ones queued behind it) with the
+// group's name instead of hanging.
+TEST(DeviceMeshMultiRank, P2pCollectiveFailsWhenAPeerIsGone) {
+  RunOnRanks(2, [](int rank) {
+    std::shared_ptr<DistContext> ctx = InitDist();
+    at::Tensor in = at::ones({1 << 20});
+    at::Tensor out = at::empty({1 << 19});
+    ctx->world().ReduceScatter(out, in)->wait();  // both connected
+    if (rank == 1) std::_Exit(0);
+    auto first = ctx->world().ReduceScatter(out, in);
+    auto second = ctx->world().AllGatherInto(in, out);
+    for (auto* work : {&first, &second}) {
+      try {
+        (*work)->wait();
+        ADD_FAILURE() << "a collective with a dead peer completed";
+      } catch (const std::exception& e) {
+        EXPECT_THAT(e.what(), HasSubstr("collective on group 'fsdp/"));
+      }
     }
   });
 }
