@@ -40,6 +40,8 @@ void WaitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
 P2pCollectives::P2pCollectives(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size,
                                std::string name)
     : gloo_(std::move(gloo)), rank_(rank), size_(size), name_(std::move(name)) {
+  TORCH_CHECK(size_ >= 2 && rank_ >= 0 && rank_ < size_, "P2pCollectives on '", name_,
+              "': rank ", rank_, " of ", size_, " (needs 2+ ranks)");
   worker_ = std::thread([this] { Loop(); });
 }
 
@@ -201,10 +203,6 @@ void P2pCollectives::RunReduceScatter(const at::Tensor& output,
   auto own = [&](int c, const Segment& s) { return rows[s.piece][c].narrow(0, s.in_row, s.numel); };
   auto in_chunk = [&](const at::Tensor& t, const Segment& s) { return t.narrow(0, s.offset, s.numel); };
   auto chunk_of = [&](int k) { return ((k % n) + n) % n; };
-  if (n == 1) {
-    for (const Segment& s : segments) in_chunk(output, s).copy_(own(0, s));
-    return;
-  }
   const int next = (rank_ + 1) % n;
   const int prev = (rank_ - 1 + n) % n;
   // Step s receives the running sum of chunk (r-s-2) mod N, adds this rank's rows of it and

@@ -43,7 +43,7 @@ namespace fsdp {
 
 class P2pCollectives {
  public:
-  // `gloo` is the group's Gloo backend; rank and size are group ranks.
+  // `gloo` is the group's Gloo backend; rank and size are group ranks (size >= 2).
   P2pCollectives(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size, std::string name);
   ~P2pCollectives();
   P2pCollectives(const P2pCollectives&) = delete;
