@@ -26,17 +26,11 @@ namespace fsdp {
 namespace {
 
 using testing::CommandResult;
+using testing::FreshTempDir;
 using testing::FsdpBinary;
 using testing::RunCommand;
 using testing::SourceDir;
 namespace fs = std::filesystem;
-
-std::string TempDir(const std::string& tag) {
-  std::string dir = StrCat("/tmp/fsdp-bench-", getpid(), "-", tag);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 nlohmann::json ReadJson(const std::string& path) {
   std::ifstream in(path);
@@ -51,7 +45,7 @@ RunConfig SmallConfig(std::vector<std::string> sets = {}) {
 
 TEST(BenchInputs, BatchesAreTheTrainersBatches) {
   RunConfig config = SmallConfig({"training.micro_batch_size=3", "training.grad_accum_steps=2"});
-  std::string dir = TempDir("batches");
+  std::string dir = FreshTempDir("batches");
   const int world = 3, steps = 4;
   ASSERT_TRUE(bench::WriteBatches(config, world, steps, dir + "/b.bin").ok());
   const int64_t seq = config.model.seq_len, micro = 3, accum = 2;
@@ -84,7 +78,7 @@ TEST(BenchInputs, BatchesAreTheTrainersBatches) {
 
 TEST(BenchInputs, InitialWeightsAreTheSeededModel) {
   RunConfig config = SmallConfig({"model.tie_embeddings=false"});
-  std::string dir = TempDir("weights");
+  std::string dir = FreshTempDir("weights");
   ASSERT_TRUE(bench::WriteInitialWeights(config, dir + "/init.safetensors").ok());
   absl::StatusOr<ckpt::SafetensorsFile> file = ckpt::SafetensorsFile::Open(dir + "/init.safetensors");
   ASSERT_TRUE(file.ok()) << file.status();
@@ -112,7 +106,7 @@ class BenchCompareTest : public ::testing::TestWithParam<CompareCase> {};
 // and batches, so the losses agree to fp32 rounding (a different reduction order).
 TEST_P(BenchCompareTest, LossesAgreeWithFsdp2) {
   const CompareCase& c = GetParam();
-  std::string dir = TempDir("compare-" + c.name);
+  std::string dir = FreshTempDir("compare-" + c.name);
   std::vector<std::string> argv = {FsdpBinary(), "bench", "compare",
                                    SourceDir() + "/configs/default.yaml", "--nproc",
                                    StrCat(c.nproc), "--steps", "5", "--warmup", "1", "--no-plot",
@@ -158,7 +152,7 @@ TEST(BenchCompare, BadConfigKeyIsAnError) {
 // they count what the engine does (the root unit is not gathered again in backward; padding
 // is the only difference left); memory columns are filled.
 TEST(BenchSweep, WireBytesMatchTheory) {
-  std::string dir = TempDir("sweep");
+  std::string dir = FreshTempDir("sweep");
   CommandResult r = RunCommand(
       {FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml", "--world-sizes",
        "1,2,4", "--strategies", "full_shard,shard_grad_op,no_shard,hybrid_shard", "--steps", "3",

@@ -22,6 +22,7 @@ namespace fsdp {
 namespace {
 
 using testing::CommandResult;
+using testing::FreshTempDir;
 using testing::FsdpBinary;
 using testing::RunCommand;
 using testing::SourceDir;
@@ -62,14 +63,8 @@ TrainRun Train(const std::string& dir, int world, const std::string& strategy,
   return run;
 }
 
-std::string TempDir(const std::string& tag) {
-  std::string dir = StrCat("/tmp/fsdp-ckpt-e2e-", getpid(), "-", tag);
-  fs::remove_all(dir);
-  return dir;
-}
-
 TEST(CheckpointResumeTest, ResumedLossesEqualTheUninterruptedRunBitwise) {
-  std::string straight_dir = TempDir("straight"), dir = TempDir("resume");
+  std::string straight_dir = FreshTempDir("straight"), dir = FreshTempDir("resume");
   TrainRun straight = Train(straight_dir, 2, "full_shard", {});
   ASSERT_TRUE(straight.result.exit.ok()) << straight.result.Output();
   // Save every 4 steps; then start again from the step-4 checkpoint.
@@ -103,7 +98,7 @@ class ReshardTest : public ::testing::TestWithParam<ReshardCase> {};
 
 TEST_P(ReshardTest, LoadsIntoAnotherLayoutAndTrainsOn) {
   const ReshardCase c = GetParam();
-  std::string ref_dir = TempDir("ref"), dir = TempDir("reshard");
+  std::string ref_dir = FreshTempDir("ref"), dir = FreshTempDir("reshard");
   TrainRun reference = Train(ref_dir, c.to_world, c.to_strategy, {});  // never resharded
   ASSERT_TRUE(reference.result.exit.ok()) << reference.result.Output();
   TrainRun first = Train(dir, c.from_world, c.from_strategy,
@@ -136,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(CheckpointFaultTest, RankKilledDuringSaveLeavesThePreviousCheckpoint) {
-  std::string dir = TempDir("killed");
+  std::string dir = FreshTempDir("killed");
   // Saves at step 4 and would save at 8: rank 1 dies right after writing its step-8 shard.
   TrainRun crashed = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.interval=4",
                                              "checkpoint.async=false"},
@@ -161,7 +156,7 @@ TEST(CheckpointFaultTest, RankKilledDuringSaveLeavesThePreviousCheckpoint) {
 }
 
 TEST(CheckpointFaultTest, CorruptShardIsNamedWhenLoading) {
-  std::string dir = TempDir("corrupt");
+  std::string dir = FreshTempDir("corrupt");
   TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true"});
   ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
   std::string step8 = dir + "/checkpoints/" + ckpt::StepDirName(8);
@@ -232,7 +227,7 @@ Terminated TrainUntilSigterm(const std::string& dir, std::vector<std::string> se
 }
 
 TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
-  std::string dir = TempDir("sigterm");
+  std::string dir = FreshTempDir("sigterm");
   Terminated t = TrainUntilSigterm(dir, {"checkpoint.enabled=true"});
   EXPECT_TRUE(t.output.find("SIGTERM: saved step") != std::string::npos) << t.output;
   absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(dir + "/checkpoints");
@@ -244,7 +239,7 @@ TEST(CheckpointFaultTest, SigtermSavesBeforeExiting) {
 }
 
 TEST(CheckpointFaultTest, SigtermWithoutCheckpointingStopsPromptly) {
-  std::string dir = TempDir("sigterm-nockpt");
+  std::string dir = FreshTempDir("sigterm-nockpt");
   Terminated t = TrainUntilSigterm(dir, {});
   EXPECT_TRUE(t.output.find("stopped by SIGTERM after step") != std::string::npos) << t.output;
   // The ranks stop by themselves at the next log interval, long before the launcher's grace
@@ -255,7 +250,7 @@ TEST(CheckpointFaultTest, SigtermWithoutCheckpointingStopsPromptly) {
 }
 
 TEST(CheckpointToolsTest, InspectAndExport) {
-  std::string dir = TempDir("tools");
+  std::string dir = FreshTempDir("tools");
   TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true"});
   ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
   std::string root = dir + "/checkpoints";
@@ -283,7 +278,7 @@ TEST(CheckpointToolsTest, InspectAndExport) {
   }
   EXPECT_GT(tensors, 10);
   // Training can start from the exported file.
-  TrainRun from = Train(TempDir("from"), 2, "full_shard", {"model.init_from=" + out, "training.steps=9"});
+  TrainRun from = Train(FreshTempDir("from"), 2, "full_shard", {"model.init_from=" + out, "training.steps=9"});
   ASSERT_TRUE(from.result.exit.ok()) << from.result.Output();
   EXPECT_TRUE(from.result.StdoutHas("parameters from")) << from.result.Output();
   fs::remove_all(dir);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 
 #include <gtest/gtest.h>
@@ -255,5 +256,12 @@ int FreePort() {
 
 std::string FsdpBinary() { return FSDP_BINARY_PATH; }
 std::string SourceDir() { return FSDP_SOURCE_DIR; }
+
+std::string FreshTempDir(const std::string& tag) {
+  std::string dir = "/tmp/fsdp-test-" + std::to_string(::getpid()) + "-" + tag;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 }  // namespace fsdp::testing

@@ -75,5 +75,7 @@ int FreePort();
 std::string FsdpBinary();
 // The source tree the tests were built from (configs/, bench/ live there).
 std::string SourceDir();
+// An empty folder /tmp/fsdp-test-<pid>-<tag>, whatever an earlier run left there removed.
+std::string FreshTempDir(const std::string& tag);
 
 }  // namespace fsdp::testing

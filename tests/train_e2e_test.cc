@@ -17,6 +17,7 @@ namespace fsdp {
 namespace {
 
 using testing::CommandResult;
+using testing::FreshTempDir;
 using testing::FsdpBinary;
 using testing::RunCommand;
 using testing::SourceDir;
@@ -28,8 +29,7 @@ struct TrainRun {
 };
 
 TrainRun Train(const std::string& config, std::vector<std::string> sets, const std::string& tag) {
-  std::string dir = StrCat("/tmp/fsdp-e2e-", getpid(), "-", tag);
-  std::filesystem::remove_all(dir);
+  std::string dir = FreshTempDir(tag);
   std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/" + config,
                                    "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off"};
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
