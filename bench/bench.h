@@ -5,9 +5,11 @@
 //            fsdp2_reference.py: fully_shard over a DeviceMesh, same torch wheel), alternating
 //            runs, from the same initial weights (a safetensors file) and the same token
 //            batches (a file both read), so their losses must agree. Reports the median step
-//            time after warm-up, tokens/s, peak RSS per rank, time blocked in collectives, the
-//            ratios and the largest loss difference; writes compare.json / compare.csv /
-//            compare.png in the output folder.
+//            time after warm-up, tokens/s, MFU, peak memory per rank (RSS on CPU, the CUDA
+//            allocator's peak on GPU), time blocked in collectives, the ratios and the largest
+//            loss difference; writes compare.json / compare.csv / compare.png in the output
+//            folder. On one rank (--unwrapped) also (c) the plain model without any wrapper, and
+//            each wrapper's overhead against it.
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
 //            (throughput, peak and model-state memory, bytes on the wire per step) beside the
 //            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
@@ -19,10 +21,12 @@
 // Python they use (see Note [Bench Python]).
 //
 //   fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50
+//   fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30     # GPU: + unwrapped
 //   fsdp bench sweep --world-sizes 1,2,4,8 --out runs/sweep
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +45,9 @@ struct CompareOptions {
   std::string out;       // "": runs/bench_compare/<run.name>-<nproc>r
   std::string python;    // "": $FSDP_PYTHON, or the build's venv python
   bool plot = true;
+  // Also run the plain model (fsdp train with parallelism.strategy none, engine/unwrapped.h) and
+  // report each wrapper's overhead against it; one rank only. Unset: on when --nproc is 1.
+  std::optional<bool> unwrapped;
 };
 
 struct SweepOptions {

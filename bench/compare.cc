@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -10,6 +11,7 @@
 #include "bench/bench.h"
 #include "bench/runs.h"
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 #include "engine/metrics.h"
 
 namespace fsdp::bench {
@@ -17,6 +19,12 @@ namespace {
 
 constexpr const char* kCpp = "fsdp.cpp";
 constexpr const char* kFsdp2 = "fsdp2";
+constexpr const char* kUnwrapped = "unwrapped";  // fsdp train, parallelism.strategy none
+
+std::string RunFolder(const char* engine, int repeat) {
+  const char* prefix = engine == kCpp ? "fsdp_cpp_" : engine == kFsdp2 ? "fsdp2_" : "unwrapped_";
+  return StrCat(prefix, repeat);
+}
 
 // What bench/fsdp2_reference.py reads (its --spec).
 nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std::string& init,
@@ -24,6 +32,8 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
   const ModelSection& m = c.model;
   auto [replicate, shard] = c.parallelism.MeshDegrees(world);
   return {
+      {"device", c.training.device},
+      {"backend", c.parallelism.backend},
       {"model",
        {{"arch", m.arch}, {"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers},
         {"n_heads", m.n_heads}, {"seq_len", m.seq_len}, {"ffn_hidden", m.ffn_hidden},
@@ -56,11 +66,15 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
 
 struct EngineSummary {
   double median_step_s = 0, tokens_per_s = 0, comm_wait_s = 0, comm_bytes = 0;
+  double mfu = std::nan("");
   int64_t peak_rss = 0;
+  int64_t peak_memory = 0;  // what the memory ratio compares: RSS on CPU, allocator peak on GPU
 };
 
+// `memory_key`: the rank-statistics field of the peak memory compared ("peak_rss_bytes" on CPU,
+// "peak_tensor_bytes": the CUDA allocator's peak, on GPU).
 EngineSummary Summarise(const std::vector<RunResult>& runs, const std::string& engine, int warmup,
-                        int64_t tokens_per_step) {
+                        int64_t tokens_per_step, const std::string& memory_key) {
   std::vector<double> times, waits, bytes;
   EngineSummary s;
   for (const RunResult& run : runs) {
@@ -72,6 +86,7 @@ EngineSummary Summarise(const std::vector<RunResult>& runs, const std::string& e
       bytes.push_back(step.comm_bytes);
     }
     s.peak_rss = std::max(s.peak_rss, run.MaxOverRanks("peak_rss_bytes"));
+    s.peak_memory = std::max(s.peak_memory, run.MaxOverRanks(memory_key));
   }
   s.median_step_s = Median(times);
   s.tokens_per_s = tokens_per_step / s.median_step_s;
@@ -82,6 +97,50 @@ EngineSummary Summarise(const std::vector<RunResult>& runs, const std::string& e
 
 // JSON has no NaN: write null for a missing figure.
 nlohmann::json Number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
+
+struct LossDiff {
+  double max_abs = 0, max_rel = 0;
+  int64_t step = 0;
+};
+
+// Every run of engine `a` against every run of engine `b`, step by step.
+LossDiff CompareLosses(const std::vector<RunResult>& runs, const char* a, const char* b) {
+  LossDiff d;
+  for (const RunResult& x : runs) {
+    for (const RunResult& y : runs) {
+      if (x.engine != a || y.engine != b) continue;
+      for (size_t i = 0; i < std::min(x.steps.size(), y.steps.size()); ++i) {
+        double diff = std::abs(x.steps[i].loss - y.steps[i].loss);
+        if (!(diff <= d.max_abs)) {
+          d.max_abs = diff;
+          d.step = x.steps[i].step;
+        }
+        d.max_rel = std::max(d.max_rel, diff / std::max(std::abs(y.steps[i].loss), 1e-30));
+      }
+    }
+  }
+  return d;
+}
+
+// A string field of rank 0's statistics of the first run of `engine` ("" if absent).
+std::string RankZeroString(const std::vector<RunResult>& runs, const char* engine,
+                           const std::string& key) {
+  for (const RunResult& run : runs) {
+    if (run.engine != engine || run.rank_stats.empty()) continue;
+    const nlohmann::json& stats = run.rank_stats[0];
+    if (stats.contains(key) && stats[key].is_string()) return stats[key].get<std::string>();
+  }
+  return "";
+}
+
+double RankZeroNumber(const std::vector<RunResult>& runs, const char* engine, const std::string& key) {
+  for (const RunResult& run : runs) {
+    if (run.engine != engine || run.rank_stats.empty()) continue;
+    const nlohmann::json& stats = run.rank_stats[0];
+    if (stats.contains(key) && stats[key].is_number()) return stats[key].get<double>();
+  }
+  return std::nan("");
+}
 
 }  // namespace
 
@@ -94,13 +153,25 @@ int RunCompare(const CompareOptions& o) {
     std::cerr << "fsdp bench compare: " << config.status().message() << "\n";
     return 2;
   }
-  if (config->training.device == "cuda") {
-    std::cerr << "fsdp bench compare: training.device=cuda: the FSDP2 reference "
-                 "(bench/fsdp2_reference.py) runs on CPU with Gloo only; set training.device=cpu\n";
+  // Both engines on the device fsdp train would pick (training.device auto: a GPU if any).
+  if (config->training.device == "auto") config->training.device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
+  sets.push_back(StrCat("training.device=", config->training.device));
+  const bool on_cuda = config->training.device == "cuda";
+  int nproc = o.nproc > 0 ? o.nproc
+                          : (config->parallelism.nproc > 0 ? static_cast<int>(config->parallelism.nproc)
+                                                           : (on_cuda ? 1 : 2));
+  if (config->parallelism.Unwrapped()) {
+    std::cerr << "fsdp bench compare: parallelism.strategy none is the unwrapped baseline; give a "
+                 "sharding strategy (the baseline is added with --unwrapped)\n";
     return 2;
   }
-  int nproc = o.nproc > 0 ? o.nproc
-                          : (config->parallelism.nproc > 0 ? static_cast<int>(config->parallelism.nproc) : 2);
+  const bool unwrapped = o.unwrapped.value_or(nproc == 1);
+  if (unwrapped && nproc != 1) {
+    std::cerr << "fsdp bench compare: --unwrapped runs the plain model on one rank, so it needs "
+                 "--nproc 1 (got "
+              << nproc << ")\n";
+    return 2;
+  }
   if (absl::Status fits = config->ValidateForWorld(nproc); !fits.ok()) {
     std::cerr << "fsdp bench compare: " << fits.message() << " (--nproc " << nproc << ")\n";
     return 2;
@@ -141,13 +212,17 @@ int RunCompare(const CompareOptions& o) {
   std::ofstream(spec) << ReferenceSpec(*config, nproc, o.steps, init, batches).dump(1) << "\n";
 
   // --- alternating runs ------------------------------------------------------------------------
+  std::vector<const char*> engines = {kCpp, kFsdp2};
+  if (unwrapped) engines.push_back(kUnwrapped);
+  const int num_engines = static_cast<int>(engines.size());
   std::vector<RunResult> runs;
   for (int rep = 0; rep < o.repeats; ++rep) {
-    for (const char* engine : {kCpp, kFsdp2}) {
-      std::string dir = (out / StrCat(engine == kCpp ? "fsdp_cpp_" : "fsdp2_", rep)).string();
+    for (int e = 0; e < num_engines; ++e) {
+      const char* engine = engines[e];
+      std::string dir = (out / RunFolder(engine, rep)).string();
       fs::remove_all(dir, ec);
       std::vector<std::string> program;
-      if (engine == kCpp) {
+      if (engine != kFsdp2) {
         program = {"/proc/self/exe", "train", o.config_path};
         std::vector<std::string> run_sets = sets;
         for (std::string s : {StrCat("run.dir=", dir), StrCat("model.init_from=", init),
@@ -158,12 +233,13 @@ int RunCompare(const CompareOptions& o) {
                               StrCat("parallelism.nproc=", nproc)}) {
           run_sets.push_back(s);
         }
+        if (engine == kUnwrapped) run_sets.push_back("parallelism.strategy=none");
         for (const std::string& s : run_sets) program.insert(program.end(), {"--set", s});
       } else {
         program = {python, ScriptPath("fsdp2_reference.py"), "--spec", spec, "--out", dir};
       }
       std::cout << fmt::format("fsdp bench compare: run {}/{}: {} on {} rank(s)\n",
-                               rep * 2 + (engine == kCpp ? 1 : 2), o.repeats * 2, engine, nproc);
+                               rep * num_engines + e + 1, o.repeats * num_engines, engine, nproc);
       std::cout.flush();
       auto start = std::chrono::steady_clock::now();
       int code = LaunchRanks(nproc, program);
@@ -185,53 +261,80 @@ int RunCompare(const CompareOptions& o) {
   // --- report ----------------------------------------------------------------------------------
   const int64_t tokens_per_step = static_cast<int64_t>(nproc) * config->training.micro_batch_size *
                                   config->training.grad_accum_steps * config->model.seq_len;
-  EngineSummary cpp = Summarise(runs, kCpp, o.warmup, tokens_per_step);
-  EngineSummary ref = Summarise(runs, kFsdp2, o.warmup, tokens_per_step);
-  // Loss agreement: every fsdp.cpp run against every FSDP2 run, step by step.
-  double max_abs = 0, max_rel = 0;
-  int64_t worst_step = 0;
-  for (const RunResult& a : runs) {
-    for (const RunResult& b : runs) {
-      if (a.engine != kCpp || b.engine != kFsdp2) continue;
-      for (size_t i = 0; i < std::min(a.steps.size(), b.steps.size()); ++i) {
-        double diff = std::abs(a.steps[i].loss - b.steps[i].loss);
-        if (!(diff <= max_abs)) {
-          max_abs = diff;
-          worst_step = a.steps[i].step;
-        }
-        max_rel = std::max(max_rel, diff / std::max(std::abs(b.steps[i].loss), 1e-30));
-      }
-    }
+  const std::string memory_key = on_cuda ? "peak_tensor_bytes" : "peak_rss_bytes";
+  const std::string memory_label = on_cuda ? "peak alloc/rank" : "peak RSS/rank";
+  // Model FLOPs and the device's peak, as fsdp.cpp's trainer counts them (Note [Rank
+  // statistics]): the same work for every engine, so MFU follows the step time. Only on GPU,
+  // whose peak comes from a table; a CPU's is a configured guess (metrics.cpu_peak_flops).
+  const double flops_per_token = RankZeroNumber(runs, kCpp, "flops_per_token");
+  const double peak_flops = on_cuda ? RankZeroNumber(runs, kCpp, "peak_flops_per_device") : std::nan("");
+  std::map<std::string, EngineSummary> summary;
+  for (const char* engine : engines) {
+    EngineSummary s = Summarise(runs, engine, o.warmup, tokens_per_step, memory_key);
+    s.mfu = flops_per_token * s.tokens_per_s / nproc / peak_flops;
+    summary[engine] = s;
   }
+  const EngineSummary& cpp = summary[kCpp];
+  const EngineSummary& ref = summary[kFsdp2];
+  const LossDiff loss = CompareLosses(runs, kCpp, kFsdp2);
   const double time_ratio = cpp.median_step_s / ref.median_step_s;
-  const double memory_ratio = static_cast<double>(cpp.peak_rss) / static_cast<double>(ref.peak_rss);
+  const double memory_ratio = static_cast<double>(cpp.peak_memory) / static_cast<double>(ref.peak_memory);
+  std::string machine = MachineDescription();
+  if (std::string gpu = RankZeroString(runs, kCpp, "device"); on_cuda && !gpu.empty()) {
+    machine = StrCat(gpu, "; host ", machine);
+  }
 
   nlohmann::json report = {
       {"config", o.config_path},
       {"overrides", o.overrides},
       {"model", config->model.arch},
       {"world_size", nproc},
+      {"device", config->training.device},
       {"strategy", config->parallelism.strategy},
       {"mixed_precision", config->training.mixed_precision},
       {"steps", o.steps},
       {"warmup_steps", o.warmup},
       {"repeats", o.repeats},
       {"tokens_per_step", tokens_per_step},
-      {"machine", MachineDescription()},
+      {"flops_per_token", Number(flops_per_token)},
+      {"peak_flops_per_device", Number(peak_flops)},
+      {"memory_kind", on_cuda ? "allocated (CUDA)" : "RSS"},
+      {"machine", machine},
       {"date", Today()},
-      {"max_loss_abs_diff", Number(max_abs)},
-      {"max_loss_rel_diff", Number(max_rel)},
-      {"max_loss_diff_step", worst_step},
+      {"max_loss_abs_diff", Number(loss.max_abs)},
+      {"max_loss_rel_diff", Number(loss.max_rel)},
+      {"max_loss_diff_step", loss.step},
       {"ratios", {{"step_time", Number(time_ratio)}, {"memory", Number(memory_ratio)}}},
   };
-  for (const auto& [name, s] : {std::pair{kCpp, cpp}, std::pair{kFsdp2, ref}}) {
-    std::string prefix = name == kCpp ? "fsdp_cpp_" : "fsdp2_";
-    report["engines"][name] = {{"metrics", prefix + "0/metrics.jsonl"},
-                               {"median_step_s", Number(s.median_step_s)},
-                               {"tokens_per_s", Number(s.tokens_per_s)},
-                               {"peak_rss_bytes", s.peak_rss},
-                               {"comm_wait_s", Number(s.comm_wait_s)},
-                               {"comm_bytes_per_step", Number(s.comm_bytes)}};
+  // Each wrapper against the plain model: the step time it adds (its overhead), its memory.
+  struct VsUnwrapped {
+    double overhead, memory_ratio;
+    LossDiff loss;
+  };
+  std::map<std::string, VsUnwrapped> vs_unwrapped;
+  if (unwrapped) {
+    const EngineSummary& base = summary[kUnwrapped];
+    for (const char* engine : {kCpp, kFsdp2}) {
+      const VsUnwrapped& v = vs_unwrapped[engine] = {
+          summary[engine].median_step_s / base.median_step_s - 1,
+          static_cast<double>(summary[engine].peak_memory) / static_cast<double>(base.peak_memory),
+          CompareLosses(runs, engine, kUnwrapped)};
+      report["vs_unwrapped"][engine] = {{"overhead", Number(v.overhead)},
+                                        {"memory_ratio", Number(v.memory_ratio)},
+                                        {"max_loss_abs_diff", Number(v.loss.max_abs)},
+                                        {"max_loss_rel_diff", Number(v.loss.max_rel)}};
+    }
+  }
+  for (const char* engine : engines) {
+    const EngineSummary& s = summary[engine];
+    report["engines"][engine] = {{"metrics", RunFolder(engine, 0) + "/metrics.jsonl"},
+                                 {"median_step_s", Number(s.median_step_s)},
+                                 {"tokens_per_s", Number(s.tokens_per_s)},
+                                 {"mfu", Number(s.mfu)},
+                                 {"peak_rss_bytes", s.peak_rss},
+                                 {"peak_memory_bytes", s.peak_memory},
+                                 {"comm_wait_s", Number(s.comm_wait_s)},
+                                 {"comm_bytes_per_step", Number(s.comm_bytes)}};
   }
   std::ofstream csv(out / "compare.csv");
   csv << "engine,repeat,step,loss,step_time_s,comm_wait_s,comm_bytes\n";
@@ -239,7 +342,8 @@ int RunCompare(const CompareOptions& o) {
     report["runs"].push_back({{"engine", run.engine}, {"repeat", run.repeat},
                               {"metrics", fs::relative(run.dir, out).string() + "/metrics.jsonl"},
                               {"wall_s", run.wall_s},
-                              {"peak_rss_bytes", run.MaxOverRanks("peak_rss_bytes")}});
+                              {"peak_rss_bytes", run.MaxOverRanks("peak_rss_bytes")},
+                              {"peak_memory_bytes", run.MaxOverRanks(memory_key)}});
     for (const StepRecord& s : run.steps) {
       csv << fmt::format("{},{},{},{:.9g},{:.6g},{:.6g},{:.0f}\n", run.engine, run.repeat, s.step,
                          s.loss, s.step_time_s, s.comm_wait_s, s.comm_bytes);
@@ -252,20 +356,30 @@ int RunCompare(const CompareOptions& o) {
       "\nfsdp bench compare: {} ({}), {} rank(s), {}, {}, {} tokens/step, {} steps ({} warm-up) x "
       "{} run(s) per engine\n{}, {}\n",
       o.config_path, config->model.arch, nproc, config->parallelism.strategy,
-      config->training.mixed_precision, tokens_per_step, o.steps, o.warmup, o.repeats,
-      MachineDescription(), Today());
-  std::cout << fmt::format("  {:<10} {:>12} {:>12} {:>16} {:>14} {:>16}\n", "engine",
-                           "median step", "tokens/s", "peak RSS/rank", "comm wait", "comm bytes");
-  for (const auto& [name, s] : {std::pair{kCpp, cpp}, std::pair{kFsdp2, ref}}) {
-    std::cout << fmt::format("  {:<10} {:>10.1f}ms {:>12.0f} {:>16} {:>12.1f}ms {:>16}\n", name,
-                             s.median_step_s * 1e3, s.tokens_per_s,
-                             HumanBytes(static_cast<double>(s.peak_rss)), s.comm_wait_s * 1e3,
+      config->training.mixed_precision, tokens_per_step, o.steps, o.warmup, o.repeats, machine,
+      Today());
+  std::cout << fmt::format("  {:<10} {:>12} {:>12} {:>8} {:>16} {:>14} {:>16}\n", "engine",
+                           "median step", "tokens/s", on_cuda ? "MFU" : "", memory_label,
+                           "comm wait", "comm bytes");
+  for (const char* engine : engines) {
+    const EngineSummary& s = summary[engine];
+    std::cout << fmt::format("  {:<10} {:>10.1f}ms {:>12.0f} {:>8} {:>16} {:>12.1f}ms {:>16}\n",
+                             engine, s.median_step_s * 1e3, s.tokens_per_s,
+                             std::isfinite(s.mfu) ? fmt::format("{:.1f}%", 100 * s.mfu) : "",
+                             HumanBytes(static_cast<double>(s.peak_memory)), s.comm_wait_s * 1e3,
                              HumanBytes(s.comm_bytes));
   }
   std::cout << fmt::format(
-      "  fsdp.cpp / FSDP2: step time {:.3f}x, peak RSS {:.3f}x; largest loss difference {:.3g} "
-      "(relative {:.3g}, step {})\n  results: {}/compare.json, compare.csv, compare.png\n",
-      time_ratio, memory_ratio, max_abs, max_rel, worst_step, out.string());
+      "  fsdp.cpp / FSDP2: step time {:.3f}x, {} {:.3f}x; largest loss difference {:.3g} "
+      "(relative {:.3g}, step {})\n",
+      time_ratio, memory_label, memory_ratio, loss.max_abs, loss.max_rel, loss.step);
+  for (const auto& [engine, v] : vs_unwrapped) {
+    std::cout << fmt::format(
+        "  {} vs unwrapped: wrapper overhead {:+.2f}% of the step, {} {:.3f}x; largest loss "
+        "difference {:.3g} (relative {:.3g})\n",
+        engine, 100 * v.overhead, memory_label, v.memory_ratio, v.loss.max_abs, v.loss.max_rel);
+  }
+  std::cout << fmt::format("  results: {}/compare.json, compare.csv, compare.png\n", out.string());
   std::cout.flush();
   if (o.plot) Plot(python, "compare", out.string());
   return 0;

@@ -14,6 +14,12 @@ for hybrid_shard and for no_shard, the latter with shard size 1).
 
 Outputs: DIR/metrics.jsonl (rank 0, one line per step) and DIR/rank_stats/rank{r}.json.
 
+Device: the spec's "device" (cpu, default; or cuda: one GPU per rank, LOCAL_RANK's, process
+group on the spec's "backend": nccl unless it says gloo). On CUDA the step time ends with a
+torch.cuda.synchronize() (the loss is read every step anyway), and rank_stats also holds
+peak_tensor_bytes = torch.cuda.max_memory_allocated(), what fsdp.cpp reports from the same
+caching allocator.
+
 FSDP2 on Gloo/CPU (torch 2.11): CUDA streams and events are no-ops on CPU and FSDP2 issues its
 collectives with async_op=False, so every all_gather_into_tensor (unshard, forward and the
 backward prefetch), reduce_scatter_tensor (post-backward) and all_reduce (HSDP / replicate
@@ -318,15 +324,16 @@ class Batches:
         if lo < 0 or hi >= vocab:
             die(f"batches file '{path}': token ids in [{lo}, {hi}], outside [0, {vocab})")
 
-    def get(self, step, m, rank):
+    def get(self, step, m, rank, device):
         a = np.asarray(self.data[step, m, rank])
-        return torch.from_numpy(a[0].astype(np.int64)), torch.from_numpy(a[1].astype(np.int64))
+        return (torch.from_numpy(a[0].astype(np.int64)).to(device),
+                torch.from_numpy(a[1].astype(np.int64)).to(device))
 
-    def get_global(self, step, m):  # every rank's micro-batch, concatenated along the batch
+    def get_global(self, step, m, device):  # every rank's micro-batch, concatenated
         a = np.asarray(self.data[step, m])  # [world][2][mb][seq]
         x = a[:, 0].reshape(-1, self.seq).astype(np.int64)
         y = a[:, 1].reshape(-1, self.seq).astype(np.int64)
-        return torch.from_numpy(x), torch.from_numpy(y)
+        return torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,11 +376,11 @@ def _local(t):
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm, all_reduce_group=None, all_reduce_fn=None):
+def clip_grad_norm(params, max_norm, device, all_reduce_group=None, all_reduce_fn=None):
     """FsdpModel::ClipGradNorm: fp32 sum of squares over this rank's gradient shards, summed
     over the shard group (replicas hold identical shards), coef = min(max / (norm + 1e-6), 1)."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    sum_sq = torch.zeros((), dtype=torch.float32)
+    sum_sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sum_sq += g.to(torch.float32).pow(2).sum()
     if all_reduce_group is not None:
@@ -496,6 +503,16 @@ def train(args, spec, reference=False):
         die(f"training.reduce_dtype '{reduce_dtype_name}' is not valid; valid: fp32, bf16")
     set_threads()
 
+    device_type = spec.get("device", "cpu")
+    if device_type not in ("cpu", "cuda"):
+        die(f"device '{device_type}' is not valid; valid: cpu, cuda")
+    on_cuda = device_type == "cuda"
+    if on_cuda and not torch.cuda.is_available():
+        die("device cuda: torch.cuda.is_available() is false (no GPU, or a CPU-only torch)")
+    device = torch.device("cpu")
+    if on_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if reference:
         rank, world = 0, int(spec["batches"]["world_size"])
     else:
@@ -503,7 +520,10 @@ def train(args, spec, reference=False):
             if var not in os.environ:
                 die(f"{var} is not set: run under a launcher "
                     "(fsdp launch --nproc-per-node N -- python bench/fsdp2_reference.py ...)")
-        dist.init_process_group("gloo")
+        backend = "gloo"
+        if on_cuda and spec.get("backend", "auto") != "gloo":
+            backend = "nccl"
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
         rank, world = dist.get_rank(), dist.get_world_size()
 
     strategy = p.get("strategy", "full_shard")
@@ -527,6 +547,8 @@ def train(args, spec, reference=False):
     torch.manual_seed(0)
     model = Gpt(cfg)
     load_init(model, spec["init"])
+    model.to(device)
+    model.rope[0], model.rope[1] = getattr(model, "rope_cos", None), getattr(model, "rope_sin", None)
 
     meter = CommMeter()
     orig_all_reduce = dist.all_reduce
@@ -536,10 +558,11 @@ def train(args, spec, reference=False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         if replicate == 1:
-            mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
+            mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
             shard_group = mesh.get_group("shard") if shard > 1 else None
         else:
-            mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(device_type, (replicate, shard),
+                                    mesh_dim_names=("replicate", "shard"))
             shard_group = mesh.get_group("shard") if shard > 1 else None
         reshard = strategy in ("full_shard", "hybrid_shard")
         reduce_dtype = torch.bfloat16 if reduce_dtype_name == "bf16" else torch.float32
@@ -571,8 +594,12 @@ def train(args, spec, reference=False):
         mode = "reference (one process, no FSDP)" if reference else \
             f"FSDP2 on {world} rank(s), mesh (replicate={replicate}, shard={shard}), strategy {strategy}"
         nparams = sum(q.numel() for q in params)
+        where = torch.cuda.get_device_name(device) if on_cuda else "cpu"
         print(f"fsdp2_reference: {mode}, model {cfg.arch} ({nparams} parameters), "
-              f"{mp}, {tokens_per_step} tokens/step, torch {torch.__version__}", flush=True)
+              f"{mp}, {tokens_per_step} tokens/step, on {where}, torch {torch.__version__}",
+              flush=True)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
 
     comm_wait_total, comm_bytes_total = 0.0, 0
     clip = max_grad_norm if max_grad_norm > 0 else 1e30
@@ -583,11 +610,12 @@ def train(args, spec, reference=False):
         meter.reset()
         t0 = time.perf_counter()
         meter.active = True
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(ga):
             if hsdp:
                 model.set_requires_all_reduce(m == ga - 1)
-            x, y = batches.get_global(step, m) if reference else batches.get(step, m, rank)
+            x, y = (batches.get_global(step, m, device) if reference
+                    else batches.get(step, m, rank, device))
             if ref_bf16:
                 # Forward on bf16 copies (autograd casts the gradients back to fp32), the
                 # output cast to fp32, as FSDP2's MixedPrecisionPolicy does. Gradients are
@@ -600,13 +628,15 @@ def train(args, spec, reference=False):
             loss.backward()
             loss_sum += loss.detach()
         meter.active = False
-        norm = clip_grad_norm(params, clip, shard_group, orig_all_reduce)
+        norm = clip_grad_norm(params, clip, device, shard_group, orig_all_reduce)
         optimizer.step()
         optimizer.zero_grad()
         loss64 = loss_sum.to(torch.float64)
         if not reference:
             orig_all_reduce(loss64)
             loss64 = loss64 / world
+        if on_cuda:
+            torch.cuda.synchronize(device)
         step_time = time.perf_counter() - t0
         comm_wait_total += meter.wait_s
         comm_bytes_total += meter.bytes
@@ -627,9 +657,13 @@ def train(args, spec, reference=False):
     stats_dir = os.path.join(out, "rank_stats")
     os.makedirs(stats_dir, exist_ok=True)
     with open(os.path.join(stats_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "steps": steps,
-                   "comm_wait_s_total": comm_wait_total, "comm_bytes_total": comm_bytes_total,
-                   "comm_calls_last_step": meter.calls}, f)
+        stats = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "steps": steps,
+                 "comm_wait_s_total": comm_wait_total, "comm_bytes_total": comm_bytes_total,
+                 "comm_calls_last_step": meter.calls,
+                 "device": torch.cuda.get_device_name(device) if on_cuda else "cpu"}
+        if on_cuda:
+            stats["peak_tensor_bytes"] = torch.cuda.max_memory_allocated(device)
+        json.dump(stats, f)
         f.write("\n")
     if metrics_file:
         metrics_file.close()

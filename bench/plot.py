@@ -10,7 +10,9 @@ Run it with the project's venv python (scripts/bootstrap.sh installs matplotlib 
 compare.json:
   {"config", "world_size", "machine", "date",
    "engines": {NAME: {"metrics": PATH, "median_step_s", "peak_rss_bytes",
+                      "peak_memory_bytes" (optional: the memory compared, default the RSS),
                       "tokens_per_s" (optional), "comm_wait_s" (optional)}, ...},
+   "memory_kind" (optional: what peak_memory_bytes is, e.g. "allocated (CUDA)"; default RSS),
    "ratios": {"step_time", "memory"} (optional; computed from the engines when absent),
    "max_loss_abs_diff" (optional), "warmup_steps" (optional, default: first 10% of the steps),
    "runs": [{"engine", "repeat", "metrics": PATH}, ...] (optional; default: the engines' metrics)}
@@ -165,7 +167,8 @@ def cmd_compare(d):
         info[n] = {
             "path": os.path.join(d, need(e, "metrics", where)),
             "median": need_number(e, "median_step_s", where),
-            "rss": need_number(e, "peak_rss_bytes", where),
+            "rss": need_number(e, "peak_memory_bytes", where) if e.get("peak_memory_bytes") is not None
+                   else need_number(e, "peak_rss_bytes", where),
             "comm": need_number(e, "comm_wait_s", where) if e.get("comm_wait_s") is not None else None,
             "tps": need_number(e, "tokens_per_s", where) if e.get("tokens_per_s") is not None else None,
         }
@@ -297,9 +300,10 @@ def cmd_compare(d):
     bars = ax_bm.bar(x, [r / div for r in rss], color=[color[n] for n in names], width=0.6)
     annotate_bars(ax_bm, bars, [fmt_bytes(r) for r in rss])
     ax_bm.set_xticks(x, names, fontsize=8)
-    ax_bm.set_ylabel(f"peak RSS per rank ({unit})")
+    kind = cfg.get("memory_kind") or "RSS"
+    ax_bm.set_ylabel(f"peak {kind} per rank ({unit})")
     ax_bm.set_ylim(0, max(rss) / div * 1.3)
-    ax_bm.set_title("Peak RSS per rank\n" + ratio_label(names, rss, ratios.get("memory")),
+    ax_bm.set_title(f"Peak {kind} per rank\n" + ratio_label(names, rss, ratios.get("memory")),
                     fontsize=10)
     for ax in (ax_bt, ax_bm):
         ax.grid(alpha=0.3, axis="y")

@@ -11,13 +11,16 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.compare_cmd = bench->add_subcommand(
       "compare",
       "Run CONFIG through fsdp.cpp and through PyTorch FSDP2 (bench/fsdp2_reference.py) from the "
-      "same weights and batches, alternating runs; report median step time, tokens/s, peak RSS "
-      "per rank, communication wait, the ratios and the largest loss difference "
-      "(compare.json, compare.csv, compare.png in --out).\n"
-      "Example: fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50");
+      "same weights and batches, alternating runs; report median step time, tokens/s, MFU, peak "
+      "memory per rank (RSS on CPU, allocator peak on GPU), communication wait, the ratios and the "
+      "largest loss difference (compare.json, compare.csv, compare.png in --out). On one rank "
+      "also the unwrapped model, and each wrapper's overhead against it.\n"
+      "Example: fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50\n"
+      "         fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30   (GPU)");
   c.compare_cmd->add_option("config", o.config_path, "YAML configuration file")->required();
   c.compare_cmd->add_option("--set", o.overrides, "Override a key: --set section.key=value");
-  c.compare_cmd->add_option("--nproc", o.nproc, "Ranks (default: parallelism.nproc, or 2)")
+  c.compare_cmd->add_option("--nproc", o.nproc,
+                            "Ranks (default: parallelism.nproc, or 2 on CPU, 1 on GPU)")
       ->check(CLI::NonNegativeNumber);
   c.compare_cmd->add_option("--steps", o.steps, "Steps per run")->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -29,6 +32,12 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.compare_cmd->add_option("--python", o.python,
                             "Python with torch 2.11 (default $FSDP_PYTHON, or the build's venv)");
   c.compare_cmd->add_flag("!--no-plot", o.plot, "Do not draw compare.png");
+  c.compare_cmd->add_flag_callback(
+      "--unwrapped", [&o] { o.unwrapped = true; },
+      "Also run the plain model without a wrapper (parallelism.strategy none; one rank only). "
+      "Default: on with --nproc 1");
+  c.compare_cmd->add_flag_callback("--no-unwrapped", [&o] { o.unwrapped = false; },
+                                   "Do not run the plain model");
 
   bench::SweepOptions& s = c.sweep;
   c.sweep_cmd = bench->add_subcommand(

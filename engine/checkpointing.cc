@@ -301,31 +301,38 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
 
 namespace fsdp {
 
-absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
+absl::Status FillFromSafetensors(const std::string& path, const std::vector<InitTarget>& targets) {
   FSDP_ASSIGN_OR_RETURN(ckpt::SafetensorsFile file, ckpt::SafetensorsFile::Open(path));
   at::NoGradGuard no_grad;
-  for (const auto& [name, shard] : model.named_parameters()) {
-    const FsdpParam* p = model.FindParam(name);
-    auto it = file.entries().find(name);
+  for (const InitTarget& t : targets) {
+    auto it = file.entries().find(t.name);
     if (it == file.entries().end()) {
       return absl::FailedPreconditionError(
-          StrCat("model.init_from '", path, "': no tensor '", name, "' (the model's parameter)"));
+          StrCat("model.init_from '", path, "': no tensor '", t.name, "' (the model's parameter)"));
     }
-    if (it->second.shape != p->sharding.shape) {
+    if (it->second.shape != t.shape) {
       return absl::FailedPreconditionError(
-          StrCat("model.init_from '", path, "': tensor '", name, "' has shape [",
-                 StrJoin(it->second.shape, ", "), "], the model expects [",
-                 StrJoin(p->sharding.shape, ", "), "]"));
+          StrCat("model.init_from '", path, "': tensor '", t.name, "' has shape [",
+                 StrJoin(it->second.shape, ", "), "], the model expects [", StrJoin(t.shape, ", "),
+                 "]"));
     }
-    int64_t rows = shard.size(0);
+    const int64_t rows = t.dst.dim() == 0 ? 1 : t.dst.size(0);
     if (rows == 0) continue;
-    int64_t first = model.FirstLocalRow(*p);
     at::Tensor data;
-    FSDP_RETURN_IF_ERROR(file.ReadRows(name, first, first + rows, data));
-    at::Tensor dst = shard;
+    FSDP_RETURN_IF_ERROR(file.ReadRows(t.name, t.first_row, t.first_row + rows, data));
+    at::Tensor dst = t.dst;
     dst.copy_(data.reshape(dst.sizes()));
   }
   return absl::OkStatus();
+}
+
+absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
+  std::vector<InitTarget> targets;
+  for (const auto& [name, shard] : model.named_parameters()) {
+    const FsdpParam* p = model.FindParam(name);
+    targets.push_back({name, p->sharding.shape, model.FirstLocalRow(*p), shard});
+  }
+  return FillFromSafetensors(path, targets);
 }
 
 }  // namespace fsdp

@@ -72,6 +72,17 @@ class Checkpointer {
   double last_blocking_seconds_ = 0;
 };
 
+// Fills tensors from a safetensors file (model.init_from): for each target, the rows
+// [first_row, first_row + dst.size(0)) of the file's tensor `name`, which must have `shape`.
+// Errors name the file and the tensor.
+struct InitTarget {
+  std::string name;
+  std::vector<int64_t> shape;  // the full tensor's
+  int64_t first_row = 0;
+  at::Tensor dst;
+};
+absl::Status FillFromSafetensors(const std::string& path, const std::vector<InitTarget>& targets);
+
 // Fills the model's shards from a safetensors file whose tensor names are the model's
 // parameter names (model.init_from); each rank reads only its own rows.
 absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model);

@@ -415,6 +415,7 @@ std::vector<std::string> StrategyNames() {
                      Strategy::kHybridShardZero2, Strategy::kNoShard}) {
     names.emplace_back(StrategyName(s));
   }
+  names.emplace_back("none");
   return names;
 }
 
@@ -509,7 +510,7 @@ absl::Status ValidateParallelism(const ParallelismSection& p, const Validator& v
       "-1 needs a fixed parallelism.data_parallel_shard_degree; at most one of the two degrees "
       "may be -1 (inferred from the world size)",
       {"parallelism.data_parallel_shard_degree"}));
-  FSDP_RETURN_IF_ERROR(v.Check(ParseStrategy(p.strategy).ok(), "parallelism.strategy",
+  FSDP_RETURN_IF_ERROR(v.Check(ParseStrategy(p.strategy).ok() || p.Unwrapped(), "parallelism.strategy",
                                NotValid(p.strategy, StrategyNames())));
   FSDP_RETURN_IF_ERROR(v.Check(
       ReshardGroupSize(p.reshard_after_forward).value_or(1) >= 1,
@@ -540,6 +541,11 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
   FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
   FSDP_RETURN_IF_ERROR(v.Positive("metrics.cpu_peak_flops", c.metrics.cpu_peak_flops));
   FSDP_RETURN_IF_ERROR(v.OneOf("metrics.progress_bar", c.metrics.progress_bar, {"auto", "on", "off"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      !(c.parallelism.Unwrapped() && c.checkpoint.enabled), "checkpoint.enabled",
+      "must be false with parallelism.strategy none (the unwrapped baseline saves no checkpoints); "
+      "use full_shard or no_shard to checkpoint a one-rank run",
+      {"parallelism.strategy"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
   return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
@@ -575,10 +581,17 @@ int ClampToInt(int64_t value) {
 // say replicate 1, shard -1.
 absl::Status RunConfig::ValidateForWorld(int world_size) const {
   const ParallelismSection& p = parallelism;
+  if (p.Unwrapped()) {
+    if (world_size == 1) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        StrCat("parallelism.strategy none trains the plain model on one rank, not ", world_size,
+               "; use --nproc 1, or a sharding strategy (full_shard, no_shard, ...) for ",
+               world_size, " ranks"));
+  }
   absl::StatusOr<Strategy> strategy = ParseStrategy(p.strategy);
   if (!strategy.ok()) {
-    return absl::InvalidArgumentError(
-        StrCat("parallelism.", std::string(strategy.status().message())));
+    return absl::InvalidArgumentError(StrCat("parallelism.strategy '", p.strategy,
+                                             "' is not valid; valid: ", StrJoin(StrategyNames(), ", ")));
   }
   std::string degrees =
       StrCat("parallelism.data_parallel_replicate_degree=", p.data_parallel_replicate_degree,

@@ -84,6 +84,8 @@ struct ParallelismSection {
   // Either degree may be -1 (inferred from the world size), not both.
   int64_t data_parallel_replicate_degree = 1;
   int64_t data_parallel_shard_degree = -1;
+  // full_shard | shard_grad_op | hybrid_shard | hybrid_shard_zero2 | no_shard, or none: the
+  // plain model on one rank, no wrapper (the benchmarks' baseline, engine/unwrapped.h).
   std::string strategy = "full_shard";
   // "default" (from the strategy), "true", "false", or an integer k: keep shards over groups
   // of k ranks after forward.
@@ -97,6 +99,8 @@ struct ParallelismSection {
 
   // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
   std::pair<int, int> MeshDegrees(int world_size) const;
+  // strategy none: no FSDP wrapper.
+  bool Unwrapped() const { return strategy == "none"; }
 };
 
 struct MetricsSection {

@@ -25,6 +25,7 @@
 #include "engine/data.h"
 #include "engine/metrics.h"
 #include "engine/schedule.h"
+#include "engine/unwrapped.h"
 #include "models/gpt.h"
 #include "sharding/fsdp_model.h"
 #include "sharding/comm_stats.h"
@@ -115,16 +116,21 @@ double Evaluate(GptImpl& model, const DataLoader& loader, int64_t batches, Proce
 // set (VmHWM), its peak tensor bytes (CPU tracker or CUDA allocator), the tensor bytes right
 // after the last optimizer step (parameters, gradients and optimizer state, plus whatever
 // the step keeps alive: the model states the ZeRO formulas count), and the collectives it
-// issued (calls, bytes of the full buffers, seconds blocked waiting). Rank 0's metrics.jsonl
+// issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
+// token and the device (its name and peak FLOP/s) behind the MFU figures. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
 void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps,
                     int64_t peak_rss, int64_t peak_tensor, int64_t state_bytes,
-                    const CommStats& comm) {
+                    const CommStats& comm, double flops_per_token, double peak_flops,
+                    const std::string& device) {
   nlohmann::json stats = {{"rank", rank},
                           {"steps", steps},
                           {"peak_rss_bytes", peak_rss},
                           {"peak_tensor_bytes", peak_tensor},
-                          {"state_bytes", state_bytes}};
+                          {"state_bytes", state_bytes},
+                          {"flops_per_token", flops_per_token},
+                          {"peak_flops_per_device", peak_flops},
+                          {"device", device}};
   const HostHeapStats heap = GetHostHeapStats();
   stats["host_heap"] = {{"held_bytes", heap.held_bytes}, {"free_bytes", heap.free_bytes}};
   double wait = 0;
@@ -176,18 +182,26 @@ absl::Status Train(const RunConfig& config) {
   }
 
   // --- model, sharded ---------------------------------------------------------------------------
+  // Sharded (FsdpModel), or with parallelism.strategy none the plain module (UnwrappedModel).
   Gpt model(static_cast<const GptConfig&>(config.model));
   for (auto& buffer : model->buffers()) buffer.set_data(buffer.to(device));
-  if (!config.model.deferred_init) {
+  const bool unwrapped = config.parallelism.Unwrapped();
+  if (!config.model.deferred_init || unwrapped) {
     model->MaterializeSeeded(static_cast<uint64_t>(config.run.seed));  // the whole model, then sharded
     model->to(device);
   }
-  FSDP_ASSIGN_OR_RETURN(FsdpOptions options, ShardingOptions(config, *model));
-  FSDP_ASSIGN_OR_RETURN(std::unique_ptr<FsdpModel> sharded,
-                        FsdpModel::Wrap(model.ptr(), mesh, Units(*model, config.parallelism.wrap_policy),
-                                        options));
+  std::unique_ptr<FsdpModel> sharded;
+  std::unique_ptr<UnwrappedModel> plain;
+  if (unwrapped) {
+    plain = std::make_unique<UnwrappedModel>(model.ptr(), Dtype(t.mixed_precision));
+  } else {
+    FSDP_ASSIGN_OR_RETURN(FsdpOptions options, ShardingOptions(config, *model));
+    FSDP_ASSIGN_OR_RETURN(sharded, FsdpModel::Wrap(model.ptr(), mesh,
+                                                   Units(*model, config.parallelism.wrap_policy),
+                                                   options));
+  }
   std::unique_ptr<torch::optim::Optimizer> optimizer =
-      MakeOptimizer(config.optimizer, sharded->parameters());
+      MakeOptimizer(config.optimizer, sharded ? sharded->parameters() : plain->parameters());
 
   // --- data ---------------------------------------------------------------------------------
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset,
@@ -198,9 +212,14 @@ absl::Status Train(const RunConfig& config) {
                         DataLoader::Create(*dataset, LoaderOptionsFor(config, rank, world)));
 
   // --- checkpoint: resume, or start from a safetensors file --------------------------------
-  Checkpointer checkpointer(config, ctx, mesh, *sharded, *optimizer);
+  // (checkpoint.enabled is false for the unwrapped model: config validation.)
+  std::optional<Checkpointer> checkpointer;
+  std::optional<ResumePoint> resume;
   auto load_start = Clock::now();
-  FSDP_ASSIGN_OR_RETURN(std::optional<ResumePoint> resume, checkpointer.Load());
+  if (sharded) {
+    checkpointer.emplace(config, ctx, mesh, *sharded, *optimizer);
+    FSDP_ASSIGN_OR_RETURN(resume, checkpointer->Load());
+  }
   double load_seconds = std::chrono::duration<double>(Clock::now() - load_start).count();
   int64_t start_step = 0;
   if (resume) {
@@ -211,7 +230,8 @@ absl::Status Train(const RunConfig& config) {
                                resume->dir, start_step, load_seconds);
     }
   } else if (!config.model.init_from.empty()) {
-    FSDP_RETURN_IF_ERROR(InitFromSafetensors(config.model.init_from, *sharded));
+    FSDP_RETURN_IF_ERROR(sharded ? InitFromSafetensors(config.model.init_from, *sharded)
+                                 : plain->LoadSafetensors(config.model.init_from));
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
   }
   InstallTermHandler();
@@ -250,18 +270,19 @@ absl::Status Train(const RunConfig& config) {
   auto interval_start = Clock::now();
   auto run_start = interval_start;
   int64_t state_bytes = 0;
-  CommStats& comm = sharded->comm_stats();
+  CommStats no_comm;
+  CommStats& comm = sharded ? sharded->comm_stats() : no_comm;
   comm.Reset();
   CommStats interval_comm = comm;  // counters at the start of the log interval
   double last_loss = std::nan("");
   const CheckpointSection& cs = config.checkpoint;
   auto save = [&](int64_t steps_done) -> absl::Status {
-    FSDP_RETURN_IF_ERROR(checkpointer.Save(steps_done, loader.position()));
+    FSDP_RETURN_IF_ERROR(checkpointer->Save(steps_done, loader.position()));
     if (rank == 0) {
       std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms)\n", steps_done,
                                cs.async ? "saving in the background" : "saved",
-                               checkpointer.last_blocking_seconds() * 1e3);
-      if (jsonl) jsonl->Write({{"step", steps_done}, {"checkpoint_blocking_s", checkpointer.last_blocking_seconds()}});
+                               checkpointer->last_blocking_seconds() * 1e3);
+      if (jsonl) jsonl->Write({{"step", steps_done}, {"checkpoint_blocking_s", checkpointer->last_blocking_seconds()}});
     }
     return absl::OkStatus();
   };
@@ -277,11 +298,12 @@ absl::Status Train(const RunConfig& config) {
                                                              b.targets.to(device).flatten()) /
                         static_cast<double>(t.grad_accum_steps);
       loss.backward();
+      if (plain) plain->AfterBackward();
       loss_sum += loss.detach();
     }
     loader.Advance();
-    at::Tensor norm = t.max_grad_norm > 0 ? sharded->ClipGradNorm(t.max_grad_norm)
-                                          : sharded->ClipGradNorm(1e30);
+    const double max_norm = t.max_grad_norm > 0 ? t.max_grad_norm : 1e30;
+    at::Tensor norm = sharded ? sharded->ClipGradNorm(max_norm) : plain->ClipGradNorm(max_norm);
     at::Tensor bad = loss_sum.isfinite().logical_not() | norm.isfinite().logical_not();
     if (t.on_nonfinite == "skip") {
       // Skipping needs the answer before the update: one host read per step.
@@ -297,6 +319,7 @@ absl::Status Train(const RunConfig& config) {
       first_bad = at::where(bad & first_bad.lt(0), at::full_like(first_bad, step + 1), first_bad);
     }
     optimizer->step();
+    if (plain) plain->AfterStep();
     // Model states (parameters, gradients, optimizer state) right after the update: what the
     // ZeRO formulas count. See Note [Rank statistics].
     state_bytes = on_cuda ? CudaAllocatedBytes(device.index()) : cpu_memory.current_bytes();
@@ -378,8 +401,8 @@ absl::Status Train(const RunConfig& config) {
     }
     if (terminate) {
       if (cs.enabled) {
-        FSDP_RETURN_IF_ERROR(checkpointer.Save(step + 1, loader.position()));
-        FSDP_RETURN_IF_ERROR(checkpointer.Finish());
+        FSDP_RETURN_IF_ERROR(checkpointer->Save(step + 1, loader.position()));
+        FSDP_RETURN_IF_ERROR(checkpointer->Finish());
         if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step + 1 << " and stopped\n";
         return absl::OkStatus();
       }
@@ -397,11 +420,12 @@ absl::Status Train(const RunConfig& config) {
   }
   if (cs.enabled) {
     FSDP_RETURN_IF_ERROR(save(t.steps));
-    FSDP_RETURN_IF_ERROR(checkpointer.Finish());
+    FSDP_RETURN_IF_ERROR(checkpointer->Finish());
   }
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  on_cuda ? CudaPeakAllocatedBytes(device.index()) : cpu_memory.peak_bytes(),
-                 state_bytes, comm);
+                 state_bytes, comm, flops_per_token, peak_flops,
+                 on_cuda ? CudaDeviceDescription(device.index()) : "cpu");
   if (rank == 0) {
     if (progress) std::cerr << "\n";
     double total = std::chrono::duration<double>(Clock::now() - run_start).count();

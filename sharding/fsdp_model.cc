@@ -232,21 +232,27 @@ void FsdpModel::FinishBackward() {
   backward_started_ = false;
 }
 
-at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
+at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
+                               c10::Device device, ProcessGroup* sum_over) {
   at::NoGradGuard no_grad;
+  at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (const at::Tensor& g : grads) sum_sq += g.to(at::kFloat).pow(2).sum();
+  if (sum_over != nullptr) sum_over->AllReduce(sum_sq)->wait();
+  // All on the device: no host synchronisation (the caller may read the norm when it logs).
+  at::Tensor norm = sum_sq.sqrt();
+  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  for (const at::Tensor& g : grads) g.mul_(coef.to(g.scalar_type()));
+  return norm;
+}
+
+at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(ctx_.device));
-  for (const at::Tensor& g : grads) sum_sq += g.to(at::kFloat).pow(2).sum();
   // Replicas hold identical gradient shards: summing over the shard axis counts each once.
-  if (ctx_.num_shards > 1) ctx_.shard_group->AllReduce(sum_sq)->wait();
-  // All on the device: no host synchronisation (the caller may read the norm when it logs).
-  at::Tensor norm = sum_sq.sqrt();
-  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-  for (at::Tensor& g : grads) g.mul_(coef.to(g.scalar_type()));
-  return norm;
+  return ClipGradientsByNorm(grads, max_norm, ctx_.device,
+                             ctx_.num_shards > 1 ? ctx_.shard_group : nullptr);
 }
 
 }  // namespace fsdp

@@ -73,6 +73,13 @@ struct MemoryStats {
   int64_t peak_unsharded_bytes = 0;   // their bytes (parameters and gather buffers)
 };
 
+// Scales `grads` in place so that their global 2-norm is at most `max_norm` (coefficient
+// min(max_norm / (norm + 1e-6), 1), as torch.nn.utils.clip_grad_norm_) and returns the norm
+// before clipping as a 0-dim fp32 tensor on `device`: no host synchronisation. `sum_over`, when
+// given, sums the squares over that group (ranks holding disjoint pieces of the gradients).
+at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
+                               c10::Device device, ProcessGroup* sum_over);
+
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit

@@ -123,9 +123,25 @@ TEST_P(BenchCompareTest, LossesAgreeWithFsdp2) {
   // Both engines move the same bytes per step (full collective buffers, padding included).
   double cpp_bytes = report["engines"]["fsdp.cpp"]["comm_bytes_per_step"].get<double>();
   double ref_bytes = report["engines"]["fsdp2"]["comm_bytes_per_step"].get<double>();
-  EXPECT_NEAR(cpp_bytes / ref_bytes, 1.0, 0.02) << cpp_bytes << " vs " << ref_bytes;
+  if (c.nproc == 1) {
+    EXPECT_EQ(cpp_bytes, 0);  // nothing to exchange
+    EXPECT_EQ(ref_bytes, 0);
+  } else {
+    EXPECT_NEAR(cpp_bytes / ref_bytes, 1.0, 0.02) << cpp_bytes << " vs " << ref_bytes;
+  }
   EXPECT_TRUE(fs::exists(dir + "/compare.csv"));
   EXPECT_TRUE(r.StdoutHas("fsdp.cpp / FSDP2: step time")) << r.Output();
+  // On one rank the plain model runs too (parallelism.strategy none): same losses, and each
+  // wrapper's overhead against it.
+  EXPECT_EQ(report["engines"].contains("unwrapped"), c.nproc == 1) << report.dump(1);
+  if (c.nproc == 1) {
+    for (const char* engine : {"fsdp.cpp", "fsdp2"}) {
+      const nlohmann::json& v = report["vs_unwrapped"][engine];
+      EXPECT_LT(v["max_loss_rel_diff"].get<double>(), 1e-5) << engine << " " << report.dump(1);
+      EXPECT_TRUE(v["overhead"].is_number()) << engine;
+    }
+    EXPECT_TRUE(r.StdoutHas("fsdp.cpp vs unwrapped: wrapper overhead")) << r.Output();
+  }
   fs::remove_all(dir);
 }
 
@@ -133,12 +149,22 @@ INSTANTIATE_TEST_SUITE_P(
     Engines, BenchCompareTest,
     ::testing::Values(
         CompareCase{"gpt_full_shard", 2, {}},
+        CompareCase{"gpt_one_rank_with_unwrapped", 1, {}},
         CompareCase{"llama_shard_grad_op", 2,
                     {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
                      "model.positions=rope", "model.tie_embeddings=false",
                      "parallelism.strategy=shard_grad_op", "training.grad_accum_steps=2",
                      "training.micro_batch_size=4"}}),
     [](const ::testing::TestParamInfo<CompareCase>& info) { return info.param.name; });
+
+TEST(BenchCompare, UnwrappedNeedsOneRank) {
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--nproc", "2", "--unwrapped"},
+                               {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("--unwrapped runs the plain model on one rank, so it needs --nproc 1 (got 2)"))
+      << r.Output();
+}
 
 TEST(BenchCompare, BadConfigKeyIsAnError) {
   CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",

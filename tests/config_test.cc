@@ -31,7 +31,7 @@ constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, max_grad_norm, mixed_precision, reduce_dtype, "
     "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval";
 constexpr char kStrategies[] =
-    "full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard";
+    "full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard, none";
 
 absl::StatusOr<RunConfig> Parse(const std::string& yaml, std::vector<std::string> overrides = {}) {
   return ParseRunConfig(yaml, "t.yaml", overrides);

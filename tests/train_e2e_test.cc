@@ -103,6 +103,45 @@ INSTANTIATE_TEST_SUITE_P(Configs, TrainStrategyTest,
                            return StrCat(name, "_w", info.param.world);
                          });
 
+// parallelism.strategy none (the benchmarks' unwrapped baseline, engine/unwrapped.h) does the
+// arithmetic of FSDP at world size 1: fp32 agrees to rounding; bf16 (bf16 copies of fp32
+// masters, fp32 gradient accumulation) to bf16 rounding of a different summation order.
+TEST(TrainTest, UnwrappedModelMatchesOneRankFsdp) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    std::vector<std::string> sets = Common(1);
+    sets.insert(sets.end(), {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
+                             "model.positions=rope", "model.tie_embeddings=false",
+                             StrCat("training.mixed_precision=", precision)});
+    TrainRun fsdp = Train("default.yaml", sets, StrCat("fsdp-", precision));
+    sets.push_back("parallelism.strategy=none");
+    TrainRun plain = Train("default.yaml", sets, StrCat("plain-", precision));
+    ASSERT_TRUE(fsdp.result.exit.ok()) << fsdp.result.Output();
+    ASSERT_TRUE(plain.result.exit.ok()) << plain.result.Output();
+    ASSERT_EQ(plain.losses.size(), 6u) << plain.result.Output();
+    ASSERT_EQ(fsdp.losses.size(), 6u);
+    const double rtol = std::string(precision) == "fp32" ? 1e-6 : 5e-4;
+    for (size_t i = 0; i < 6; ++i) {
+      EXPECT_NEAR(plain.losses[i], fsdp.losses[i], rtol * fsdp.losses[i])
+          << precision << " step " << i + 1;
+    }
+    EXPECT_LT(plain.losses.back(), plain.losses.front()) << plain.result.Output();
+  }
+}
+
+TEST(TrainTest, UnwrappedModelNeedsOneRankAndNoCheckpoints) {
+  TrainRun two = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=2"}, "plain2");
+  EXPECT_NE(two.result.exit.code, 0) << two.result.Output();
+  EXPECT_TRUE(two.result.StderrHas("parallelism.strategy none trains the plain model on one rank, not 2"))
+      << two.result.Output();
+  TrainRun ckpt = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=1",
+                                         "checkpoint.enabled=true"},
+                        "plainckpt");
+  EXPECT_EQ(ckpt.result.exit.code, 2) << ckpt.result.Output();
+  EXPECT_TRUE(ckpt.result.StderrHas("checkpoint.enabled")) << ckpt.result.Output();
+  EXPECT_TRUE(ckpt.result.StderrHas("must be false with parallelism.strategy none"))
+      << ckpt.result.Output();
+}
+
 TEST(TrainTest, DefaultConfigLossFalls) {
   TrainRun run = Train("default.yaml", {"training.steps=60", "training.log_interval=20"}, "default");
   ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();

@@ -1,0 +1,64 @@
+// The model trained without any wrapper (parallelism.strategy: none): the baseline that
+// `fsdp bench compare --unwrapped` measures the FSDP wrappers' overhead against. One rank.
+//
+// Note [The unwrapped baseline]
+// With training.mixed_precision=fp32 the optimizer steps the module's own parameters and
+// nothing else happens. With bf16 it does the arithmetic FSDP's mixed precision does, without
+// units, hooks or collectives: the module's parameters are bf16 copies of fp32 master
+// parameters (the optimizer steps the masters), forward and backward run in bf16, each
+// micro-batch's bf16 gradients are added into fp32 master gradients (FSDP reduces them in
+// reduce_dtype fp32 and accumulates the fp32 shards), and after the step the masters are cast
+// back into the module. So at world size 1 its losses agree with fsdp.cpp's and FSDP2's to
+// rounding, and the step-time difference is the wrapper's cost. (torchtitan's non-FSDP path
+// uses autocast instead, which keeps more operators in fp32: a slower baseline that would
+// flatter the wrappers.) Checkpointing is not supported in this mode.
+//
+//   UnwrappedModel plain(model.ptr(), at::kBFloat16);
+//   optimizer(plain.parameters());
+//   per micro-batch: loss.backward(); plain.AfterBackward();
+//   plain.ClipGradNorm(1.0); optimizer.step(); plain.AfterStep(); optimizer.zero_grad();
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+class UnwrappedModel {
+ public:
+  // `compute_dtype` kFloat: the module trains as is; kBFloat16: the module's parameters become
+  // bf16 copies of fp32 masters (buffers too, as the units' casts would see them).
+  UnwrappedModel(std::shared_ptr<torch::nn::Module> module, at::ScalarType compute_dtype);
+
+  // What the optimizer steps: the fp32 masters (bf16) or the module's parameters (fp32).
+  const std::vector<at::Tensor>& parameters() const { return masters_; }
+  // After each backward: bf16 gradients added into the masters' fp32 gradients.
+  void AfterBackward();
+  // Clips the masters' gradients by their 2-norm; returns the norm before clipping (0-dim fp32
+  // tensor on the device, no host synchronisation).
+  at::Tensor ClipGradNorm(double max_norm);
+  // After the optimizer step: the masters cast back into the module's parameters.
+  void AfterStep();
+  // The parameters from a safetensors file with the state-dict names (model.init_from).
+  absl::Status LoadSafetensors(const std::string& path);
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  bool mixed_ = false;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;       // the module's, all (bf16 when mixed)
+  std::vector<at::Tensor> all_masters_;  // fp32, one per params_ (the same tensors when not mixed)
+  std::vector<size_t> trainable_;        // indices of the trainable ones
+  std::vector<at::Tensor> masters_;      // all_masters_[trainable_]: what the optimizer steps
+};
+
+}  // namespace fsdp
