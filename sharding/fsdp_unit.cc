@@ -40,6 +40,13 @@ void FsdpParam::AllocateUnsharded() {
   storage->set_nbytes(nbytes);
 }
 
+void FsdpParam::AliasShard() {
+  c10::StorageImpl* storage = param.storage().unsafeGetStorageImpl();
+  // Non-owning: padded_shard lives as long as this FsdpParam.
+  storage->set_data_ptr_noswap(c10::DataPtr(padded_shard.data_ptr(), padded_shard.device()));
+  storage->set_nbytes(static_cast<size_t>(unsharded_nbytes()));
+}
+
 void FsdpParam::FreeUnsharded() {
   c10::StorageImpl* storage = param.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, storage->device()));
@@ -106,6 +113,10 @@ void FsdpUnit::CopyOut(const at::Tensor& output, const UnitLayout& layout, int g
 void FsdpUnit::Unshard() {
   if (state_ == State::kUnsharded || state_ == State::kGathering || params_.empty()) return;
   at::NoGradGuard no_grad;
+  if (state_ == State::kSharded && ctx_->num_shards == 1) {
+    UnshardOneShard();
+    return;
+  }
   // See Note [Copy-in stream]: on CUDA the copy-in and the all-gather's issue happen on the
   // copy-in stream; on CPU this is all on the caller's thread.
   DeviceStreams& streams = *ctx_->streams;
@@ -136,6 +147,21 @@ void FsdpUnit::Unshard() {
   state_ = State::kGathering;
 }
 
+// Note [One shard]: with a shard axis of size 1 (world size 1, or DDP) there is nothing to
+// gather: each parameter's storage points at its shard (no copy, no allocation), or under
+// mixed precision receives one cast of it, on the compute stream.
+void FsdpUnit::UnshardOneShard() {
+  for (FsdpParam& p : params_) {
+    if (p.padded_shard.scalar_type() == compute_dtype_) {
+      p.AliasShard();
+    } else {
+      p.AllocateUnsharded();
+      p.UnshardedFlat().copy_(p.padded_shard.view(-1));
+    }
+  }
+  state_ = State::kUnsharded;
+}
+
 void FsdpUnit::GatherIntoParams(const at::TensorOptions& opts) {
   ProcessGroup* group = ctx_->shard_group;
   bool cast = false;
@@ -164,6 +190,7 @@ void FsdpUnit::GatherIntoParams(const at::TensorOptions& opts) {
 void FsdpUnit::WaitForUnshard() {
   if (state_ == State::kUnsharded || params_.empty()) return;
   if (state_ != State::kGathering) Unshard();
+  if (state_ == State::kUnsharded) return;  // Note [One shard]: nothing was gathered
   at::NoGradGuard no_grad;
   if (gather_work_) {
     Wait(gather_work_, CommKind::kAllGather, ctx_->stats);
@@ -259,6 +286,29 @@ void FsdpUnit::PostBackward() {
     reduce_output_ = at::empty({grad_layout_.chunk_numel}, opts);
     reduce_work_ = group->ReduceScatterPieces(reduce_output_, std::move(inputs));
     ctx_->stats.RecordIssue(CommKind::kReduceScatter, bytes);
+    return;
+  }
+  if (n == 1 && !ctx_->replicate_group) {
+    // Note [One shard], one rank: nothing to reduce. Each gradient (in reduce_dtype, then the
+    // shard's dtype, as the collective path rounds it) becomes the shard's gradient, moved
+    // rather than copied when nothing needs converting.
+    for (int index : grad_params_) {
+      FsdpParam& p = params_[index];
+      at::Tensor& grad = p.param.mutable_grad();
+      at::Tensor g = grad.defined() ? grad.to(reduce_dtype_).to(p.sharded.scalar_type())
+                                    : at::zeros_like(p.sharded);
+      grad.reset();
+      // A view cannot be an optimizer's .grad (zero_grad detaches it in place).
+      if (g.sizes() != p.sharded.sizes() || !g.is_contiguous() || g.is_view()) {
+        g = g.reshape(p.sharded.sizes()).clone(at::MemoryFormat::Contiguous);
+      }
+      at::Tensor& dst = p.sharded.mutable_grad();
+      if (dst.defined()) {
+        dst.add_(g);
+      } else {
+        dst = std::move(g);
+      }
+    }
     return;
   }
   reduce_input_ = at::empty({grad_layout_.total_numel()}, opts);

@@ -81,6 +81,8 @@ struct FsdpParam {
   int64_t unsharded_nbytes() const;
   bool unsharded_allocated() const;
   void AllocateUnsharded();
+  // P's storage is padded_shard's memory (Note [One shard]: one shard, same dtype).
+  void AliasShard();
   void FreeUnsharded();
   // 1-D alias of P's whole (padded) storage in the compute dtype, outside autograd.
   at::Tensor UnshardedFlat() const;
@@ -98,6 +100,7 @@ class FsdpUnit {
   bool is_root() const { return is_root_; }
   State state() const { return state_; }
   std::vector<FsdpParam>& params() { return params_; }
+  const std::vector<FsdpParam>& params() const { return params_; }
   int num_trainable() const { return static_cast<int>(grad_params_.size()); }
   // Bytes of unsharded parameters and gather buffers this unit holds right now.
   int64_t UnshardedBytes() const;
@@ -127,6 +130,8 @@ class FsdpUnit {
   void AfterReduceScatter();
   // Unshard's direct path: see Note [Gathering into the parameters].
   void GatherIntoParams(const at::TensorOptions& opts);
+  // Unshard with a shard axis of size 1: see Note [One shard] (fsdp_unit.cc).
+  void UnshardOneShard();
   void CopyOut(const at::Tensor& output, const UnitLayout& layout, int group_size);
 
   std::string name_;

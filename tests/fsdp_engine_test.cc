@@ -252,6 +252,42 @@ TEST(FsdpEngineTest, EvaluationForwardMatchesAndFreesEverything) {
   });
 }
 
+// Note [One shard]: with one shard the unsharded parameters are the shards' own memory (no
+// gather, no copy), and each gradient becomes the shard's gradient, as a tensor an optimizer
+// can zero. Under mixed precision the parameters hold one cast of the shards.
+TEST(FsdpEngineTest, OneShardUsesTheShardsInPlace) {
+  testing::RunOnRanks(1, [](int) {
+    Wrapped w = WrapTiny("shard_grad_op", 1, 1);  // units stay unsharded from forward to backward
+    torch::manual_seed(3);
+    torch::Tensor x = torch::randint(37, {4, 8});
+    torch::Tensor loss = w.model->forward(x).logsumexp(-1).mean();
+    for (const FsdpUnit* unit : w.fsdp->units()) {
+      for (const FsdpParam& p : unit->params()) {
+        EXPECT_EQ(p.param.data_ptr(), p.padded_shard.data_ptr()) << p.names[0];
+      }
+    }
+    loss.backward();
+    torch::optim::SGD sgd(w.fsdp->parameters(), torch::optim::SGDOptions(0.1));
+    for (const at::Tensor& shard : w.fsdp->parameters()) {
+      ASSERT_TRUE(shard.grad().defined());
+      EXPECT_FALSE(shard.grad().is_view());
+    }
+    sgd.step();
+    EXPECT_NO_THROW(sgd.zero_grad());
+
+    FsdpOptions bf16 = OptionsForStrategy(Strategy::kShardGradOp);
+    bf16.mixed_precision.param_dtype = at::kBFloat16;
+    Wrapped m = WrapTiny("shard_grad_op", 1, 1, &bf16);
+    torch::Tensor out = m.model->forward(x);
+    for (const FsdpUnit* unit : m.fsdp->units()) {
+      for (const FsdpParam& p : unit->params()) {
+        EXPECT_NE(p.param.data_ptr(), p.padded_shard.data_ptr()) << p.names[0];
+        EXPECT_TRUE(torch::equal(p.param, p.padded_shard.to(at::kBFloat16))) << p.names[0];
+      }
+    }
+  });
+}
+
 TEST(FsdpWrapErrors, DifferentModelsAreAnErrorOnEveryRank) {
   testing::RunOnRanks(2, [](int rank) {
     TinyGptConfig config;
