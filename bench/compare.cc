@@ -122,24 +122,18 @@ LossDiff CompareLosses(const std::vector<RunResult>& runs, const char* a, const 
   return d;
 }
 
-// A string field of rank 0's statistics of the first run of `engine` ("" if absent).
-std::string RankZeroString(const std::vector<RunResult>& runs, const char* engine,
-                           const std::string& key) {
+// A field of rank 0's statistics in the first run of `engine`; null if absent.
+nlohmann::json RankZeroStat(const std::vector<RunResult>& runs, const char* engine,
+                            const std::string& key) {
   for (const RunResult& run : runs) {
-    if (run.engine != engine || run.rank_stats.empty()) continue;
-    const nlohmann::json& stats = run.rank_stats[0];
-    if (stats.contains(key) && stats[key].is_string()) return stats[key].get<std::string>();
+    if (run.engine == engine && !run.rank_stats.empty()) return run.rank_stats[0].value(key, nlohmann::json());
   }
-  return "";
+  return nullptr;
 }
 
 double RankZeroNumber(const std::vector<RunResult>& runs, const char* engine, const std::string& key) {
-  for (const RunResult& run : runs) {
-    if (run.engine != engine || run.rank_stats.empty()) continue;
-    const nlohmann::json& stats = run.rank_stats[0];
-    if (stats.contains(key) && stats[key].is_number()) return stats[key].get<double>();
-  }
-  return std::nan("");
+  nlohmann::json v = RankZeroStat(runs, engine, key);
+  return v.is_number() ? v.get<double>() : std::nan("");
 }
 
 }  // namespace
@@ -280,8 +274,8 @@ int RunCompare(const CompareOptions& o) {
   const double time_ratio = cpp.median_step_s / ref.median_step_s;
   const double memory_ratio = static_cast<double>(cpp.peak_memory) / static_cast<double>(ref.peak_memory);
   std::string machine = MachineDescription();
-  if (std::string gpu = RankZeroString(runs, kCpp, "device"); on_cuda && !gpu.empty()) {
-    machine = StrCat(gpu, "; host ", machine);
+  if (nlohmann::json gpu = RankZeroStat(runs, kCpp, "device"); on_cuda && gpu.is_string()) {
+    machine = StrCat(gpu.get<std::string>(), "; host ", machine);
   }
 
   nlohmann::json report = {
