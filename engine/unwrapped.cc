@@ -13,32 +13,31 @@ UnwrappedModel::UnwrappedModel(std::shared_ptr<torch::nn::Module> module,
                                at::ScalarType compute_dtype)
     : module_(std::move(module)), mixed_(compute_dtype != at::kFloat) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> all_masters;
   for (const auto& item : module_->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (p.requires_grad()) trainable_.push_back(params_.size());
     names_.push_back(item.key());
-    params_.push_back(item.value());
-    all_masters.push_back(mixed_ ? item.value().detach().to(at::kFloat, /*non_blocking=*/false,
-                                                             /*copy=*/true)
-                                       .requires_grad_(item.value().requires_grad())
-                                 : item.value());
+    params_.push_back(p);
+    masters_.push_back(mixed_ ? p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                                    .requires_grad_(p.requires_grad())
+                              : p);
   }
   if (mixed_) module_->to(compute_dtype);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].requires_grad()) {
-      trainable_.push_back(i);
-      masters_.push_back(all_masters[i]);
-    }
-  }
-  all_masters_ = std::move(all_masters);
+}
+
+std::vector<at::Tensor> UnwrappedModel::parameters() const {
+  std::vector<at::Tensor> out;
+  for (size_t i : trainable_) out.push_back(masters_[i]);
+  return out;
 }
 
 void UnwrappedModel::AfterBackward() {
   if (!mixed_) return;
   at::NoGradGuard no_grad;
-  for (size_t k = 0; k < trainable_.size(); ++k) {
-    at::Tensor& grad = params_[trainable_[k]].mutable_grad();
+  for (size_t i : trainable_) {
+    at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) continue;
-    at::Tensor& master_grad = masters_[k].mutable_grad();
+    at::Tensor& master_grad = masters_[i].mutable_grad();
     if (master_grad.defined()) {
       master_grad.add_(grad);
     } else {
@@ -50,8 +49,8 @@ void UnwrappedModel::AfterBackward() {
 
 at::Tensor UnwrappedModel::ClipGradNorm(double max_norm) {
   std::vector<at::Tensor> grads;
-  for (const at::Tensor& m : masters_) {
-    if (m.grad().defined()) grads.push_back(m.grad());
+  for (size_t i : trainable_) {
+    if (masters_[i].grad().defined()) grads.push_back(masters_[i].grad());
   }
   c10::Device device = masters_.empty() ? c10::Device(c10::kCPU) : masters_.front().device();
   return ClipGradientsByNorm(grads, max_norm, device, nullptr);
@@ -60,18 +59,18 @@ at::Tensor UnwrappedModel::ClipGradNorm(double max_norm) {
 void UnwrappedModel::AfterStep() {
   if (!mixed_) return;
   at::NoGradGuard no_grad;
-  for (size_t k = 0; k < trainable_.size(); ++k) params_[trainable_[k]].copy_(masters_[k]);
+  for (size_t i : trainable_) params_[i].copy_(masters_[i]);
 }
 
 absl::Status UnwrappedModel::LoadSafetensors(const std::string& path) {
   std::vector<InitTarget> targets;
   for (size_t i = 0; i < names_.size(); ++i) {
-    targets.push_back({names_[i], all_masters_[i].sizes().vec(), 0, all_masters_[i]});
+    targets.push_back({names_[i], masters_[i].sizes().vec(), 0, masters_[i]});
   }
   FSDP_RETURN_IF_ERROR(FillFromSafetensors(path, targets));
   if (mixed_) {
     at::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(all_masters_[i]);
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(masters_[i]);
   }
   return absl::OkStatus();
 }

@@ -39,8 +39,8 @@ class UnwrappedModel {
   // bf16 copies of fp32 masters (buffers too, as the units' casts would see them).
   UnwrappedModel(std::shared_ptr<torch::nn::Module> module, at::ScalarType compute_dtype);
 
-  // What the optimizer steps: the fp32 masters (bf16) or the module's parameters (fp32).
-  const std::vector<at::Tensor>& parameters() const { return masters_; }
+  // What the optimizer steps: the trainable fp32 masters (bf16) or module parameters (fp32).
+  std::vector<at::Tensor> parameters() const;
   // After each backward: bf16 gradients added into the masters' fp32 gradients.
   void AfterBackward();
   // Clips the masters' gradients by their 2-norm; returns the norm before clipping (0-dim fp32
@@ -55,10 +55,9 @@ class UnwrappedModel {
   std::shared_ptr<torch::nn::Module> module_;
   bool mixed_ = false;
   std::vector<std::string> names_;
-  std::vector<at::Tensor> params_;       // the module's, all (bf16 when mixed)
-  std::vector<at::Tensor> all_masters_;  // fp32, one per params_ (the same tensors when not mixed)
-  std::vector<size_t> trainable_;        // indices of the trainable ones
-  std::vector<at::Tensor> masters_;      // all_masters_[trainable_]: what the optimizer steps
+  std::vector<at::Tensor> params_;   // the module's, all (bf16 when mixed)
+  std::vector<at::Tensor> masters_;  // fp32, one per params_ (the same tensors when not mixed)
+  std::vector<size_t> trainable_;    // indices of the trainable ones
 };
 
 }  // namespace fsdp

@@ -233,6 +233,20 @@ void FsdpUnit::Reshard(bool after_forward) {
 
 namespace {
 
+// Adds `g` (the shard's shape and dtype) into the sharded parameter's .grad. Without a .grad
+// yet, `g` becomes it: as is when the caller owns it and it is a plain contiguous tensor (a
+// view cannot be an optimizer's .grad: zero_grad detaches it in place), else a copy.
+void AccumulateShardGrad(FsdpParam& p, const at::Tensor& g, bool owned) {
+  at::Tensor& dst = p.sharded.mutable_grad();
+  if (dst.defined()) {
+    dst.add_(g);
+  } else if (owned && g.is_contiguous() && !g.is_view()) {
+    dst = g;
+  } else {
+    dst = g.clone(at::MemoryFormat::Contiguous);
+  }
+}
+
 // dst: [shards, rows_per_shard, row_numel]; shard k's rows of the gradient, padding rows zero,
 // nothing but zeros for a parameter unused in this forward (undefined grad).
 void CopyGradRows(const at::Tensor& grad, const ParamSharding& s, int n, at::Tensor dst) {
@@ -298,16 +312,8 @@ void FsdpUnit::PostBackward() {
       at::Tensor g = grad.defined() ? grad.to(reduce_dtype_).to(p.sharded.scalar_type())
                                     : at::zeros_like(p.sharded);
       grad.reset();
-      // A view cannot be an optimizer's .grad (zero_grad detaches it in place).
-      if (g.sizes() != p.sharded.sizes() || !g.is_contiguous() || g.is_view()) {
-        g = g.reshape(p.sharded.sizes()).clone(at::MemoryFormat::Contiguous);
-      }
-      at::Tensor& dst = p.sharded.mutable_grad();
-      if (dst.defined()) {
-        dst.add_(g);
-      } else {
-        dst = std::move(g);
-      }
+      if (g.sizes() != p.sharded.sizes()) g = g.reshape(p.sharded.sizes());  // e.g. a 0-dim P
+      AccumulateShardGrad(p, g, /*owned=*/true);
     }
     return;
   }
@@ -376,12 +382,7 @@ void FsdpUnit::FinishGradients() {
     at::Tensor g = sums.narrow(0, grad_layout_.offsets[j], local)
                        .view(p.sharded.sizes())
                        .to(p.sharded.scalar_type());
-    at::Tensor& dst = p.sharded.mutable_grad();
-    if (dst.defined()) {
-      dst.add_(g);
-    } else {
-      dst = g.clone(at::MemoryFormat::Contiguous);
-    }
+    AccumulateShardGrad(p, g, /*owned=*/false);
   }
 }
 
