@@ -32,30 +32,30 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
   const ModelSection& m = c.model;
   auto [replicate, shard] = c.parallelism.MeshDegrees(world);
   return {
-      {"device", c.training.device},
-      {"backend", c.parallelism.backend},
+      {"device", c.Value("training.device")},
+      {"backend", c.Value("parallelism.backend")},
       {"model",
        {{"arch", m.arch}, {"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers},
         {"n_heads", m.n_heads}, {"seq_len", m.seq_len}, {"ffn_hidden", m.ffn_hidden},
-        {"norm", m.norm}, {"activation", m.activation}, {"positions", m.positions},
+        {"norm", c.Value("model.norm")}, {"activation", c.Value("model.activation")}, {"positions", c.Value("model.positions")},
         {"tie_embeddings", m.tie_embeddings}, {"norm_eps", m.norm_eps},
         {"rope_theta", m.rope_theta}}},
       {"training",
        {{"steps", steps}, {"micro_batch_size", c.training.micro_batch_size},
         {"grad_accum_steps", c.training.grad_accum_steps},
         {"max_grad_norm", c.training.max_grad_norm},
-        {"mixed_precision", c.training.mixed_precision},
-        {"reduce_dtype", c.training.reduce_dtype}}},
+        {"mixed_precision", c.Value("training.mixed_precision")},
+        {"reduce_dtype", c.Value("training.reduce_dtype")}}},
       {"optimizer",
-       {{"name", c.optimizer.name}, {"lr", c.optimizer.lr},
+       {{"name", c.Value("optimizer.name")}, {"lr", c.optimizer.lr},
         {"weight_decay", c.optimizer.weight_decay}, {"beta1", c.optimizer.beta1},
         {"beta2", c.optimizer.beta2}, {"eps", c.optimizer.eps},
         {"momentum", c.optimizer.momentum}}},
       {"lr_scheduler",
-       {{"warmup_steps", c.lr_scheduler.warmup_steps}, {"decay", c.lr_scheduler.decay},
+       {{"warmup_steps", c.lr_scheduler.warmup_steps}, {"decay", c.Value("lr_scheduler.decay")},
         {"min_lr", c.lr_scheduler.min_lr}}},
       {"parallelism",
-       {{"strategy", c.parallelism.strategy}, {"replicate", replicate}, {"shard", shard}}},
+       {{"strategy", c.Value("parallelism.strategy")}, {"replicate", replicate}, {"shard", shard}}},
       {"init", init},
       {"batches",
        {{"file", batches}, {"steps", steps}, {"grad_accum_steps", c.training.grad_accum_steps},
@@ -148,9 +148,11 @@ int RunCompare(const CompareOptions& o) {
     return 2;
   }
   // Both engines on the device fsdp train would pick (training.device auto: a GPU if any).
-  if (config->training.device == "auto") config->training.device = CudaDeviceCount() > 0 ? "cuda" : "cpu";
-  sets.push_back(StrCat("training.device=", config->training.device));
-  const bool on_cuda = config->training.device == "cuda";
+  if (config->training.device == DeviceKind::kAuto) {
+    config->training.device = CudaDeviceCount() > 0 ? DeviceKind::kCuda : DeviceKind::kCpu;
+  }
+  sets.push_back(StrCat("training.device=", config->Value("training.device")));
+  const bool on_cuda = config->training.device == DeviceKind::kCuda;
   int nproc = o.nproc > 0 ? o.nproc
                           : (config->parallelism.nproc > 0 ? static_cast<int>(config->parallelism.nproc)
                                                            : (on_cuda ? 1 : 2));
@@ -283,9 +285,9 @@ int RunCompare(const CompareOptions& o) {
       {"overrides", o.overrides},
       {"model", config->model.arch},
       {"world_size", nproc},
-      {"device", config->training.device},
-      {"strategy", config->parallelism.strategy},
-      {"mixed_precision", config->training.mixed_precision},
+      {"device", config->Value("training.device")},
+      {"strategy", config->Value("parallelism.strategy")},
+      {"mixed_precision", config->Value("training.mixed_precision")},
       {"steps", o.steps},
       {"warmup_steps", o.warmup},
       {"repeats", o.repeats},
@@ -349,8 +351,8 @@ int RunCompare(const CompareOptions& o) {
   std::cout << fmt::format(
       "\nfsdp bench compare: {} ({}), {} rank(s), {}, {}, {} tokens/step, {} steps ({} warm-up) x "
       "{} run(s) per engine\n{}, {}\n",
-      o.config_path, config->model.arch, nproc, config->parallelism.strategy,
-      config->training.mixed_precision, tokens_per_step, o.steps, o.warmup, o.repeats, machine,
+      o.config_path, config->model.arch, nproc, config->Value("parallelism.strategy"),
+      config->Value("training.mixed_precision"), tokens_per_step, o.steps, o.warmup, o.repeats, machine,
       Today());
   std::cout << fmt::format("  {:<10} {:>12} {:>12} {:>8} {:>16} {:>14} {:>16}\n", "engine",
                            "median step", "tokens/s", on_cuda ? "MFU" : "", memory_label,

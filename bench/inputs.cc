@@ -17,7 +17,7 @@
 #include "common/status.h"
 #include "common/strings.h"
 #include "engine/data.h"
-#include "models/gpt.h"
+#include "models/gpt/gpt.h"
 
 namespace fsdp::bench {
 

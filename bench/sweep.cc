@@ -19,9 +19,9 @@ namespace fs = std::filesystem;
 
 // The replicate x shard mesh a strategy gets on `world` ranks in the sweep: sharded
 // strategies over all ranks, no_shard replicated over all, hybrid 2 replicas of world/2.
-std::optional<plan::Layout> SweepLayout(const std::string& strategy, int world) {
-  if (strategy == "no_shard") return plan::Layout{strategy, world, 1};
-  if (StartsWith(strategy, "hybrid_shard")) {
+std::optional<plan::Layout> SweepLayout(Strategy strategy, int world) {
+  if (strategy == Strategy::kNoShard) return plan::Layout{strategy, world, 1};
+  if (strategy == Strategy::kHybridShard || strategy == Strategy::kHybridShardZero2) {
     if (world < 4 || world % 2 != 0) return std::nullopt;  // needs 2 replicas of >= 2 shards
     return plan::Layout{strategy, 2, world / 2};
   }
@@ -49,12 +49,12 @@ double WireBytesPerStep(const nlohmann::json& stats, const plan::Layout& layout,
 // dim-0 padding separates it from the counters.
 double EngineWireBytesPerStep(const plan::ModelCounts& counts, const plan::Layout& layout,
                               const TrainingSection& t) {
-  const double param_bytes = t.mixed_precision == "bf16" ? 2 : 4;
-  const double reduce_bytes = t.reduce_dtype == "bf16" ? 2 : 4;
+  const double param_bytes = BytesOf(t.mixed_precision);
+  const double reduce_bytes = BytesOf(t.reduce_dtype);
   const double all = static_cast<double>(counts.params);
   const double root = counts.unit_params.empty() ? 0 : static_cast<double>(counts.unit_params[0]);
   const double s = layout.shard, r = layout.replicate;
-  const bool reshard = layout.strategy == "full_shard" || layout.strategy == "hybrid_shard";
+  const bool reshard = OptionsForStrategy(layout.strategy).reshard_after_forward;
   double wire = 0;
   if (layout.shard > 1) {
     double gathered = all + (reshard ? all - root : 0);
@@ -138,7 +138,12 @@ int RunSweep(const SweepOptions& o) {
     const plan::ModelCounts counts = plan::CountModel(config->model);
     for (const std::string& strategy : o.strategies) {
       for (int world : o.world_sizes) {
-        std::optional<plan::Layout> layout = SweepLayout(strategy, world);
+        absl::StatusOr<Strategy> parsed = ParseStrategy(strategy);
+        if (!parsed.ok()) {
+          std::cerr << "fsdp bench sweep: --strategies: " << parsed.status().message() << "\n";
+          return 2;
+        }
+        std::optional<plan::Layout> layout = SweepLayout(*parsed, world);
         if (!layout) continue;
         std::string dir = (out / "runs" / StrCat(model_name, "-", strategy, "-", world)).string();
         fs::remove_all(dir, ec);
@@ -178,12 +183,12 @@ int RunSweep(const SweepOptions& o) {
         const double buffer_bytes = run->rank_stats[0].value("comm_bytes_total", 0.0) /
                                     static_cast<double>(std::max<int64_t>(steps_run, 1));
         const double wire = WireBytesPerStep(run->rank_stats[0], *layout, steps_run);
-        const int bytes_per_element = t.mixed_precision == "bf16" ? 2 : 4;
+        const int bytes_per_element = BytesOf(t.mixed_precision);
         const double theory_wire = plan::TheoryWireBytesPerStep(
-            counts.params, bytes_per_element, strategy, layout->replicate, layout->shard,
+            counts.params, bytes_per_element, *parsed, layout->replicate, layout->shard,
             static_cast<int>(t.grad_accum_steps));
         const double theory_state =
-            plan::ZeroModelStateBytes(counts.params, strategy, layout->replicate, layout->shard);
+            plan::ZeroModelStateBytes(counts.params, *parsed, layout->replicate, layout->shard);
         double predicted_step = std::nan(""), predicted_peak = std::nan("");
         absl::StatusOr<plan::PlanRequest> request =
             plan::MakePlanRequest(config_path, sets, world, world, "cpu", "");

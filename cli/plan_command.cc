@@ -23,7 +23,7 @@ std::string SelfExe() {
 }
 
 std::string Overrides(const plan::Layout& l) {
-  return StrCat("--set parallelism.strategy=", l.strategy,
+  return StrCat("--set parallelism.strategy=", StrategyName(l.strategy),
                 " --set parallelism.data_parallel_replicate_degree=", l.replicate,
                 " --set parallelism.data_parallel_shard_degree=", l.shard);
 }
@@ -32,7 +32,8 @@ nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   const plan::MemoryBreakdown& m = p.memory;
   const plan::TimeBreakdown& t = p.time;
   nlohmann::ordered_json j;
-  j["strategy"] = p.layout.strategy;
+  j["strategy"] = StrategyName(p.layout.strategy);
+  j["runs_as"] = p.runs_as;
   j["replicate"] = p.layout.replicate;
   j["shard"] = p.layout.shard;
   j["fits"] = p.fits;
@@ -104,13 +105,13 @@ int RunPlanCommand(const PlanCommand& command) {
       "{} {}, micro-batch {} x {} tokens, accumulation {}, {} tokens/step\n",
       command.config_path, r.config.model.arch, r.config.run.name,
       static_cast<double>(counts.params), counts.flops_per_token, r.world_size / r.gpus_per_node,
-      r.gpus_per_node, r.world_size / r.gpus_per_node, r.hw.name, t.mixed_precision,
+      r.gpus_per_node, r.world_size / r.gpus_per_node, r.hw.name, PrecisionName(t.mixed_precision),
       t.micro_batch_size, r.config.model.seq_len, t.grad_accum_steps, tokens_per_step);
   std::cout << fmt::format(
       "hardware: {}: {:.3g} FLOP/s ({}), efficiency {:.2f}, {:.1f} GiB usable per rank, "
       "intra-node {:.3g} GB/s, inter-node {:.3g} GB/s per GPU\n\n",
-      r.hw.name, t.mixed_precision == "bf16" && r.hw.peak_flops_bf16 > 0 ? r.hw.peak_flops_bf16 : r.hw.peak_flops_fp32,
-      t.mixed_precision, r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9,
+      r.hw.name, t.mixed_precision == Precision::kBf16 && r.hw.peak_flops_bf16 > 0 ? r.hw.peak_flops_bf16 : r.hw.peak_flops_fp32,
+      PrecisionName(t.mixed_precision), r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9,
       r.hw.inter_node_bw / 1e9);
   std::cout << fmt::format(
       "{:<19} {:>9} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>4} | {:>9} {:>9} {:>9} "
@@ -125,7 +126,7 @@ int RunPlanCommand(const PlanCommand& command) {
     std::cout << fmt::format(
         "{:<19} {:>9} | {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>6.3f} {:>8.2f} {:>4} | "
         "{:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>10.0f} {:>5.1f}%  {}\n",
-        p.layout.strategy, StrCat(p.layout.replicate, "x", p.layout.shard), m.params / kGiB,
+        StrategyName(p.layout.strategy), StrCat(p.layout.replicate, "x", p.layout.shard), m.params / kGiB,
         m.grads / kGiB, m.optimizer / kGiB, m.unsharded_units / kGiB, m.activations / kGiB,
         m.padding / kGiB, m.total / kGiB, p.fits ? "yes" : "NO", tm.step_s * 1e3,
         tm.compute_s * 1e3, tm.comm_s * 1e3, tm.exposed_comm_s * 1e3,
@@ -134,7 +135,7 @@ int RunPlanCommand(const PlanCommand& command) {
   const plan::Prediction& best = all->front();
   std::string recommended;
   if (best.fits) {
-    recommended = StrCat(best.layout.strategy, " ", best.layout.replicate, "x", best.layout.shard,
+    recommended = StrCat(best.runs_as, " ", best.layout.replicate, "x", best.layout.shard,
                          ": ", Overrides(best.layout));
     std::cout << fmt::format(
         "\n(memory: GiB per rank at the step's peak; total can be less than the sum: see "

@@ -6,11 +6,14 @@
 #include <cstdio>
 #include <iostream>
 
+#include <fmt/format.h>
+
 #include "common/env.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/launch_env.h"
 #include "engine/config.h"
 #include "engine/metrics.h"
+#include "engine/train_metrics.h"
 #include "engine/trainer.h"
 #include "launcher/launch.h"
 
@@ -18,8 +21,8 @@ namespace fsdp {
 
 namespace {
 
-bool ProgressBarWanted(const std::string& setting) {
-  return setting == "on" || (setting == "auto" && isatty(STDERR_FILENO));
+bool ProgressBarWanted(ProgressBarMode mode) {
+  return mode == ProgressBarMode::kOn || (mode == ProgressBarMode::kAuto && isatty(STDERR_FILENO));
 }
 
 }  // namespace
@@ -37,8 +40,8 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
   }
   if (env->source == "single-process") {
     int64_t nproc = config->parallelism.nproc;
-    bool cpu = config->training.device == "cpu" ||
-               (config->training.device == "auto" && CudaDeviceCount() == 0);
+    bool cpu = config->training.device == DeviceKind::kCpu ||
+               (config->training.device == DeviceKind::kAuto && CudaDeviceCount() == 0);
     if (nproc == 0) nproc = cpu ? 2 : CudaDeviceCount();
     if (absl::Status fits = config->ValidateForWorld(static_cast<int>(nproc)); !fits.ok()) {
       std::cerr << "fsdp train: " << fits.message() << " (parallelism.nproc=" << nproc << ")\n";
@@ -49,22 +52,27 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       LaunchOptions launch;
       launch.nproc_per_node = static_cast<int>(nproc);
       launch.grace = std::chrono::seconds(120);  // time for a SIGTERM checkpoint
+      std::string progress_file;
       if (ProgressBarWanted(config->metrics.progress_bar)) {
-        // Rank 0's output reaches the terminal through this process: draw the bar here.
-        launch.status_line = [steps = config->training.steps, start = std::chrono::steady_clock::now(),
-                              last = std::string()](int rank, std::string_view line) mutable {
-          int64_t done = 0, total = 0;
-          if (rank == 0 && std::sscanf(std::string(line).c_str(), "step %ld/%ld", &done, &total) == 2) {
-            double per_step =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / done;
-            last = ProgressBar(done, total > 0 ? total : steps, per_step);
+        // Rank 0's output reaches the terminal through this process: draw the bar here, from
+        // the structured record rank 0 publishes at each log (engine/train_metrics.h).
+        progress_file = fmt::format("/tmp/fsdp-progress-{}.json", getpid());
+        setenv("FSDP_PROGRESS_FILE", progress_file.c_str(), 1);
+        launch.status_line = [progress_file, last = std::string()](int rank, std::string_view) mutable {
+          if (rank != 0) return last;
+          absl::StatusOr<StepRecord> record = ReadProgressFile(progress_file);
+          if (record.ok() && record->step > 0) {
+            last = ProgressBar(record->step, record->total_steps,
+                               record->elapsed_s / static_cast<double>(record->step));
           }
           return last;
         };
       }
       launch.program.push_back("/proc/self/exe");
       for (int i = 1; i < argc; ++i) launch.program.push_back(argv[i]);
-      return RunLaunch(launch);
+      int code = RunLaunch(launch);
+      if (!progress_file.empty()) std::remove(progress_file.c_str());
+      return code;
     }
   }
   absl::Status status = Train(*config);

@@ -218,7 +218,10 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
   metadata.world_size = ctx_->world_size();
   metadata.mesh_axes = mesh_.shape().axis_names;
   metadata.mesh_degrees = mesh_.shape().degrees;
-  metadata.strategy = config_.parallelism.strategy;
+  // What ran (Note: an override of reshard_after_forward can change the strategy's behaviour).
+  absl::StatusOr<ShardingPlan> plan =
+      ShardingPlanFor(config_, *config_.parallelism.strategy, mesh_.shape().degrees.back());
+  metadata.strategy = plan.ok() ? plan->effective : StrategyLabel(config_.parallelism.strategy);
   metadata.extra = {{"data", {{"epoch", pending.data.epoch}, {"batch", pending.data.batch}}},
                     {"config", config_.ToYaml()}};
   FSDP_ASSIGN_OR_RETURN(metadata.tensors, ckpt::MergeManifests(manifests));
@@ -333,6 +336,20 @@ absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
     targets.push_back({name, p->sharding.shape, model.FirstLocalRow(*p), shard});
   }
   return FillFromSafetensors(path, targets);
+}
+
+absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const DataPosition& data) {
+  const CheckpointSection& cs = config_.checkpoint;
+  const bool periodic = cs.interval > 0 && step % cs.interval == 0;
+  if (!cs.enabled || !(last || periodic)) return false;
+  FSDP_RETURN_IF_ERROR(Save(step, data));
+  if (ctx_->rank() == 0) {
+    std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms)\n", step,
+                             cs.async ? "saving in the background" : "saved",
+                             last_blocking_seconds_ * 1e3);
+  }
+  if (last) FSDP_RETURN_IF_ERROR(Finish());
+  return true;
 }
 
 }  // namespace fsdp

@@ -10,8 +10,8 @@
 //
 //   Checkpointer ckpt(config, ctx, mesh, sharded, optimizer);
 //   absl::StatusOr<std::optional<ResumePoint>> resume = ckpt.Load();
-//   ... every interval: FSDP_RETURN_IF_ERROR(ckpt.Save(step, loader.position()));
-//   FSDP_RETURN_IF_ERROR(ckpt.Finish());   // waits for the last background save
+//   after each step: FSDP_ASSIGN_OR_RETURN(bool saved, ckpt.MaybeSave(step, last, position));
+//   (or by hand: ckpt.Save(step, position) ... ckpt.Finish(), which waits for the last write)
 #pragma once
 
 #include <cstdint>
@@ -51,9 +51,15 @@ class Checkpointer {
   absl::Status Save(int64_t step, const DataPosition& data);
   // Waits for a background save to finish and reports its error.
   absl::Status Finish();
+  // The cadence (checkpoint.interval): saves after `step` completed steps when the interval
+  // divides it, or when `last` (the end of the run, or SIGTERM), which also waits for the write
+  // to commit. Rank 0 prints what it did. Returns whether it saved; never saves when
+  // checkpoint.enabled is false.
+  absl::StatusOr<bool> MaybeSave(int64_t step, bool last, const DataPosition& data);
 
   // Seconds the last Save kept the caller (the training loop) waiting.
   double last_blocking_seconds() const { return last_blocking_seconds_; }
+  bool enabled() const { return config_.checkpoint.enabled; }
   std::string root() const { return root_; }
 
  private:

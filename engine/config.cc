@@ -11,6 +11,7 @@
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <functional>
 #include <variant>
 
 #include <yaml-cpp/yaml.h>
@@ -23,7 +24,15 @@
 namespace fsdp {
 namespace {
 
-using FieldRef = std::variant<int64_t*, double*, bool*, std::string*>;
+// A key whose YAML string maps to a typed value (an enum or a small struct): `parse` returns
+// nullopt on success or what is wrong ("'x' is not valid; valid: ..."); `print` gives it back
+// for ToYaml.
+struct ChoiceField {
+  std::function<std::optional<std::string>(const std::string&)> parse;
+  std::function<std::string()> print;
+};
+
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, ChoiceField>;
 
 struct Field {
   std::string_view name;
@@ -34,82 +43,6 @@ struct Section {
   std::string_view name;
   std::vector<Field> fields;
 };
-
-// The schema: every section and key, in the order ToYaml writes them, pointing into `c`.
-std::vector<Section> Sections(RunConfig& c) {
-  return {
-      {"run", {{"name", &c.run.name}, {"dir", &c.run.dir}, {"seed", &c.run.seed}}},
-      {"model",
-       {{"arch", &c.model.arch},
-        {"vocab_size", &c.model.vocab_size},
-        {"dim", &c.model.dim},
-        {"n_layers", &c.model.n_layers},
-        {"n_heads", &c.model.n_heads},
-        {"seq_len", &c.model.seq_len},
-        {"ffn_hidden", &c.model.ffn_hidden},
-        {"norm", &c.model.norm},
-        {"activation", &c.model.activation},
-        {"positions", &c.model.positions},
-        {"tie_embeddings", &c.model.tie_embeddings},
-        {"norm_eps", &c.model.norm_eps},
-        {"rope_theta", &c.model.rope_theta},
-        {"init_std", &c.model.init_std},
-        {"deferred_init", &c.model.deferred_init},
-        {"init_from", &c.model.init_from}}},
-      {"data",
-       {{"source", &c.data.source},
-        {"path", &c.data.path},
-        {"token_dtype", &c.data.token_dtype},
-        {"val_fraction", &c.data.val_fraction},
-        {"synthetic_tokens", &c.data.synthetic_tokens}}},
-      {"training",
-       {{"steps", &c.training.steps},
-        {"micro_batch_size", &c.training.micro_batch_size},
-        {"grad_accum_steps", &c.training.grad_accum_steps},
-        {"max_grad_norm", &c.training.max_grad_norm},
-        {"mixed_precision", &c.training.mixed_precision},
-        {"reduce_dtype", &c.training.reduce_dtype},
-        {"device", &c.training.device},
-        {"cpu_allocator", &c.training.cpu_allocator},
-        {"on_nonfinite", &c.training.on_nonfinite},
-        {"eval_interval", &c.training.eval_interval},
-        {"eval_batches", &c.training.eval_batches},
-        {"log_interval", &c.training.log_interval}}},
-      {"optimizer",
-       {{"name", &c.optimizer.name},
-        {"lr", &c.optimizer.lr},
-        {"weight_decay", &c.optimizer.weight_decay},
-        {"beta1", &c.optimizer.beta1},
-        {"beta2", &c.optimizer.beta2},
-        {"eps", &c.optimizer.eps},
-        {"momentum", &c.optimizer.momentum}}},
-      {"lr_scheduler",
-       {{"warmup_steps", &c.lr_scheduler.warmup_steps},
-        {"decay", &c.lr_scheduler.decay},
-        {"min_lr", &c.lr_scheduler.min_lr}}},
-      {"parallelism",
-       {{"nproc", &c.parallelism.nproc},
-        {"data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree},
-        {"data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree},
-        {"strategy", &c.parallelism.strategy},
-        {"reshard_after_forward", &c.parallelism.reshard_after_forward},
-        {"wrap_policy", &c.parallelism.wrap_policy},
-        {"max_unsharded_units", &c.parallelism.max_unsharded_units},
-        {"backend", &c.parallelism.backend},
-        {"cpu_collectives", &c.parallelism.cpu_collectives}}},
-      {"metrics",
-       {{"jsonl", &c.metrics.jsonl},
-        {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
-        {"progress_bar", &c.metrics.progress_bar}}},
-      {"checkpoint",
-       {{"enabled", &c.checkpoint.enabled},
-        {"dir", &c.checkpoint.dir},
-        {"interval", &c.checkpoint.interval},
-        {"keep_latest_k", &c.checkpoint.keep_latest_k},
-        {"load", &c.checkpoint.load},
-        {"async", &c.checkpoint.async}}},
-  };
-}
 
 template <typename T, typename GetName>
 std::vector<std::string> Names(const std::vector<T>& items, GetName get_name) {
@@ -175,6 +108,215 @@ std::string NotValid(std::string_view value, const std::vector<std::string>& val
   return StrCat("'", value, "' is not valid; valid: ", listed);
 }
 
+// Every spelling of an enum, in the order "valid: ..." lists them.
+template <typename E>
+using NameTable = std::vector<std::pair<E, const char*>>;
+
+template <typename E>
+const char* NameIn(const NameTable<E>& table, E value) {
+  for (const auto& [v, name] : table) {
+    if (v == value) return name;
+  }
+  return "?";
+}
+
+template <typename E>
+ChoiceField Enum(E* field, NameTable<E> table) {
+  return {[field, table](const std::string& text) -> std::optional<std::string> {
+            std::vector<std::string> valid;
+            for (const auto& [value, name] : table) {
+              if (text == name) {
+                *field = value;
+                return std::nullopt;
+              }
+              valid.emplace_back(name);
+            }
+            return NotValid(text, valid);
+          },
+          [field, table] { return std::string(NameIn(table, *field)); }};
+}
+
+const NameTable<Precision>& Precisions() {
+  static const NameTable<Precision> t = {{Precision::kFp32, "fp32"}, {Precision::kBf16, "bf16"}};
+  return t;
+}
+const NameTable<DeviceKind>& DeviceKinds() {
+  static const NameTable<DeviceKind> t = {
+      {DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"}, {DeviceKind::kCuda, "cuda"}};
+  return t;
+}
+const NameTable<CudaBackend>& CudaBackends() {
+  static const NameTable<CudaBackend> t = {
+      {CudaBackend::kAuto, "auto"}, {CudaBackend::kNccl, "nccl"}, {CudaBackend::kGloo, "gloo"}};
+  return t;
+}
+const NameTable<CpuCollectives>& CpuCollectivesNames() {
+  static const NameTable<CpuCollectives> t = {{CpuCollectives::kP2p, "p2p"},
+                                              {CpuCollectives::kGloo, "gloo"}};
+  return t;
+}
+
+std::vector<std::string> StrategyNames() {
+  std::vector<std::string> names;
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard,
+                     Strategy::kHybridShardZero2, Strategy::kNoShard}) {
+    names.emplace_back(StrategyName(s));
+  }
+  names.emplace_back("none");
+  return names;
+}
+
+constexpr std::string_view kReshardValid =
+    "default, true, false, or an integer k with 1 < k < the shard degree, dividing it "
+    "(reshard to groups of k ranks)";
+
+ChoiceField StrategyField(std::optional<Strategy>* field) {
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            if (text == "none") {
+              *field = std::nullopt;
+              return std::nullopt;
+            }
+            absl::StatusOr<Strategy> parsed = ParseStrategy(text);
+            if (!parsed.ok()) return NotValid(text, StrategyNames());
+            *field = *parsed;
+            return std::nullopt;
+          },
+          [field] { return std::string(StrategyLabel(*field)); }};
+}
+
+ChoiceField ReshardField(ReshardPolicy* field) {
+  using Kind = ReshardPolicy::Kind;
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            if (text == "default" || text == "true" || text == "false") {
+              field->kind = text == "default" ? Kind::kDefault
+                            : text == "true"  ? Kind::kAlways
+                                              : Kind::kNever;
+              field->group_size = 0;
+              return std::nullopt;
+            }
+            std::optional<int64_t> k = ParseInt<int64_t>(text);
+            if (!k || *k < 2 || *k > INT_MAX) {
+              return NotValid(text, {"default", "true", "false"}, kReshardValid);
+            }
+            *field = {Kind::kGroup, static_cast<int>(*k)};
+            return std::nullopt;
+          },
+          [field]() -> std::string {
+            switch (field->kind) {
+              case Kind::kDefault: return "default";
+              case Kind::kAlways: return "true";
+              case Kind::kNever: return "false";
+              case Kind::kGroup: break;
+            }
+            return StrCat(field->group_size);
+          }};
+}
+
+ChoiceField UnitPolicyField(UnitPolicy* field) {
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            if (text == "block") {
+              *field = {};
+              return std::nullopt;
+            }
+            std::optional<int64_t> n;
+            if (StartsWith(text, "params:")) n = ParseInt<int64_t>(std::string_view(text).substr(7));
+            if (!n || *n < 1) {
+              return NotValid(text, {"block"},
+                              "block, params:N (children with >= N parameters, N >= 1)");
+            }
+            *field = {UnitPolicy::Kind::kMinParams, *n};
+            return std::nullopt;
+          },
+          [field] {
+            return field->kind == UnitPolicy::Kind::kBlock ? std::string("block")
+                                                           : StrCat("params:", field->min_params);
+          }};
+}
+
+ChoiceField OptimizerField(OptimizerKind* field) {
+  NameTable<OptimizerKind> table;
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+    table.emplace_back(kind, OptimizerKindName(kind).data());
+  }
+  return Enum(field, std::move(table));
+}
+
+// The schema: every section and key, in the order ToYaml writes them, pointing into `c`.
+std::vector<Section> Sections(RunConfig& c) {
+  return {
+      {"run", {{"name", &c.run.name}, {"dir", &c.run.dir}, {"seed", &c.run.seed}}},
+      {"model",
+       {{"arch", &c.model.arch},
+        {"vocab_size", &c.model.vocab_size},
+        {"dim", &c.model.dim},
+        {"n_layers", &c.model.n_layers},
+        {"n_heads", &c.model.n_heads},
+        {"seq_len", &c.model.seq_len},
+        {"ffn_hidden", &c.model.ffn_hidden},
+        {"norm", Enum(&c.model.norm, {{NormKind::kLayerNorm, "layernorm"}, {NormKind::kRmsNorm, "rmsnorm"}})},
+        {"activation", Enum(&c.model.activation, {{Activation::kGelu, "gelu"}, {Activation::kSwiglu, "swiglu"}})},
+        {"positions", Enum(&c.model.positions, {{Positions::kLearned, "learned"}, {Positions::kRope, "rope"}})},
+        {"tie_embeddings", &c.model.tie_embeddings},
+        {"norm_eps", &c.model.norm_eps},
+        {"rope_theta", &c.model.rope_theta},
+        {"init_std", &c.model.init_std},
+        {"deferred_init", &c.model.deferred_init},
+        {"init_from", &c.model.init_from}}},
+      {"data",
+       {{"source", Enum(&c.data.source, {{DataSource::kSynthetic, "synthetic"}, {DataSource::kTokens, "tokens"}, {DataSource::kText, "text"}})},
+        {"path", &c.data.path},
+        {"token_dtype", Enum(&c.data.token_dtype, {{TokenDtype::kUint16, "uint16"}, {TokenDtype::kUint32, "uint32"}})},
+        {"val_fraction", &c.data.val_fraction},
+        {"synthetic_tokens", &c.data.synthetic_tokens}}},
+      {"training",
+       {{"steps", &c.training.steps},
+        {"micro_batch_size", &c.training.micro_batch_size},
+        {"grad_accum_steps", &c.training.grad_accum_steps},
+        {"max_grad_norm", &c.training.max_grad_norm},
+        {"mixed_precision", Enum(&c.training.mixed_precision, Precisions())},
+        {"reduce_dtype", Enum(&c.training.reduce_dtype, Precisions())},
+        {"device", Enum(&c.training.device, DeviceKinds())},
+        {"cpu_allocator", Enum(&c.training.cpu_allocator, {{HostAllocator::kCaching, "caching"}, {HostAllocator::kDefault, "default"}})},
+        {"on_nonfinite", Enum(&c.training.on_nonfinite, {{OnNonFinite::kStop, "stop"}, {OnNonFinite::kSkip, "skip"}})},
+        {"eval_interval", &c.training.eval_interval},
+        {"eval_batches", &c.training.eval_batches},
+        {"log_interval", &c.training.log_interval}}},
+      {"optimizer",
+       {{"name", OptimizerField(&c.optimizer.kind)},
+        {"lr", &c.optimizer.lr},
+        {"weight_decay", &c.optimizer.weight_decay},
+        {"beta1", &c.optimizer.beta1},
+        {"beta2", &c.optimizer.beta2},
+        {"eps", &c.optimizer.eps},
+        {"momentum", &c.optimizer.momentum}}},
+      {"lr_scheduler",
+       {{"warmup_steps", &c.lr_scheduler.warmup_steps},
+        {"decay", Enum(&c.lr_scheduler.decay, {{LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}})},
+        {"min_lr", &c.lr_scheduler.min_lr}}},
+      {"parallelism",
+       {{"nproc", &c.parallelism.nproc},
+        {"data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree},
+        {"data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree},
+        {"strategy", StrategyField(&c.parallelism.strategy)},
+        {"reshard_after_forward", ReshardField(&c.parallelism.reshard_after_forward)},
+        {"wrap_policy", UnitPolicyField(&c.parallelism.wrap_policy)},
+        {"max_unsharded_units", &c.parallelism.max_unsharded_units},
+        {"backend", Enum(&c.parallelism.backend, CudaBackends())},
+        {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())}}},
+      {"metrics",
+       {{"jsonl", &c.metrics.jsonl},
+        {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
+        {"progress_bar", Enum(&c.metrics.progress_bar, {{ProgressBarMode::kAuto, "auto"}, {ProgressBarMode::kOn, "on"}, {ProgressBarMode::kOff, "off"}})}}},
+      {"checkpoint",
+       {{"enabled", &c.checkpoint.enabled},
+        {"dir", &c.checkpoint.dir},
+        {"interval", &c.checkpoint.interval},
+        {"keep_latest_k", &c.checkpoint.keep_latest_k},
+        {"load", &c.checkpoint.load},
+        {"async", &c.checkpoint.async}}},
+  };
+}
+
 absl::Status Invalid(std::string_view where, std::string_view key, std::string_view what) {
   if (key.empty()) return absl::InvalidArgumentError(StrCat(where, ": ", what));
   return absl::InvalidArgumentError(StrCat(where, ": ", key, ": ", what));
@@ -217,6 +359,13 @@ std::optional<double> ToDouble(std::string_view s) {
 absl::Status SetField(const FieldRef& ref, const YAML::Node& value, std::string_view where,
                       std::string_view key) {
   bool scalar = value.IsScalar();
+  if (auto* choice = std::get_if<ChoiceField>(&ref)) {
+    if (!scalar) return Invalid(where, key, StrCat("expected a string, got ", Describe(value)));
+    if (std::optional<std::string> error = choice->parse(value.Scalar())) {
+      return Invalid(where, key, *error);
+    }
+    return absl::OkStatus();
+  }
   if (auto* s = std::get_if<std::string*>(&ref)) {
     if (!scalar && !value.IsNull()) {
       return Invalid(where, key, StrCat("expected a string, got ", Describe(value)));
@@ -409,26 +558,8 @@ class Validator {
   std::string name_;
 };
 
-std::vector<std::string> StrategyNames() {
-  std::vector<std::string> names;
-  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard,
-                     Strategy::kHybridShardZero2, Strategy::kNoShard}) {
-    names.emplace_back(StrategyName(s));
-  }
-  names.emplace_back("none");
-  return names;
-}
-
-// reshard_after_forward: nullopt for default/true/false, k for a positive integer k, 0 for
-// anything else.
-std::optional<int64_t> ReshardGroupSize(const std::string& value) {
-  if (value == "default" || value == "true" || value == "false") return std::nullopt;
-  std::optional<int64_t> k = ParseInt<int64_t>(value);
-  return k && *k >= 1 ? *k : 0;
-}
-
 absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
-  FSDP_RETURN_IF_ERROR(v.OneOf("model.arch", m.arch, {"gpt", "llama", "mlp"}));
+  FSDP_RETURN_IF_ERROR(v.OneOf("model.arch", m.arch, ModelArchs()));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.vocab_size", m.vocab_size, 2));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.dim", m.dim, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.n_layers", m.n_layers, 1));
@@ -439,12 +570,9 @@ absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
               {"model.n_heads"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.seq_len", m.seq_len, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.ffn_hidden", m.ffn_hidden, 0));
-  FSDP_RETURN_IF_ERROR(v.OneOf("model.norm", m.norm, {"layernorm", "rmsnorm"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("model.activation", m.activation, {"gelu", "swiglu"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("model.positions", m.positions, {"learned", "rope"}));
   int64_t head_dim = m.dim / m.n_heads;
   FSDP_RETURN_IF_ERROR(
-      v.Check(m.positions != "rope" || head_dim % 2 == 0, "model.positions",
+      v.Check(m.positions != Positions::kRope || head_dim % 2 == 0, "model.positions",
               StrCat("rope needs an even head dimension, got model.dim / model.n_heads = ", m.dim,
                      " / ", m.n_heads, " = ", head_dim),
               {"model.dim", "model.n_heads"}));
@@ -454,11 +582,9 @@ absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
 }
 
 absl::Status ValidateData(const DataSection& d, const Validator& v) {
-  FSDP_RETURN_IF_ERROR(v.OneOf("data.source", d.source, {"synthetic", "tokens", "text"}));
-  FSDP_RETURN_IF_ERROR(v.Check(d.source == "synthetic" || !d.path.empty(), "data.path",
-                               StrCat("required for data.source '", d.source, "'"),
+  FSDP_RETURN_IF_ERROR(v.Check(d.source == DataSource::kSynthetic || !d.path.empty(), "data.path",
+                               StrCat("required for data.source '", d.source == DataSource::kTokens ? "tokens" : "text", "'"),
                                {"data.source"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("data.token_dtype", d.token_dtype, {"uint16", "uint32"}));
   FSDP_RETURN_IF_ERROR(v.Fraction("data.val_fraction", d.val_fraction));
   return v.AtLeast<int64_t>("data.synthetic_tokens", d.synthetic_tokens, 1024);
 }
@@ -467,12 +593,6 @@ absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.steps", t.steps, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.micro_batch_size", t.micro_batch_size, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.grad_accum_steps", t.grad_accum_steps, 1));
-  FSDP_RETURN_IF_ERROR(v.OneOf("training.mixed_precision", t.mixed_precision, {"fp32", "bf16"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("training.reduce_dtype", t.reduce_dtype, {"fp32", "bf16"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("training.device", t.device, {"auto", "cpu", "cuda"}));
-  FSDP_RETURN_IF_ERROR(
-      v.OneOf("training.cpu_allocator", t.cpu_allocator, {"caching", "default"}));
-  FSDP_RETURN_IF_ERROR(v.OneOf("training.on_nonfinite", t.on_nonfinite, {"stop", "skip"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_batches", t.eval_batches, 1));
   return v.AtLeast<int64_t>("training.log_interval", t.log_interval, 1);
@@ -480,7 +600,6 @@ absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
 
 absl::Status ValidateOptimizer(const OptimizerSection& o, const LrSchedulerSection& s,
                                const Validator& v) {
-  FSDP_RETURN_IF_ERROR(v.OneOf("optimizer.name", o.name, {"adamw", "adam", "sgd"}));
   FSDP_RETURN_IF_ERROR(v.Positive("optimizer.lr", o.lr));
   FSDP_RETURN_IF_ERROR(v.AtLeast<double>("optimizer.weight_decay", o.weight_decay, 0));
   FSDP_RETURN_IF_ERROR(v.Fraction("optimizer.beta1", o.beta1));
@@ -488,7 +607,6 @@ absl::Status ValidateOptimizer(const OptimizerSection& o, const LrSchedulerSecti
   FSDP_RETURN_IF_ERROR(v.Positive("optimizer.eps", o.eps));
   FSDP_RETURN_IF_ERROR(v.AtLeast<double>("optimizer.momentum", o.momentum, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("lr_scheduler.warmup_steps", s.warmup_steps, 0));
-  FSDP_RETURN_IF_ERROR(v.OneOf("lr_scheduler.decay", s.decay, {"cosine", "linear", "constant"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<double>("lr_scheduler.min_lr", s.min_lr, 0));
   return v.Check(s.min_lr <= o.lr, "lr_scheduler.min_lr",
                  StrCat("must be <= optimizer.lr = ", o.lr, ", got ", s.min_lr), {"optimizer.lr"});
@@ -510,25 +628,9 @@ absl::Status ValidateParallelism(const ParallelismSection& p, const Validator& v
       "-1 needs a fixed parallelism.data_parallel_shard_degree; at most one of the two degrees "
       "may be -1 (inferred from the world size)",
       {"parallelism.data_parallel_shard_degree"}));
-  FSDP_RETURN_IF_ERROR(v.Check(ParseStrategy(p.strategy).ok() || p.Unwrapped(), "parallelism.strategy",
-                               NotValid(p.strategy, StrategyNames())));
-  FSDP_RETURN_IF_ERROR(v.Check(
-      ReshardGroupSize(p.reshard_after_forward).value_or(1) >= 1,
-      "parallelism.reshard_after_forward",
-      NotValid(p.reshard_after_forward, {"default", "true", "false"},
-               "default, true, false, or a positive integer k (reshard to groups of k ranks)")));
-  std::optional<int64_t> min_params;
-  if (StartsWith(p.wrap_policy, "params:")) {
-    min_params = ParseInt<int64_t>(std::string_view(p.wrap_policy).substr(7));
-  }
-  FSDP_RETURN_IF_ERROR(v.Check(
-      p.wrap_policy == "block" || (min_params && *min_params >= 1), "parallelism.wrap_policy",
-      NotValid(p.wrap_policy, {"block"},
-               "block, params:N (children with >= N parameters, N >= 1)")));
   FSDP_RETURN_IF_ERROR(
       v.AtLeast<int64_t>("parallelism.max_unsharded_units", p.max_unsharded_units, 1));
-  FSDP_RETURN_IF_ERROR(v.OneOf("parallelism.backend", p.backend, {"auto", "nccl", "gloo"}));
-  return v.OneOf("parallelism.cpu_collectives", p.cpu_collectives, {"p2p", "gloo"});
+  return absl::OkStatus();
 }
 
 absl::Status Validate(const RunConfig& c, const Locations& where) {
@@ -540,7 +642,6 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
   FSDP_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer, c.lr_scheduler, v));
   FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
   FSDP_RETURN_IF_ERROR(v.Positive("metrics.cpu_peak_flops", c.metrics.cpu_peak_flops));
-  FSDP_RETURN_IF_ERROR(v.OneOf("metrics.progress_bar", c.metrics.progress_bar, {"auto", "on", "off"}));
   FSDP_RETURN_IF_ERROR(v.Check(
       !(c.parallelism.Unwrapped() && c.checkpoint.enabled), "checkpoint.enabled",
       "must be false with parallelism.strategy none (the unwrapped baseline saves no checkpoints); "
@@ -566,6 +667,10 @@ std::string YamlScalar(const FieldRef& ref) {
   if (auto* d = std::get_if<double*>(&ref)) return FormatDouble(**d);
   if (auto* b = std::get_if<bool*>(&ref)) return **b ? "true" : "false";
   YAML::Emitter out;
+  if (auto* choice = std::get_if<ChoiceField>(&ref)) {
+    out << choice->print();
+    return out.c_str();
+  }
   out << *std::get<std::string*>(ref);
   return out.c_str();
 }
@@ -588,11 +693,7 @@ absl::Status RunConfig::ValidateForWorld(int world_size) const {
                "; use --nproc 1, or a sharding strategy (full_shard, no_shard, ...) for ",
                world_size, " ranks"));
   }
-  absl::StatusOr<Strategy> strategy = ParseStrategy(p.strategy);
-  if (!strategy.ok()) {
-    return absl::InvalidArgumentError(StrCat("parallelism.strategy '", p.strategy,
-                                             "' is not valid; valid: ", StrJoin(StrategyNames(), ", ")));
-  }
+  const std::optional<Strategy>& strategy = p.strategy;
   std::string degrees =
       StrCat("parallelism.data_parallel_replicate_degree=", p.data_parallel_replicate_degree,
              ", parallelism.data_parallel_shard_degree=", p.data_parallel_shard_degree);
@@ -609,7 +710,7 @@ absl::Status RunConfig::ValidateForWorld(int world_size) const {
     return given == -1 ? StrCat(resolved, " (inferred from world size ", world_size, ")")
                        : StrCat(resolved);
   };
-  const std::string& name = p.strategy;
+  const std::string name = StrategyName(*strategy);
   switch (*strategy) {
     case Strategy::kFullShard:
     case Strategy::kShardGradOp:
@@ -643,12 +744,15 @@ absl::Status RunConfig::ValidateForWorld(int world_size) const {
       }
       break;
   }
-  std::optional<int64_t> k = ReshardGroupSize(p.reshard_after_forward);
-  if (k && *k >= 1 && shard % *k != 0) {
+  const ReshardPolicy& reshard = p.reshard_after_forward;
+  if (reshard.kind == ReshardPolicy::Kind::kGroup &&
+      (reshard.group_size >= shard || shard % reshard.group_size != 0)) {
     return absl::InvalidArgumentError(
-        StrCat("parallelism.reshard_after_forward=", *k,
-               " must divide the shard degree, parallelism.data_parallel_shard_degree=",
-               inferred(p.data_parallel_shard_degree, shard)));
+        StrCat("parallelism.reshard_after_forward=", reshard.group_size,
+               " must divide the shard degree and be smaller than it, "
+               "parallelism.data_parallel_shard_degree=",
+               inferred(p.data_parallel_shard_degree, shard),
+               " (true or false to reshard to the whole shard axis or not at all)"));
   }
   return absl::OkStatus();
 }
@@ -664,6 +768,19 @@ std::string RunConfig::ToYaml() const {
     }
   }
   return out;
+}
+
+std::string RunConfig::Value(std::string_view key) const {
+  RunConfig copy = *this;
+  for (const Section& section : Sections(copy)) {
+    for (const Field& field : section.fields) {
+      if (StrCat(section.name, ".", field.name) != key) continue;
+      if (auto* choice = std::get_if<ChoiceField>(&field.ref)) return choice->print();
+      if (auto* text = std::get_if<std::string*>(&field.ref)) return **text;
+      return YamlScalar(field.ref);
+    }
+  }
+  return "";
 }
 
 absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std::string& name,
@@ -702,6 +819,75 @@ std::pair<int, int> ParallelismSection::MeshDegrees(int world_size) const {
   if (replicate == -1) replicate = world_size / shard;
   if (shard == -1) shard = world_size / replicate;
   return {replicate, shard};
+}
+
+c10::ScalarType ScalarTypeOf(Precision precision) {
+  return precision == Precision::kBf16 ? c10::kBFloat16 : c10::kFloat;
+}
+int BytesOf(Precision precision) { return precision == Precision::kBf16 ? 2 : 4; }
+const char* PrecisionName(Precision precision) { return NameIn(Precisions(), precision); }
+const char* DeviceKindName(DeviceKind device) { return NameIn(DeviceKinds(), device); }
+const char* CudaBackendName(CudaBackend backend) { return NameIn(CudaBackends(), backend); }
+const char* CpuCollectivesName(CpuCollectives collectives) {
+  return NameIn(CpuCollectivesNames(), collectives);
+}
+const char* StrategyLabel(const std::optional<Strategy>& strategy) {
+  return strategy ? StrategyName(*strategy) : "none";
+}
+
+absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy strategy,
+                                             int shard_degree) {
+  ShardingPlan plan;
+  FsdpOptions& options = plan.options;
+  options = OptionsForStrategy(strategy);
+  const bool strategy_reshards = options.reshard_after_forward;
+  const ReshardPolicy& reshard = config.parallelism.reshard_after_forward;
+  switch (reshard.kind) {
+    case ReshardPolicy::Kind::kDefault:
+      break;
+    case ReshardPolicy::Kind::kAlways:
+      options.reshard_after_forward = true;
+      break;
+    case ReshardPolicy::Kind::kNever:
+      options.reshard_after_forward = false;
+      break;
+    case ReshardPolicy::Kind::kGroup:
+      if (reshard.group_size >= shard_degree || shard_degree % reshard.group_size != 0) {
+        return absl::InvalidArgumentError(StrCat(
+            "parallelism.reshard_after_forward=", reshard.group_size,
+            " must divide the shard degree and be smaller than it, got shard degree ",
+            shard_degree));
+      }
+      options.reshard_after_forward = true;
+      options.reshard_group_size = reshard.group_size;
+      break;
+  }
+  options.max_unsharded_units = static_cast<int>(config.parallelism.max_unsharded_units);
+  const TrainingSection& t = config.training;
+  if (t.mixed_precision == Precision::kBf16) {
+    options.mixed_precision.param_dtype = c10::kBFloat16;
+    options.mixed_precision.output_dtype = c10::kFloat;
+  }
+  options.mixed_precision.reduce_dtype = ScalarTypeOf(t.reduce_dtype);
+
+  // What runs, named by the strategy that means it: an override that flips resharding turns
+  // full_shard into shard_grad_op (and back), hybrid_shard into hybrid_shard_zero2.
+  plan.effective = StrategyName(strategy);
+  const bool ddp = strategy == Strategy::kNoShard;
+  if (!ddp && options.reshard_after_forward != strategy_reshards) {
+    const bool hybrid = strategy == Strategy::kHybridShard || strategy == Strategy::kHybridShardZero2;
+    Strategy ran = options.reshard_after_forward
+                       ? (hybrid ? Strategy::kHybridShard : Strategy::kFullShard)
+                       : (hybrid ? Strategy::kHybridShardZero2 : Strategy::kShardGradOp);
+    plan.effective = StrCat(StrategyName(ran), " (", StrategyName(strategy),
+                            " with parallelism.reshard_after_forward: ",
+                            options.reshard_after_forward ? "true" : "false", ")");
+  }
+  if (!ddp && options.reshard_group_size > 0) {
+    plan.effective += StrCat(", resharded to groups of ", options.reshard_group_size,
+                             " after forward");
+  }
+  return plan;
 }
 
 }  // namespace fsdp

@@ -15,14 +15,56 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include <optional>
+
+#include <c10/core/ScalarType.h>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "models/gpt.h"
+#include "engine/optimizer.h"
+#include "models/model.h"
+#include "sharding/options.h"
 
 namespace fsdp {
+
+// Past the parser every choice is typed: the names below appear only in config.cc, which maps
+// them to these enums and back (ToYaml).
+enum class Precision { kFp32, kBf16 };
+c10::ScalarType ScalarTypeOf(Precision precision);
+int BytesOf(Precision precision);
+const char* PrecisionName(Precision precision);  // "fp32" | "bf16" (MFU tables, logs)
+
+enum class DeviceKind { kAuto, kCpu, kCuda };
+enum class HostAllocator { kCaching, kDefault };
+enum class OnNonFinite { kStop, kSkip };
+enum class LrDecay { kCosine, kLinear, kConstant };
+enum class DataSource { kSynthetic, kTokens, kText };
+enum class TokenDtype { kUint16, kUint32 };
+enum class CudaBackend { kAuto, kNccl, kGloo };
+enum class CpuCollectives { kP2p, kGloo };
+enum class ProgressBarMode { kAuto, kOn, kOff };
+
+// parallelism.reshard_after_forward: default (the strategy's), true, false, or an integer k
+// with 1 < k < shard degree dividing it (keep shards over groups of k ranks after forward).
+struct ReshardPolicy {
+  enum class Kind { kDefault, kAlways, kNever, kGroup };
+  Kind kind = Kind::kDefault;
+  int group_size = 0;  // kGroup only
+  bool operator==(const ReshardPolicy&) const = default;
+};
+
+// parallelism.wrap_policy: block (the model's own units) or params:N (children with >= N
+// parameters).
+struct UnitPolicy {
+  enum class Kind { kBlock, kMinParams };
+  Kind kind = Kind::kBlock;
+  int64_t min_params = 0;  // kMinParams only
+  bool operator==(const UnitPolicy&) const = default;
+};
 
 struct RunSection {
   std::string name = "default";
@@ -30,18 +72,18 @@ struct RunSection {
   int64_t seed = 1234;
 };
 
-// The model's own options (models/gpt.h: arch, vocab_size, dim, n_layers, n_heads, seq_len,
+// The model's own options (models/model.h: arch, vocab_size, dim, n_layers, n_heads, seq_len,
 // ffn_hidden, norm, activation, positions, tie_embeddings, norm_eps, rope_theta, init_std) and
 // how it is initialised.
-struct ModelSection : GptConfig {
+struct ModelSection : ModelArgs {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
   std::string init_from;      // a safetensors file to start from, read shard by shard
 };
 
 struct DataSection {
-  std::string source = "synthetic";  // synthetic | tokens | text
+  DataSource source = DataSource::kSynthetic;  // synthetic | tokens | text
   std::string path;                  // tokens: flat uint16/uint32 file; text: any file (bytes)
-  std::string token_dtype = "uint16";  // uint16 | uint32 (tokens)
+  TokenDtype token_dtype = TokenDtype::kUint16;  // uint16 | uint32 (tokens)
   double val_fraction = 0.05;        // held-out share of the data, at its end
   int64_t synthetic_tokens = 1 << 20;  // length of the synthetic stream
 };
@@ -51,31 +93,24 @@ struct TrainingSection {
   int64_t micro_batch_size = 8;      // sequences per rank per micro-batch
   int64_t grad_accum_steps = 1;
   double max_grad_norm = 1.0;        // <= 0: no clipping
-  std::string mixed_precision = "fp32";  // fp32 | bf16 (compute dtype)
-  std::string reduce_dtype = "fp32";     // fp32 | bf16 (gradient reduction)
-  std::string device = "auto";       // auto | cpu | cuda
+  Precision mixed_precision = Precision::kFp32;  // fp32 | bf16 (compute dtype)
+  Precision reduce_dtype = Precision::kFp32;     // fp32 | bf16 (gradient reduction)
+  DeviceKind device = DeviceKind::kAuto;         // auto | cpu | cuda
   // Host tensor memory: caching (freed large blocks are reused, Note [Host caching]) | default
   // (libtorch's CPU allocator: glibc, so every large block is a fresh mmap).
-  std::string cpu_allocator = "caching";
-  std::string on_nonfinite = "stop";  // stop | skip
+  HostAllocator cpu_allocator = HostAllocator::kCaching;
+  OnNonFinite on_nonfinite = OnNonFinite::kStop;  // stop | skip
   int64_t eval_interval = 50;        // steps; 0: never
   int64_t eval_batches = 4;
   int64_t log_interval = 10;
 };
 
-struct OptimizerSection {
-  std::string name = "adamw";  // adamw | adam | sgd
-  double lr = 3e-3;
-  double weight_decay = 0.1;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double momentum = 0.9;  // sgd
-};
+// name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum (engine/optimizer.h).
+using OptimizerSection = OptimizerOptions;
 
 struct LrSchedulerSection {
   int64_t warmup_steps = 10;
-  std::string decay = "cosine";  // cosine | linear | constant
+  LrDecay decay = LrDecay::kCosine;  // cosine | linear | constant
   double min_lr = 3e-4;
 };
 
@@ -84,29 +119,28 @@ struct ParallelismSection {
   // Either degree may be -1 (inferred from the world size), not both.
   int64_t data_parallel_replicate_degree = 1;
   int64_t data_parallel_shard_degree = -1;
-  // full_shard | shard_grad_op | hybrid_shard | hybrid_shard_zero2 | no_shard, or none: the
-  // plain model on one rank, no wrapper (the benchmarks' baseline, engine/unwrapped.h).
-  std::string strategy = "full_shard";
-  // "default" (from the strategy), "true", "false", or an integer k: keep shards over groups
-  // of k ranks after forward.
-  std::string reshard_after_forward = "default";
-  std::string wrap_policy = "block";  // block | params:<N> (children with >= N parameters)
+  // full_shard | shard_grad_op | hybrid_shard | hybrid_shard_zero2 | no_shard, or none
+  // (nullopt): the plain model on one rank, no wrapper (the benchmarks' baseline,
+  // engine/unwrapped.h).
+  std::optional<Strategy> strategy = Strategy::kFullShard;
+  ReshardPolicy reshard_after_forward;
+  UnitPolicy wrap_policy;
   int64_t max_unsharded_units = 2;
-  std::string backend = "auto";  // auto | nccl | gloo (for CUDA tensors; CPU is always gloo)
+  CudaBackend backend = CudaBackend::kAuto;  // auto | nccl | gloo (CUDA tensors; CPU: gloo)
   // CPU all-gather / reduce-scatter: p2p (ring / direct exchange over Gloo's send/recv) | gloo
   // (c10d's Gloo collectives; its reduce-scatter is an all-reduce underneath).
-  std::string cpu_collectives = "p2p";
+  CpuCollectives cpu_collectives = CpuCollectives::kP2p;
 
   // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
   std::pair<int, int> MeshDegrees(int world_size) const;
   // strategy none: no FSDP wrapper.
-  bool Unwrapped() const { return strategy == "none"; }
+  bool Unwrapped() const { return !strategy.has_value(); }
 };
 
 struct MetricsSection {
   bool jsonl = true;              // <run.dir>/metrics.jsonl
   double cpu_peak_flops = 1e11;   // per rank, for MFU on CPU (no table for CPUs)
-  std::string progress_bar = "auto";  // auto (on a terminal) | on | off
+  ProgressBarMode progress_bar = ProgressBarMode::kAuto;  // auto (on a terminal) | on | off
 };
 
 struct CheckpointSection {
@@ -138,7 +172,30 @@ struct RunConfig {
   absl::Status ValidateForWorld(int world_size) const;
   // The resolved configuration as YAML (every key, defaults included).
   std::string ToYaml() const;
+  // One key's value as its YAML text ("training.mixed_precision" -> "bf16"), for what leaves
+  // the process (the benchmark reference's spec, records); empty for an unknown key.
+  std::string Value(std::string_view key) const;
 };
+
+// The one mapping from a run configuration to the engine's options, used by the trainer, the
+// planner and the benchmarks: the strategy's defaults (OptionsForStrategy), the
+// reshard_after_forward override, mixed precision and the prefetch limit. `strategy` is the
+// configured one (trainer) or a candidate layout's (planner); kInvalidArgument when the reshard
+// group size does not divide `shard_degree` strictly between 1 and it. `effective` names what
+// runs when an override changes the strategy's behaviour ("shard_grad_op (full_shard with
+// reshard_after_forward: false)"): checkpoints and plans record it.
+struct ShardingPlan {
+  FsdpOptions options;  // param_init left empty: the model's, set by the trainer
+  std::string effective;
+};
+absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy strategy,
+                                             int shard_degree);
+
+// Names for messages and records (the YAML spellings).
+const char* StrategyLabel(const std::optional<Strategy>& strategy);  // "none" for nullopt
+const char* DeviceKindName(DeviceKind device);
+const char* CudaBackendName(CudaBackend backend);
+const char* CpuCollectivesName(CpuCollectives collectives);
 
 // Reads `path`, applies `overrides` ("section.key=value", YAML scalars), checks every key,
 // type and value. kInvalidArgument with file:line (or the --set item) on any error; kNotFound

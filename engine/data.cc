@@ -253,7 +253,8 @@ class FileDataset : public TokenDataset {
 
 absl::StatusOr<std::unique_ptr<MappedFile>> OpenNonEmpty(const DataSection& data) {
   if (data.path.empty()) {
-    return absl::InvalidArgumentError(StrCat("data.path: required for data.source ", data.source));
+    return absl::InvalidArgumentError(StrCat(
+        "data.path: required for data.source ", data.source == DataSource::kText ? "text" : "tokens"));
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(data.path));
   if (file->size() == 0) {
@@ -267,6 +268,22 @@ int64_t WindowsIn(int64_t tokens, int64_t seq_len) {
   return tokens > seq_len ? (tokens - 1) / seq_len : 0;
 }
 
+// A flat file of uint16 / uint32 token ids (data.source tokens).
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTokenFile(const DataSection& data,
+                                                            int64_t vocab_size) {
+  const bool wide = data.token_dtype == TokenDtype::kUint32;
+  const int token_bytes = wide ? 4 : 2;
+  FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
+  if (file->size() % token_bytes != 0) {
+    return absl::DataLossError(StrCat("data.path '", data.path, "': size ", file->size(),
+                                      " bytes is not a multiple of ", token_bytes, " (",
+                                      wide ? "uint32" : "uint16", " tokens)"));
+  }
+  auto dataset = std::make_unique<FileDataset>(std::move(file), token_bytes, vocab_size);
+  FSDP_RETURN_IF_ERROR(dataset->CheckIdsOnSample());
+  return dataset;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(const DataSection& data,
@@ -275,44 +292,26 @@ absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(const DataSection& dat
     return absl::InvalidArgumentError(
         StrCat("model.vocab_size: must be in [1, 2^31), got ", vocab_size));
   }
-  if (data.source == "synthetic") {
-    if (data.synthetic_tokens < 1) {
-      return absl::InvalidArgumentError(
-          StrCat("data.synthetic_tokens: must be >= 1, got ", data.synthetic_tokens));
+  switch (data.source) {
+    case DataSource::kSynthetic:
+      break;
+    case DataSource::kTokens:
+      return OpenTokenFile(data, vocab_size);
+    case DataSource::kText: {
+      if (vocab_size < 256) {
+        return absl::InvalidArgumentError(StrCat(
+            "data.source text reads bytes (ids 0..255) and needs model.vocab_size >= 256, got ",
+            vocab_size));
+      }
+      FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
+      return std::make_unique<FileDataset>(std::move(file), 1, 256);
     }
-    return std::make_unique<SyntheticDataset>(data.synthetic_tokens, vocab_size, seed);
   }
-  if (data.source == "tokens") {
-    int token_bytes = 0;
-    if (data.token_dtype == "uint16") {
-      token_bytes = 2;
-    } else if (data.token_dtype == "uint32") {
-      token_bytes = 4;
-    } else {
-      return absl::InvalidArgumentError(
-          StrCat("data.token_dtype: expected uint16 or uint32, got '", data.token_dtype, "'"));
-    }
-    FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
-    if (file->size() % token_bytes != 0) {
-      return absl::DataLossError(StrCat("data.path '", data.path, "': size ", file->size(),
-                                        " bytes is not a multiple of ", token_bytes, " (",
-                                        data.token_dtype, " tokens)"));
-    }
-    auto dataset = std::make_unique<FileDataset>(std::move(file), token_bytes, vocab_size);
-    FSDP_RETURN_IF_ERROR(dataset->CheckIdsOnSample());
-    return dataset;
+  if (data.synthetic_tokens < 1) {
+    return absl::InvalidArgumentError(
+        StrCat("data.synthetic_tokens: must be >= 1, got ", data.synthetic_tokens));
   }
-  if (data.source == "text") {
-    if (vocab_size < 256) {
-      return absl::InvalidArgumentError(StrCat(
-          "data.source text reads bytes (ids 0..255) and needs model.vocab_size >= 256, got ",
-          vocab_size));
-    }
-    FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
-    return std::make_unique<FileDataset>(std::move(file), 1, 256);
-  }
-  return absl::InvalidArgumentError(
-      StrCat("data.source: expected synthetic, tokens or text, got '", data.source, "'"));
+  return std::make_unique<SyntheticDataset>(data.synthetic_tokens, vocab_size, seed);
 }
 
 // Layout of the token stream:

@@ -33,7 +33,7 @@ void MetricsWriter::Write(const nlohmann::json& record) {
   std::fflush(file_);
 }
 
-double PeakFlopsPerDevice(const std::string& name, const std::string& dtype) {
+double PeakFlopsPerDevice(const std::string& name, bool bf16) {
   // Dense (no sparsity) peaks from the vendors' data sheets; TF32 for fp32 compute.
   struct Entry {
     const char* match;
@@ -46,7 +46,7 @@ double PeakFlopsPerDevice(const std::string& name, const std::string& dtype) {
       {"A10", 125e12, 62.5e12},     {"V100", 125e12, 15.7e12},    {"4090", 165e12, 82.6e12},
   };
   for (const Entry& e : kTable) {
-    if (name.find(e.match) != std::string::npos) return dtype == "bf16" ? e.bf16 : e.tf32;
+    if (name.find(e.match) != std::string::npos) return bf16 ? e.bf16 : e.tf32;
   }
   return 0;
 }

@@ -4,7 +4,7 @@
 //
 //   MetricsWriter writer(run_dir + "/metrics.jsonl");
 //   writer.Write({{"step", 1}, {"loss", 5.2}, ...});
-//   double peak = PeakFlopsPerDevice("NVIDIA H100 80GB HBM3", "bf16");   // 989e12
+//   double peak = PeakFlopsPerDevice("NVIDIA H100 80GB HBM3", /*bf16=*/true);   // 989e12
 #pragma once
 
 #include <cstdio>
@@ -31,9 +31,9 @@ class MetricsWriter {
   std::FILE* file_ = nullptr;
 };
 
-// Dense peak FLOP/s of one GPU for the compute dtype ("bf16" or "fp32" = TF32), from its name
+// Dense peak FLOP/s of one GPU for the compute dtype (bf16, or fp32 = TF32), from its name
 // (cudaDeviceProp::name); 0 when unknown.
-double PeakFlopsPerDevice(const std::string& device_name, const std::string& dtype);
+double PeakFlopsPerDevice(const std::string& device_name, bool bf16);
 
 // "[#########.........] 120/200 60% ETA 0:12" (no newline).
 std::string ProgressBar(int64_t done, int64_t total, double seconds_per_step, int width = 30);

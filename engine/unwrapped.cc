@@ -62,7 +62,7 @@ void UnwrappedModel::AfterStep() {
   for (size_t i : trainable_) params_[i].copy_(masters_[i]);
 }
 
-absl::Status UnwrappedModel::LoadSafetensors(const std::string& path) {
+absl::Status UnwrappedModel::InitFromSafetensors(const std::string& path) {
   std::vector<InitTarget> targets;
   for (size_t i = 0; i < names_.size(); ++i) {
     targets.push_back({names_[i], masters_[i].sizes().vec(), 0, masters_[i]});

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/status.h"
+#include "engine/trainable.h"
 
 namespace torch::nn {
 class Module;
@@ -33,23 +34,24 @@ class Module;
 
 namespace fsdp {
 
-class UnwrappedModel {
+class UnwrappedModel final : public TrainableModel {
  public:
   // `compute_dtype` kFloat: the module trains as is; kBFloat16: the module's parameters become
   // bf16 copies of fp32 masters (buffers too, as the units' casts would see them).
   UnwrappedModel(std::shared_ptr<torch::nn::Module> module, at::ScalarType compute_dtype);
 
   // What the optimizer steps: the trainable fp32 masters (bf16) or module parameters (fp32).
-  std::vector<at::Tensor> parameters() const;
+  std::vector<at::Tensor> parameters() const override;
   // After each backward: bf16 gradients added into the masters' fp32 gradients.
-  void AfterBackward();
+  void AfterBackward() override;
   // Clips the masters' gradients by their 2-norm; returns the norm before clipping (0-dim fp32
   // tensor on the device, no host synchronisation).
-  at::Tensor ClipGradNorm(double max_norm);
+  at::Tensor ClipGradNorm(double max_norm) override;
   // After the optimizer step: the masters cast back into the module's parameters.
-  void AfterStep();
+  void AfterStep() override;
   // The parameters from a safetensors file with the state-dict names (model.init_from).
-  absl::Status LoadSafetensors(const std::string& path);
+  absl::Status InitFromSafetensors(const std::string& path) override;
+  CommStats& comm_stats() override { return no_comm_; }
 
  private:
   std::shared_ptr<torch::nn::Module> module_;
@@ -58,6 +60,7 @@ class UnwrappedModel {
   std::vector<at::Tensor> params_;   // the module's, all (bf16 when mixed)
   std::vector<at::Tensor> masters_;  // fp32, one per params_ (the same tensors when not mixed)
   std::vector<size_t> trainable_;    // indices of the trainable ones
+  CommStats no_comm_;                // no collectives: stays zero
 };
 
 }  // namespace fsdp

@@ -4,41 +4,12 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/status.h"
 #include "common/strings.h"
 #include "sharding/options.h"
 
 namespace fsdp::plan {
 namespace {
-
-// Note [Activation bytes]
-// What autograd keeps per token and per block until backward, counted from the model's forward
-// (models/gpt.cc) in elements of the compute dtype (flash-style attention on CPU and CUDA keeps
-// no seq x seq matrix):
-//   norm: its input (LayerNorm) or its input and the normalised value (RMSNorm) -> 1 or 2 x dim
-//   attention: norm output (shared by wq/wk/wv), q, k, v, the attention output and its
-//              contiguous copy that wo reads -> 6 x dim; rope adds the rotated q and k: + 2 x dim
-//   MLP: norm output + w1 output and the GELU output (2 x ffn), or for SwiGLU w1 out, silu out,
-//        w3 out and the product (4 x ffn)
-// GPT-2 (layernorm, gelu, ffn = 4 dim) gives 17 x dim, the no-dropout, flash-attention case of
-// Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models".
-// The head keeps the final norm's input and output and the logits; the loss computes in fp32
-// (a copy when the logits are bf16), log_softmax keeps its fp32 output, and the start of
-// backward adds two fp32 vocab-sized gradients: see HeadBytesPerToken.
-double BlockActivationElements(const GptConfig& m) {
-  const double d = static_cast<double>(m.dim), f = static_cast<double>(m.ffn());
-  const double norm = m.norm == "rmsnorm" ? 2 * d : d;
-  double e = norm + d + (m.activation == "swiglu" ? 4 * f : 2 * f);
-  if (m.attention()) e += norm + 6 * d + (m.positions == "rope" ? 2 * d : 0);
-  return e;
-}
-
-double HeadBytesPerToken(const GptConfig& m, double cb) {
-  const double d = static_cast<double>(m.dim), v = static_cast<double>(m.vocab_size);
-  const double norm = m.norm == "rmsnorm" ? 2 * d : d;
-  const double fp32_copy = cb < 4 ? 4 * v : 0;
-  return (norm + d + v) * cb + fp32_copy + 4 * v /*log_softmax*/ + 2 * 4 * v /*bwd grads*/ +
-         16 /*int64 inputs and targets*/;
-}
 
 // Bytes the elementwise (non-matmul) ops move per activation byte kept: written in forward,
 // read in backward, its gradient written and read. Used for the memory-bound share of compute.
@@ -87,73 +58,34 @@ Group MakeGroup(int n, int per_node, const Hardware& hw) {
   return g;
 }
 
-bool IsHybrid(const std::string& s) { return s == "hybrid_shard" || s == "hybrid_shard_zero2"; }
-bool ReshardsAfterForward(const std::string& s) { return s == "full_shard" || s == "hybrid_shard"; }
+bool IsHybrid(Strategy s) { return s == Strategy::kHybridShard || s == Strategy::kHybridShardZero2; }
+bool ReshardsAfterForward(Strategy s) { return OptionsForStrategy(s).reshard_after_forward; }
 
 double OptimizerStateBytesPerParam(const OptimizerSection& o) {
-  if (o.name == "sgd") return o.momentum != 0 ? 4 : 0;
+  if (o.kind == OptimizerKind::kSgd) return o.momentum != 0 ? 4 : 0;
   return 8;  // adam, adamw: two fp32 moments
 }
 
 }  // namespace
 
-ModelCounts CountModel(const GptConfig& m) {
-  ModelCounts c;
-  const int64_t d = m.dim, v = m.vocab_size, f = m.ffn();
-  auto add_norm = [&](std::vector<std::pair<int64_t, int64_t>>& unit) {
-    unit.push_back({d, 1});
-    if (m.norm != "rmsnorm") unit.push_back({d, 1});
-  };
-  std::vector<std::pair<int64_t, int64_t>> root;
-  root.push_back({v, d});
-  const bool learned = m.attention() && m.positions == "learned";
-  if (learned) root.push_back({m.seq_len, d});
-  add_norm(root);
-  if (!m.tie_embeddings) root.push_back({v, d});
-  std::vector<std::pair<int64_t, int64_t>> block;
-  if (m.attention()) {
-    add_norm(block);
-    for (int i = 0; i < 4; ++i) block.push_back({d, d});
-    if (m.biases()) {
-      for (int i = 0; i < 4; ++i) block.push_back({d, 1});
-    }
-  }
-  add_norm(block);
-  block.push_back({f, d});
-  block.push_back({d, f});
-  if (m.activation == "swiglu") block.push_back({f, d});
-  if (m.biases()) {
-    block.push_back({f, 1});
-    block.push_back({d, 1});
-  }
-  c.unit_shapes.push_back(root);
-  for (int64_t i = 0; i < m.n_layers; ++i) c.unit_shapes.push_back(block);
-  for (const auto& unit : c.unit_shapes) {
-    int64_t n = 0;
-    for (const auto& [rows, row_numel] : unit) n += rows * row_numel;
-    c.unit_params.push_back(n);
-    c.params += n;
-  }
-  double matmul = static_cast<double>(c.params);
-  if (!m.tie_embeddings) matmul -= static_cast<double>(v * d);
-  if (learned) matmul -= static_cast<double>(m.seq_len * d);
-  double attention = m.attention() ? 12.0 * m.n_layers * m.dim * m.seq_len : 0.0;
-  c.flops_per_token = 6.0 * matmul + attention;
-  return c;
+ModelCounts CountModel(const ModelArgs& model) {
+  const ModelFamily* family = FindModelFamily(model.arch);
+  TORCH_CHECK(family != nullptr, "unknown model.arch '", model.arch, "'");
+  return family->count(model);
 }
 
-double ZeroModelStateBytes(int64_t params, const std::string& strategy, int replicate, int shard) {
+double ZeroModelStateBytes(int64_t params, Strategy strategy, int replicate, int shard) {
   const double p = static_cast<double>(params);
-  if (strategy == "no_shard") return 16 * p;
-  if (strategy == "shard_grad_op") return 4 * p + 12 * p / shard;
+  if (strategy == Strategy::kNoShard) return 16 * p;
+  if (strategy == Strategy::kShardGradOp) return 4 * p + 12 * p / shard;
   return 16 * p / shard;  // full_shard (shard = N), hybrid (shard = S)
 }
 
-double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, const std::string& strategy,
+double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy strategy,
                               int replicate, int shard, int grad_accum_steps) {
   const double buffer = static_cast<double>(params) * bytes_per_element;
   const double k = grad_accum_steps;
-  if (strategy == "no_shard") {
+  if (strategy == Strategy::kNoShard) {
     const double n = static_cast<double>(replicate) * shard;
     return k * 2 * (n - 1) / n * buffer;
   }
@@ -185,28 +117,31 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
     return absl::InvalidArgumentError(StrCat("--world-size ", world,
                                              " is not a multiple of --gpus-per-node ", per_node));
   }
-  absl::StatusOr<Strategy> parsed = ParseStrategy(layout.strategy);
-  if (!parsed.ok()) return absl::InvalidArgumentError(std::string(parsed.status().message()));
   const int r = layout.replicate, s = layout.shard;
   if (r < 1 || s < 1 || r * s != world) {
-    return absl::InvalidArgumentError(StrCat("layout ", layout.strategy, " ", r, "x", s,
+    return absl::InvalidArgumentError(StrCat("layout ", StrategyName(layout.strategy), " ", r, "x", s,
                                              " does not multiply to the world size ", world));
   }
   const bool hybrid = IsHybrid(layout.strategy);
-  if ((layout.strategy == "no_shard" && s != 1) ||
-      ((layout.strategy == "full_shard" || layout.strategy == "shard_grad_op") && r != 1) ||
+  if ((layout.strategy == Strategy::kNoShard && s != 1) ||
+      ((layout.strategy == Strategy::kFullShard || layout.strategy == Strategy::kShardGradOp) &&
+       r != 1) ||
       (hybrid && r < 2)) {
     return absl::InvalidArgumentError(StrCat("layout ", r, "x", s, " does not fit strategy '",
-                                             layout.strategy, "'"));
+                                             StrategyName(layout.strategy), "'"));
   }
+  // The engine's options for this layout, from the one mapping the trainer uses (so a
+  // reshard_after_forward override is planned as it will run).
+  FSDP_ASSIGN_OR_RETURN(const ShardingPlan sharding, ShardingPlanFor(config, layout.strategy, s));
 
-  const GptConfig& model = config.model;
+  const ModelArgs& model = config.model;
+  const ModelFamily& family = *FindModelFamily(model.arch);
   const ModelCounts counts = CountModel(model);
   const TrainingSection& t = config.training;
-  const double cb = t.mixed_precision == "bf16" ? 2 : 4;  // compute (unsharded) dtype
-  const double rb = t.reduce_dtype == "bf16" ? 2 : 4;     // gradient collectives
+  const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
+  const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
   const double n = s;
-  const bool reshard = ReshardsAfterForward(layout.strategy);
+  const bool reshard = sharding.options.reshard_after_forward;
   const int num_units = static_cast<int>(counts.unit_shapes.size());
   const int num_blocks = num_units - 1;
   const double tokens_micro = static_cast<double>(t.micro_batch_size) * model.seq_len;
@@ -225,6 +160,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // --- memory (See Note [Peak memory phases]) ---------------------------------------------------
   Prediction p;
   p.layout = layout;
+  p.runs_as = sharding.effective;
   MemoryBreakdown& mem = p.memory;
   mem.params = real / n * 4;
   mem.padding = (padded_total - real) / n * 4;
@@ -234,8 +170,8 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const int blocks_unsharded = reshard ? std::min(num_blocks, max_units) : num_blocks;
   mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
                         (num_blocks > 0 ? block * cb + block * rb : 0);
-  mem.activations = tokens_micro * (num_blocks * BlockActivationElements(model) * cb +
-                                    HeadBytesPerToken(model, cb));
+  mem.activations = tokens_micro * (num_blocks * family.activation_elements_per_token(model) * cb +
+                                    family.head_bytes_per_token(model, cb));
   double backward_start = mem.unsharded_units + mem.activations;
   if (t.grad_accum_steps > 1) {
     backward_start += mem.grads;
@@ -253,7 +189,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 
   // --- time ---------------------------------------------------------------------------------
   TimeBreakdown& time = p.time;
-  double rate = t.mixed_precision == "bf16" && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
+  double rate = t.mixed_precision == Precision::kBf16 && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
                                                                        : hw.peak_flops_fp32;
   if (hw.cores_per_node > 0) rate /= ranks_on_node;  // CPU: the node's cores, shared
   const double achieved = rate * hw.compute_efficiency;
@@ -267,10 +203,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 
   // Block compute, forward one third of the step's FLOPs and backward two thirds.
   const double block_share =
-      num_blocks > 0 ? (static_cast<double>(counts.unit_params[1]) * 6 +
-                        (model.attention() ? 12.0 * model.dim * model.seq_len : 0)) /
-                           counts.flops_per_token
-                     : 0;
+      num_blocks > 0 ? counts.block_flops_per_token / counts.flops_per_token : 0;
   const double block_fwd = compute_micro * block_share / 3;
   const double block_bwd = compute_micro * block_share * 2 / 3;
 
@@ -328,6 +261,10 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   return p;
 }
 
+static int ReshardGroupOverride(const PlanRequest& request) {
+  return request.config.parallelism.reshard_after_forward.group_size;
+}
+
 absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request) {
   const int world = request.world_size;
   if (request.gpus_per_node < 1 || world < 1 || world % request.gpus_per_node != 0) {
@@ -336,19 +273,22 @@ absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& requ
                                              request.gpus_per_node));
   }
   std::vector<Layout> layouts;
-  layouts.push_back({"full_shard", 1, world});
+  layouts.push_back({Strategy::kFullShard, 1, world});
   if (world > 1) {
-    layouts.push_back({"shard_grad_op", 1, world});
-    layouts.push_back({"no_shard", world, 1});
+    layouts.push_back({Strategy::kShardGradOp, 1, world});
+    layouts.push_back({Strategy::kNoShard, world, 1});
   }
   for (int s = 2; s < world; ++s) {
     if (world % s != 0) continue;
-    layouts.push_back({"hybrid_shard", world / s, s});
-    layouts.push_back({"hybrid_shard_zero2", world / s, s});
+    layouts.push_back({Strategy::kHybridShard, world / s, s});
+    layouts.push_back({Strategy::kHybridShardZero2, world / s, s});
   }
   std::vector<Prediction> out;
   for (const Layout& layout : layouts) {
     absl::StatusOr<Prediction> p = Predict(request, layout);
+    // A layout the reshard_after_forward override does not fit (k must divide its shard
+    // degree) is not a candidate; any other error is the request's.
+    if (!p.ok() && ReshardGroupOverride(request) > 0) continue;
     if (!p.ok()) return p.status();
     out.push_back(*std::move(p));
   }

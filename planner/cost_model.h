@@ -18,7 +18,7 @@
 //   PlanRequest request{.config = *LoadRunConfig("configs/llama_1b.yaml", {}),
 //                       .world_size = 64, .gpus_per_node = 8,
 //                       .hw = *HardwareByName("h100")};
-//   absl::StatusOr<Prediction> p = Predict(request, {"hybrid_shard", 8, 8});
+//   absl::StatusOr<Prediction> p = Predict(request, {Strategy::kHybridShard, 8, 8});
 //   p->memory.total;        // bytes per rank at the step's peak
 //   p->time.tokens_per_s;   // global
 //   auto all = EnumerateLayouts(request);   // fitting first, then fastest first
@@ -30,7 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/config.h"
-#include "models/gpt.h"
+#include "models/model.h"
 
 namespace fsdp::plan {
 
@@ -70,19 +70,13 @@ std::string HardwareToJson(const Hardware& hw);
 // receives progress lines.
 absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log);
 
-struct ModelCounts {
-  int64_t params = 0;
-  std::vector<int64_t> unit_params;  // root first, then blocks
-  // Per unit (same order), every parameter as (dim0 rows, elements per row): the padding of
-  // dim-0 sharding depends on it.
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_shapes;
-  double flops_per_token = 0;
-};
-// Analytic; equals Gpt(model)->NumParameters() and FlopsPerToken().
-ModelCounts CountModel(const GptConfig& model);
+using fsdp::ModelCounts;
+// The registered family's analytic counts; equal to the built model's NumParameters() and
+// FlopsPerToken() (models/model.h).
+ModelCounts CountModel(const ModelArgs& model);
 
 struct Layout {
-  std::string strategy;  // as in parallelism.strategy
+  Strategy strategy = Strategy::kFullShard;
   int replicate = 1;
   int shard = 1;
 };
@@ -101,6 +95,9 @@ struct TimeBreakdown {
 };
 struct Prediction {
   Layout layout;
+  // What runs on this layout: the strategy's name, or what a reshard_after_forward override
+  // makes of it (ShardingPlanFor's `effective`, e.g. "shard_grad_op (full_shard with ...)").
+  std::string runs_as;
   MemoryBreakdown memory;
   TimeBreakdown time;
   bool fits = false;
@@ -135,10 +132,10 @@ absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& requ
 // The textbook figures the benchmark plots draw as lines (no padding, no activations):
 // model-state bytes per rank with AdamW in fp32 (DDP 16 bytes/param; shard_grad_op 4 + 12/N;
 // full_shard 16/N; hybrid 16/shard).
-double ZeroModelStateBytes(int64_t params, const std::string& strategy, int replicate, int shard);
+double ZeroModelStateBytes(int64_t params, Strategy strategy, int replicate, int shard);
 // Bytes each rank sends per optimizer step with ring algorithms (all-gather and reduce-scatter
 // (n-1)/n x buffer, all-reduce 2(n-1)/n x buffer); full_shard = 1.5 x no_shard's.
-double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, const std::string& strategy,
+double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy strategy,
                               int replicate, int shard, int grad_accum_steps);
 
 }  // namespace fsdp::plan

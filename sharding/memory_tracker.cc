@@ -57,18 +57,14 @@ void CpuMemoryTracker::copy_data(void* dest, const void* src, std::size_t count)
   std::memcpy(dest, src, count);
 }
 
-absl::Status ConfigureHostAllocator(const std::string& mode) {
-  if (mode != "caching" && mode != "default") {
-    return absl::InvalidArgumentError("cpu_allocator '" + mode + "'; valid: caching, default");
-  }
+void ConfigureHostAllocator(bool caching) {
 #if defined(__GLIBC__)
-  if (mode == "caching") {
+  if (caching) {
     // See Note [Host caching]. Both also turn off glibc's dynamic threshold adjustment.
     mallopt(M_MMAP_THRESHOLD, INT_MAX);
     mallopt(M_TRIM_THRESHOLD, INT_MAX);
   }
 #endif
-  return absl::OkStatus();
 }
 
 HostHeapStats GetHostHeapStats() {

@@ -52,10 +52,9 @@ class CpuMemoryTracker final : public c10::Allocator {
 // M_MMAP_THRESHOLD and M_TRIM_THRESHOLD out of reach (mallopt), so freed blocks stay in the
 // heap, where glibc coalesces and reuses them, as PyTorch's CUDA caching allocator keeps freed
 // device memory: the resident set stays at the high-water mark of the live bytes plus the
-// heap's fragmentation instead of shrinking between steps. "default" leaves glibc as it is.
-// Process-wide; returns an error for a mode other than those two. Without glibc, "caching"
-// does nothing.
-absl::Status ConfigureHostAllocator(const std::string& mode);
+// heap's fragmentation instead of shrinking between steps. "default" (caching = false) leaves
+// glibc as it is. Process-wide. Without glibc, caching does nothing.
+void ConfigureHostAllocator(bool caching);
 
 struct HostHeapStats {
   int64_t held_bytes = 0;  // obtained from the kernel: heap arenas + mmapped blocks

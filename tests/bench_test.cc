@@ -18,7 +18,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/strings.h"
 #include "engine/data.h"
-#include "models/gpt.h"
+#include "models/gpt/gpt.h"
 #include "planner/cost_model.h"
 #include "tests/multirank.h"
 

@@ -84,7 +84,7 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.training.eval_interval, b.training.eval_interval);
   EXPECT_EQ(a.training.eval_batches, b.training.eval_batches);
   EXPECT_EQ(a.training.log_interval, b.training.log_interval);
-  EXPECT_EQ(a.optimizer.name, b.optimizer.name);
+  EXPECT_EQ(a.optimizer.kind, b.optimizer.kind);
   EXPECT_EQ(a.optimizer.lr, b.optimizer.lr);
   EXPECT_EQ(a.optimizer.weight_decay, b.optimizer.weight_decay);
   EXPECT_EQ(a.optimizer.beta1, b.optimizer.beta1);
@@ -135,8 +135,8 @@ TEST(RunConfigParseTest, ReadsEveryType) {
   EXPECT_EQ(config->optimizer.lr, 1e-3);
   EXPECT_EQ(config->optimizer.weight_decay, 0.0);
   EXPECT_EQ(config->optimizer.beta2, 0.99);
-  EXPECT_EQ(config->parallelism.reshard_after_forward, "false");
-  EXPECT_EQ(config->parallelism.wrap_policy, "params:1000");
+  EXPECT_EQ(config->Value("parallelism.reshard_after_forward"), "false");
+  EXPECT_EQ(config->Value("parallelism.wrap_policy"), "params:1000");
   EXPECT_EQ(config->model.n_heads, 4);  // untouched keys keep their defaults
 }
 
@@ -296,10 +296,10 @@ TEST(RunConfigParseTest, EveryValueRule) {
        "(inferred from the world size)"},
       {"parallelism.reshard_after_forward=True",
        "parallelism.reshard_after_forward: 'True' is not valid; did you mean 'true'? valid: "
-       "default, true, false, or a positive integer k (reshard to groups of k ranks)"},
+       "default, true, false, or an integer k with 1 < k < the shard degree, dividing it (reshard to groups of k ranks)"},
       {"parallelism.reshard_after_forward=0",
-       "parallelism.reshard_after_forward: '0' is not valid; valid: default, true, false, or a "
-       "positive integer k (reshard to groups of k ranks)"},
+       "parallelism.reshard_after_forward: '0' is not valid; valid: default, true, false, or an "
+       "integer k with 1 < k < the shard degree, dividing it (reshard to groups of k ranks)"},
       {"parallelism.wrap_policy=params:0",
        "parallelism.wrap_policy: 'params:0' is not valid; valid: block, params:N (children with "
        ">= N parameters, N >= 1)"},
@@ -386,7 +386,7 @@ TEST(RunConfigOverrideTest, OverridesChangeAndAddValues) {
   EXPECT_EQ(config->optimizer.lr, 1e-3);
   EXPECT_FALSE(config->model.tie_embeddings);
   EXPECT_EQ(config->run.name, "my run");
-  EXPECT_EQ(config->parallelism.strategy, "shard_grad_op");
+  EXPECT_EQ(config->Value("parallelism.strategy"), "shard_grad_op");
 }
 
 TEST(RunConfigOverrideTest, OverridesAreCheckedLikeTheFile) {
@@ -450,7 +450,7 @@ TEST(RunConfigLoadTest, MissingFileIsNotFound) {
 
 RunConfig WithDegrees(const std::string& strategy, int64_t replicate, int64_t shard) {
   RunConfig config;
-  config.parallelism.strategy = strategy;
+  config.parallelism.strategy = *ParseStrategy(strategy);
   config.parallelism.data_parallel_replicate_degree = replicate;
   config.parallelism.data_parallel_shard_degree = shard;
   return config;
@@ -515,22 +515,65 @@ TEST(RunConfigWorldTest, DegreesMustAgreeWithTheStrategy) {
               InvalidArgumentWith("parallelism.data_parallel_replicate_degree=1 does not fit "
                                   "strategy 'hybrid_shard' (it replicates over groups of shards); "
                                   "set the replicate degree to 2 or more, or use full_shard"));
-  EXPECT_THAT(WithDegrees("fully_shard", 1, -1).ValidateForWorld(4),
-              InvalidArgumentWith(
-                  StrCat("parallelism.strategy 'fully_shard' is not valid; valid: ", kStrategies)));
   EXPECT_TRUE(WithDegrees("no_shard", 1, 1).ValidateForWorld(1).ok());
 }
 
 TEST(RunConfigWorldTest, ReshardGroupMustDivideTheShardDegree) {
   RunConfig config = WithDegrees("full_shard", 1, -1);
-  config.parallelism.reshard_after_forward = "3";
+  config.parallelism.reshard_after_forward = {ReshardPolicy::Kind::kGroup, 3};
   EXPECT_THAT(config.ValidateForWorld(4),
-              InvalidArgumentWith("parallelism.reshard_after_forward=3 must divide the shard "
-                                  "degree, parallelism.data_parallel_shard_degree=4 (inferred "
-                                  "from world size 4)"));
-  config.parallelism.reshard_after_forward = "2";
+              InvalidArgumentWith(HasSubstr("parallelism.reshard_after_forward=3 must divide the "
+                                            "shard degree and be smaller than it, "
+                                            "parallelism.data_parallel_shard_degree=4 (inferred "
+                                            "from world size 4)")));
+  config.parallelism.reshard_after_forward = {ReshardPolicy::Kind::kGroup, 2};
   EXPECT_TRUE(config.ValidateForWorld(4).ok());
   EXPECT_TRUE(config.ValidateForWorld(6).ok());
+  // k equal to the shard degree is the whole axis (true), not a sub-group: an error.
+  EXPECT_THAT(config.ValidateForWorld(2),
+              InvalidArgumentWith(HasSubstr("must divide the shard degree and be smaller")));
+}
+
+TEST(RunConfigWorldTest, ReshardGroupOfOneIsRejectedAtParse) {
+  // 1 used to pass validation and behave as true.
+  for (const char* k : {"1", "0", "-2"}) {
+    EXPECT_THAT(ParseRunConfig("", "t.yaml", {StrCat("parallelism.reshard_after_forward=", k)}),
+                InvalidArgumentWith(HasSubstr("an integer k with 1 < k < the shard degree")))
+        << k;
+  }
+}
+
+TEST(ShardingPlanTest, OneMappingForTrainerAndPlanner) {
+  RunConfig config;
+  absl::StatusOr<ShardingPlan> plan = ShardingPlanFor(config, Strategy::kFullShard, 4);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->options.reshard_after_forward);
+  EXPECT_EQ(plan->options.reshard_group_size, 0);
+  EXPECT_EQ(plan->effective, "full_shard");
+  EXPECT_FALSE(plan->options.mixed_precision.param_dtype.has_value());
+
+  // An override that contradicts the strategy: what runs is named.
+  config.parallelism.reshard_after_forward = {ReshardPolicy::Kind::kNever, 0};
+  plan = ShardingPlanFor(config, Strategy::kFullShard, 4);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->options.reshard_after_forward);
+  EXPECT_EQ(plan->effective,
+            "shard_grad_op (full_shard with parallelism.reshard_after_forward: false)");
+  plan = ShardingPlanFor(config, Strategy::kHybridShard, 2);
+  EXPECT_EQ(plan->effective,
+            "hybrid_shard_zero2 (hybrid_shard with parallelism.reshard_after_forward: false)");
+
+  config.parallelism.reshard_after_forward = {ReshardPolicy::Kind::kGroup, 2};
+  config.training.mixed_precision = Precision::kBf16;
+  plan = ShardingPlanFor(config, Strategy::kShardGradOp, 4);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->options.reshard_after_forward);
+  EXPECT_EQ(plan->options.reshard_group_size, 2);
+  EXPECT_EQ(plan->options.mixed_precision.param_dtype, c10::kBFloat16);
+  EXPECT_EQ(plan->options.mixed_precision.reduce_dtype, c10::kFloat);
+  EXPECT_THAT(plan->effective, HasSubstr("resharded to groups of 2"));
+  EXPECT_FALSE(ShardingPlanFor(config, Strategy::kShardGradOp, 3).ok());
+  EXPECT_FALSE(ShardingPlanFor(config, Strategy::kShardGradOp, 2).ok());
 }
 
 // --- ToYaml ----------------------------------------------------------------------------------
@@ -618,7 +661,7 @@ TEST(RunConfigFilesTest, NamedConfigsSayWhatTheyAre) {
   std::filesystem::path dir = ConfigsDir();
   absl::StatusOr<RunConfig> ddp = LoadRunConfig((dir / "ddp.yaml").string(), {});
   ASSERT_TRUE(ddp.ok()) << ddp.status();
-  EXPECT_EQ(ddp->parallelism.strategy, "no_shard");
+  EXPECT_EQ(ddp->Value("parallelism.strategy"), "no_shard");
   for (int world : {1, 2, 3, 4}) EXPECT_TRUE(ddp->ValidateForWorld(world).ok()) << world;
 
   absl::StatusOr<RunConfig> hybrid = LoadRunConfig((dir / "hybrid_shard.yaml").string(), {});
@@ -641,8 +684,8 @@ TEST(RunConfigFilesTest, NamedConfigsSayWhatTheyAre) {
   EXPECT_EQ(llama->model.ffn_hidden, 5632);
   EXPECT_EQ(llama->model.dim / llama->model.n_heads % 2, 0);
   EXPECT_FALSE(llama->model.tie_embeddings);
-  EXPECT_EQ(llama->training.device, "cuda");
-  EXPECT_EQ(llama->training.mixed_precision, "bf16");
+  EXPECT_EQ(llama->Value("training.device"), "cuda");
+  EXPECT_EQ(llama->Value("training.mixed_precision"), "bf16");
 }
 
 }  // namespace

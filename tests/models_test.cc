@@ -4,7 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "models/gpt.h"
+#include "models/gpt/gpt.h"
 
 namespace fsdp {
 namespace {
@@ -18,9 +18,9 @@ GptConfig Small(const std::string& arch) {
   c.n_heads = 4;
   c.seq_len = 12;
   if (arch == "llama") {
-    c.norm = "rmsnorm";
-    c.activation = "swiglu";
-    c.positions = "rope";
+    c.norm = NormKind::kRmsNorm;
+    c.activation = Activation::kSwiglu;
+    c.positions = Positions::kRope;
     c.tie_embeddings = false;
   }
   return c;
@@ -95,7 +95,7 @@ TEST(GptTest, FlopsPerTokenFollowsTheEstimate) {
   Gpt tied(g);
   double tied_matmul = static_cast<double>(tied->NumParameters() - g.seq_len * g.dim);
   EXPECT_DOUBLE_EQ(tied->FlopsPerToken(), 6 * tied_matmul + 12.0 * g.n_layers * g.dim * g.seq_len);
-  EXPECT_EQ((GptConfig{.dim = 2048, .activation = "swiglu"}).ffn(), 5504);
+  EXPECT_EQ((GptConfig{.dim = 2048, .activation = Activation::kSwiglu}).ffn(), 5504);
 }
 
 }  // namespace

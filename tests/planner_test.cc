@@ -7,7 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "models/gpt.h"
+#include "models/gpt/gpt.h"
 #include "planner/cost_model.h"
 
 namespace fsdp::plan {
@@ -66,7 +66,7 @@ TEST(CountModelTest, EqualsTheRealModel) {
 TEST(CountModelTest, VariantsMatchTheRealModel) {
   GptConfig mlp{.arch = "mlp", .vocab_size = 100, .dim = 48, .n_layers = 3, .n_heads = 4};
   GptConfig untied{.arch = "gpt", .vocab_size = 100, .dim = 64, .n_layers = 2, .n_heads = 4,
-                   .positions = "rope", .tie_embeddings = false};
+                   .positions = Positions::kRope, .tie_embeddings = false};
   for (const GptConfig& m : {mlp, untied}) {
     Gpt gpt(m);
     EXPECT_EQ(CountModel(m).params, gpt->NumParameters()) << m.arch;
@@ -80,28 +80,28 @@ TEST(MemoryTest, ModelStatesFollowTheZeroFormulas) {
   auto states = [](const Prediction& x) {
     return x.memory.params + x.memory.grads + x.memory.optimizer;
   };
-  Prediction full = *Predict(r, {"full_shard", 1, 8});
-  Prediction ddp = *Predict(r, {"no_shard", 8, 1});
-  Prediction hybrid = *Predict(r, {"hybrid_shard", 2, 4});
+  Prediction full = *Predict(r, {Strategy::kFullShard, 1, 8});
+  Prediction ddp = *Predict(r, {Strategy::kNoShard, 8, 1});
+  Prediction hybrid = *Predict(r, {Strategy::kHybridShard, 2, 4});
   EXPECT_DOUBLE_EQ(states(full), 16.0 * p / 8);
   EXPECT_DOUBLE_EQ(states(ddp), 16.0 * p);
   EXPECT_DOUBLE_EQ(states(hybrid), 16.0 * p / 4);
-  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "full_shard", 1, 8), 16.0 * p / 8);
-  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "no_shard", 8, 1), 16.0 * p);
-  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "shard_grad_op", 1, 8), 4.0 * p + 12.0 * p / 8);
-  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, "hybrid_shard", 2, 4), 16.0 * p / 4);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, Strategy::kFullShard, 1, 8), 16.0 * p / 8);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, Strategy::kNoShard, 8, 1), 16.0 * p);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, Strategy::kShardGradOp, 1, 8), 4.0 * p + 12.0 * p / 8);
+  EXPECT_DOUBLE_EQ(ZeroModelStateBytes(p, Strategy::kHybridShard, 2, 4), 16.0 * p / 4);
   // llama_1b accumulates 4 micro-batches: the gradient shards are alive at the peak, which is
   // at the start of backward: total = states + padding + unsharded units + activations.
   EXPECT_DOUBLE_EQ(full.memory.total, states(full) + full.memory.padding +
                                           full.memory.unsharded_units + full.memory.activations);
   // ZeRO-2 keeps every block unsharded until its backward; FULL_SHARD at most 2 (prefetch).
-  Prediction zero2 = *Predict(r, {"shard_grad_op", 1, 8});
+  Prediction zero2 = *Predict(r, {Strategy::kShardGradOp, 1, 8});
   const double block_bf16 = CountModel(r.config.model).unit_params[1] * 2.0;
   EXPECT_NEAR(zero2.memory.unsharded_units - full.memory.unsharded_units, 14 * block_bf16,
               1e-6 * block_bf16);
   // More prefetch, more memory: one block per extra unit.
   r.config.parallelism.max_unsharded_units = 4;
-  EXPECT_NEAR(Predict(r, {"full_shard", 1, 8})->memory.unsharded_units -
+  EXPECT_NEAR(Predict(r, {Strategy::kFullShard, 1, 8})->memory.unsharded_units -
                   full.memory.unsharded_units,
               2 * block_bf16, 1e-6 * block_bf16);
 }
@@ -110,16 +110,16 @@ TEST(MemoryTest, PaddingOfDim0Sharding) {
   // vocab 257 over 4 shards: 65 rows each, 3 padding rows of dim 128 in the tied embedding;
   // every other dim-0 (128, 512, 64 positions, biases) divides by 4.
   PlanRequest r = Request("default", 4, 4, "cpu", {"model.vocab_size=257"});
-  Prediction p = *Predict(r, {"full_shard", 1, 4});
+  Prediction p = *Predict(r, {Strategy::kFullShard, 1, 4});
   EXPECT_DOUBLE_EQ(p.memory.padding, 3 * 128 * 4 / 4.0);
-  EXPECT_DOUBLE_EQ(Predict(r, {"no_shard", 4, 1})->memory.padding, 0);
+  EXPECT_DOUBLE_EQ(Predict(r, {Strategy::kNoShard, 4, 1})->memory.padding, 0);
 }
 
 TEST(MemoryTest, ActivationsScaleWithMicroBatch) {
   PlanRequest r = Request("gpt_125m", 8, 8, "h100");
-  double a8 = Predict(r, {"full_shard", 1, 8})->memory.activations;
+  double a8 = Predict(r, {Strategy::kFullShard, 1, 8})->memory.activations;
   r.config.training.micro_batch_size = 16;
-  double a16 = Predict(r, {"full_shard", 1, 8})->memory.activations;
+  double a16 = Predict(r, {Strategy::kFullShard, 1, 8})->memory.activations;
   EXPECT_DOUBLE_EQ(a16, 2 * a8);
   // GPT-2 block: 17 x dim elements per token (Note [Activation bytes]), bf16.
   const double tokens = 8 * 1024;
@@ -129,14 +129,14 @@ TEST(MemoryTest, ActivationsScaleWithMicroBatch) {
 TEST(CommTest, FullShardSendsOneAndAHalfTimesDdp) {
   for (int n : {2, 8, 64}) {
     const int64_t p = 1000000;
-    double ddp = TheoryWireBytesPerStep(p, 4, "no_shard", n, 1, 1);
+    double ddp = TheoryWireBytesPerStep(p, 4, Strategy::kNoShard, n, 1, 1);
     EXPECT_DOUBLE_EQ(ddp, 2.0 * (n - 1) / n * p * 4);
-    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "full_shard", 1, n, 1), 1.5 * ddp);
-    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "shard_grad_op", 1, n, 1), ddp);
-    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, "no_shard", n, 1, 3), 3 * ddp);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, Strategy::kFullShard, 1, n, 1), 1.5 * ddp);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, Strategy::kShardGradOp, 1, n, 1), ddp);
+    EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(p, 4, Strategy::kNoShard, n, 1, 3), 3 * ddp);
   }
   // HSDP 2x4: per micro-batch 3 x (3/4) x buffer in the shard group, once 2 x (1/2) x buffer / 4.
-  EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(100, 4, "hybrid_shard", 2, 4, 2),
+  EXPECT_DOUBLE_EQ(TheoryWireBytesPerStep(100, 4, Strategy::kHybridShard, 2, 4, 2),
                    2 * 3 * 0.75 * 400 + 1.0 * 400 / 4);
 }
 
@@ -147,8 +147,8 @@ TEST(CommTest, PredictedTimesFollowTheEngine) {
   PlanRequest r = Request("default", 8, 8, "h100");
   r.hw = FlatLink();
   ModelCounts c = CountModel(r.config.model);
-  Prediction full = *Predict(r, {"full_shard", 1, 8});
-  Prediction ddp = *Predict(r, {"no_shard", 8, 1});
+  Prediction full = *Predict(r, {Strategy::kFullShard, 1, 8});
+  Prediction ddp = *Predict(r, {Strategy::kNoShard, 8, 1});
   const double p = static_cast<double>(c.params), root = static_cast<double>(c.unit_params[0]);
   EXPECT_NEAR((full.time.all_gather_s + full.time.reduce_scatter_s) / ddp.time.all_reduce_s,
               (3 * p - root) / (2 * p), 1e-12);
@@ -167,8 +167,8 @@ TEST(CommTest, GroupsSpanningNodesUseTheNetwork) {
   PlanRequest r = Request("llama_1b", 16, 8, "h100");
   r.hw.intra_node_latency_s = r.hw.inter_node_latency_s = 0;
   r.hw.intra_node_bw = 8 * r.hw.inter_node_bw * 4;  // make the network the bottleneck
-  Prediction full = *Predict(r, {"full_shard", 1, 16});
-  Prediction hybrid = *Predict(r, {"hybrid_shard", 2, 8});
+  Prediction full = *Predict(r, {Strategy::kFullShard, 1, 16});
+  Prediction hybrid = *Predict(r, {Strategy::kHybridShard, 2, 8});
   EXPECT_GT(full.time.all_gather_s, 3 * hybrid.time.all_gather_s);
   EXPECT_GT(hybrid.time.all_reduce_s, 0);
 }
@@ -193,10 +193,10 @@ TEST(LayoutsTest, EnumeratesSortsAndMarksWhatDoesNotFit) {
     if (i > 0 && (*all)[i - 1].fits == p.fits) {
       EXPECT_GE((*all)[i - 1].time.tokens_per_s, p.time.tokens_per_s);
     }
-    if (p.layout.strategy == "no_shard") {
+    if (p.layout.strategy == Strategy::kNoShard) {
       EXPECT_FALSE(p.fits);
     }
-    if (p.layout.strategy == "full_shard") {
+    if (p.layout.strategy == Strategy::kFullShard) {
       EXPECT_TRUE(p.fits);
     }
   }
@@ -227,11 +227,11 @@ TEST(LayoutsTest, ThousandsOfGpusPreferHybrid) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
   EXPECT_GT(all.size(), 20u);
   const Prediction& best = all.front();
-  EXPECT_TRUE(best.layout.strategy == "hybrid_shard" || best.layout.strategy == "hybrid_shard_zero2")
-      << best.layout.strategy << " " << best.layout.replicate << "x" << best.layout.shard;
+  EXPECT_TRUE(best.layout.strategy == Strategy::kHybridShard || best.layout.strategy == Strategy::kHybridShardZero2)
+      << StrategyName(best.layout.strategy) << " " << best.layout.replicate << "x" << best.layout.shard;
   // The ring latency over 512 nodes makes full_shard much slower than the best hybrid.
   for (const Prediction& p : all) {
-    if (p.layout.strategy == "full_shard") {
+    if (p.layout.strategy == Strategy::kFullShard) {
       EXPECT_LT(p.time.tokens_per_s, 0.8 * best.time.tokens_per_s);
     }
   }
@@ -263,11 +263,10 @@ TEST(ErrorsTest, NameTheOptionAndTheValidValues) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
 
   PlanRequest ok = Request("default", 8, 8, "h100");
-  EXPECT_FALSE(Predict(ok, {"full_shard", 2, 4}).ok());   // replicate must be 1
-  EXPECT_FALSE(Predict(ok, {"no_shard", 4, 2}).ok());     // shard must be 1
-  EXPECT_FALSE(Predict(ok, {"hybrid_shard", 1, 8}).ok()); // replicate >= 2
-  EXPECT_FALSE(Predict(ok, {"hybrid_shard", 3, 3}).ok()); // 9 ranks, not 8
-  EXPECT_THAT(std::string(Predict(ok, {"zero4", 1, 8}).status().message()), HasSubstr("zero4"));
+  EXPECT_FALSE(Predict(ok, {Strategy::kFullShard, 2, 4}).ok());   // replicate must be 1
+  EXPECT_FALSE(Predict(ok, {Strategy::kNoShard, 4, 2}).ok());     // shard must be 1
+  EXPECT_FALSE(Predict(ok, {Strategy::kHybridShard, 1, 8}).ok()); // replicate >= 2
+  EXPECT_FALSE(Predict(ok, {Strategy::kHybridShard, 3, 3}).ok()); // 9 ranks, not 8
 }
 
 TEST(HardwareJsonTest, BaseOverridesAndErrors) {

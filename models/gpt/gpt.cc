@@ -1,4 +1,4 @@
-#include "models/gpt.h"
+#include "models/gpt/gpt.h"
 
 #include <cmath>
 #include <set>
@@ -32,13 +32,10 @@ torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 }  // namespace
 
-int64_t GptConfig::ffn() const {
-  if (ffn_hidden > 0) return ffn_hidden;
-  if (activation == "swiglu") return (8 * dim / 3 + 63) / 64 * 64;
-  return 4 * dim;
-}
+bool HasAttention(const ModelArgs& c) { return c.arch != "mlp"; }
+bool HasBiases(const ModelArgs& c) { return c.arch == "gpt" || c.arch == "mlp"; }
 
-NormImpl::NormImpl(const GptConfig& c) : rms(c.norm == "rmsnorm"), eps(c.norm_eps) {
+NormImpl::NormImpl(const GptConfig& c) : rms(c.norm == NormKind::kRmsNorm), eps(c.norm_eps) {
   weight = Param(*this, "weight", {c.dim});
   if (!rms) bias = Param(*this, "bias", {c.dim});
 }
@@ -55,7 +52,7 @@ AttentionImpl::AttentionImpl(const GptConfig& c) : n_heads(c.n_heads), head_dim(
   wk = Param(*this, "wk", {c.dim, c.dim});
   wv = Param(*this, "wv", {c.dim, c.dim});
   wo = Param(*this, "wo", {c.dim, c.dim});
-  if (c.biases()) {
+  if (HasBiases(c)) {
     bq = Param(*this, "bq", {c.dim});
     bk = Param(*this, "bk", {c.dim});
     bv = Param(*this, "bv", {c.dim});
@@ -78,11 +75,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return Linear(y.transpose(1, 2).reshape({b, t, n_heads * head_dim}), wo, bo);
 }
 
-FeedForwardImpl::FeedForwardImpl(const GptConfig& c) : swiglu(c.activation == "swiglu") {
+FeedForwardImpl::FeedForwardImpl(const GptConfig& c) : swiglu(c.activation == Activation::kSwiglu) {
   w1 = Param(*this, "w1", {c.ffn(), c.dim});
   w2 = Param(*this, "w2", {c.dim, c.ffn()});
   if (swiglu) w3 = Param(*this, "w3", {c.ffn(), c.dim});
-  if (c.biases()) {
+  if (HasBiases(c)) {
     b1 = Param(*this, "b1", {c.ffn()});
     b2 = Param(*this, "b2", {c.dim});
   }
@@ -97,7 +94,7 @@ torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
 TransformerBlockImpl::TransformerBlockImpl(const GptConfig& c, const torch::Tensor& cos,
                                            const torch::Tensor& sin)
     : cos(cos), sin(sin) {
-  if (c.attention()) {
+  if (HasAttention(c)) {
     attention_norm = register_module("attention_norm", Norm(c));
     attention = register_module("attention", Attention(c));
   }
@@ -115,10 +112,10 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
 
 GptImpl::GptImpl(const GptConfig& c) : config(c) {
   tok_embeddings = Param(*this, "tok_embeddings", {c.vocab_size, c.dim});
-  if (c.attention() && c.positions == "learned") {
+  if (HasAttention(c) && c.positions == Positions::kLearned) {
     pos_embeddings = Param(*this, "pos_embeddings", {c.seq_len, c.dim});
   }
-  if (c.attention() && c.positions == "rope") {
+  if (HasAttention(c) && c.positions == Positions::kRope) {
     int64_t half = c.head_dim() / 2;
     auto inv = torch::pow(c.rope_theta, -torch::arange(half, torch::kDouble) * 2.0 / c.head_dim());
     auto angles = torch::outer(torch::arange(c.seq_len, torch::kDouble), inv);
@@ -192,10 +189,43 @@ double GptImpl::FlopsPerToken() const {
   double matmul = static_cast<double>(NumParameters());
   if (!config.tie_embeddings) matmul -= static_cast<double>(tok_embeddings.numel());
   if (pos_embeddings.defined()) matmul -= static_cast<double>(pos_embeddings.numel());
-  double attention = config.attention()
+  double attention = HasAttention(config)
                          ? 12.0 * config.n_layers * config.dim * config.seq_len
                          : 0.0;
   return 6.0 * matmul + attention;
+}
+
+namespace {
+
+// The Model interface over a Gpt module.
+class GptModel final : public Model {
+ public:
+  explicit GptModel(const ModelArgs& args) : gpt_(args) {}
+  std::shared_ptr<torch::nn::Module> module() const override { return gpt_.ptr(); }
+  at::Tensor Forward(const at::Tensor& tokens) override { return gpt_->forward(tokens); }
+  std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const override {
+    return gpt_->FsdpUnits();
+  }
+  ParamInitFn ParamInit(uint64_t seed) const override { return gpt_->ParamInit(seed); }
+  void MaterializeSeeded(uint64_t seed) override { gpt_->MaterializeSeeded(seed); }
+  double FlopsPerToken() const override { return gpt_->FlopsPerToken(); }
+  int64_t NumParameters() const override { return gpt_->NumParameters(); }
+
+ private:
+  Gpt gpt_;
+};
+
+}  // namespace
+
+ModelFamily GptFamily(std::string arch, std::string description) {
+  return {.arch = std::move(arch),
+          .description = std::move(description),
+          .build = [](const ModelArgs& args) -> std::unique_ptr<Model> {
+            return std::make_unique<GptModel>(args);
+          },
+          .count = CountGpt,
+          .activation_elements_per_token = GptBlockActivationElements,
+          .head_bytes_per_token = GptHeadBytesPerToken};
 }
 
 }  // namespace fsdp

@@ -1,6 +1,6 @@
 // A GPT / Llama-style decoder in libtorch's C++ frontend, and the token-wise MLP model used by
-// the smallest tests. Sizes and choices come from GptConfig (engine/ maps the YAML `model`
-// section onto it):
+// the smallest tests: the model families gpt, llama and mlp (models/registry.cc). Sizes and
+// choices come from ModelArgs (models/model.h; the YAML `model` section):
 //   token embedding, learned or rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU MLP,
 //   causal attention through scaled_dot_product_attention, optional tied output projection.
 //
@@ -13,7 +13,7 @@
 // rank creates its shards when wrapping (FsdpOptions::param_init = ParamInit(seed)) or a single
 // process materialises them all (MaterializeSeeded). Both give identical parameters.
 //
-//   Gpt model(GptConfig{.vocab_size = 256, .dim = 128, .n_layers = 4, .n_heads = 4});
+//   Gpt model(ModelArgs{.vocab_size = 256, .dim = 128, .n_layers = 4, .n_heads = 4});
 //   model->MaterializeSeeded(1234);                 // one process
 //   torch::Tensor logits = model->forward(tokens);  // [batch, seq, vocab]
 #pragma once
@@ -27,31 +27,15 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "models/model.h"
 #include "sharding/deferred_init.h"
 
 namespace fsdp {
 
-struct GptConfig {
-  std::string arch = "gpt";  // gpt (biases), llama (no biases), mlp (no attention)
-  int64_t vocab_size = 256;
-  int64_t dim = 128;
-  int64_t n_layers = 4;
-  int64_t n_heads = 4;
-  int64_t seq_len = 64;
-  int64_t ffn_hidden = 0;  // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
-  std::string norm = "layernorm";    // layernorm | rmsnorm
-  std::string activation = "gelu";   // gelu | swiglu
-  std::string positions = "learned";  // learned | rope
-  bool tie_embeddings = true;
-  double norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  double init_std = 0.02;
-
-  int64_t head_dim() const { return dim / n_heads; }
-  int64_t ffn() const;
-  bool attention() const { return arch != "mlp"; }
-  bool biases() const { return arch == "gpt" || arch == "mlp"; }
-};
+// The arch decides two things: gpt (biases), llama (no biases), mlp (biases, no attention).
+using GptConfig = ModelArgs;
+bool HasAttention(const ModelArgs& c);
+bool HasBiases(const ModelArgs& c);
 
 // LayerNorm (weight, bias) or RMSNorm (weight) over the last dimension.
 struct NormImpl : torch::nn::Module {
@@ -115,5 +99,13 @@ struct GptImpl : torch::nn::Module {
   Norm norm{nullptr};
 };
 TORCH_MODULE(Gpt);
+
+// The registry's entries for gpt, llama and mlp (models/registry.cc).
+ModelFamily GptFamily(std::string arch, std::string description);
+// Analytic counts (gpt_counts.cc); equal to Gpt(c)->NumParameters() and FlopsPerToken().
+ModelCounts CountGpt(const ModelArgs& c);
+// See Note [Activation bytes] (gpt_counts.cc).
+double GptBlockActivationElements(const ModelArgs& c);
+double GptHeadBytesPerToken(const ModelArgs& c, double compute_bytes);
 
 }  // namespace fsdp

@@ -1,0 +1,205 @@
+#include "engine/train_metrics.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <fmt/format.h>
+
+#include "common/strings.h"
+#include "device_mesh/cuda_support.h"
+#include "sharding/memory_tracker.h"
+
+namespace fsdp {
+
+nlohmann::json StepRecord::ToJson() const {
+  return {{"step", step},
+          {"loss", loss},
+          {"grad_norm", grad_norm},
+          {"lr", lr},
+          {"step_time_s", step_time_s},
+          {"tokens_per_s", tokens_per_s},
+          {"tokens_per_s_per_device", tokens_per_s_per_device},
+          {"mfu", mfu},
+          {"peak_mem_bytes", peak_mem_bytes},
+          {"comm_wait_s", comm_wait_s},
+          {"comm_bytes", comm_bytes}};
+}
+
+std::string StepRecord::ToLine() const {
+  return fmt::format(
+      "step {:>6}/{}  loss {:.4f}  grad_norm {:.3f}  lr {:.3e}  {:.0f} ms/step  {:.0f} tok/s "
+      "({:.0f}/device)  mfu {:.2f}%  peak_mem {}",
+      step, total_steps, loss, grad_norm, lr, step_time_s * 1e3, tokens_per_s,
+      tokens_per_s_per_device, 100 * mfu, HumanBytes(static_cast<double>(peak_mem_bytes)));
+}
+
+absl::StatusOr<StepRecord> ReadProgressFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() ||
+      !j.contains("total_steps") || !j["total_steps"].is_number_integer() ||
+      !j.contains("elapsed_s") || !j["elapsed_s"].is_number()) {
+    return absl::NotFoundError(StrCat(path, ": no progress record yet"));
+  }
+  StepRecord r;
+  r.step = j["step"].get<int64_t>();
+  r.total_steps = j["total_steps"].get<int64_t>();
+  r.elapsed_s = j["elapsed_s"].get<double>();
+  return r;
+}
+
+namespace {
+
+// Written to a temporary name and renamed, so a reader never sees half a record.
+void PublishProgress(const std::string& path, const StepRecord& r) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << nlohmann::json{{"step", r.step}, {"total_steps", r.total_steps}, {"elapsed_s", r.elapsed_s}}
+               .dump()
+        << "\n";
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+}
+
+}  // namespace
+
+TrainMetrics::TrainMetrics(const RunConfig& config, std::shared_ptr<DistContext> ctx,
+                           c10::Device device, double flops_per_token, CommStats& comm,
+                           std::optional<MetricsWriter> jsonl)
+    : config_(config),
+      ctx_(std::move(ctx)),
+      device_(device),
+      flops_per_token_(flops_per_token),
+      comm_(comm),
+      jsonl_(std::move(jsonl)) {
+  const TrainingSection& t = config.training;
+  tokens_per_step_ = ctx_->world_size() * t.micro_batch_size * t.grad_accum_steps *
+                     config.model.seq_len;
+  const bool bf16 = t.mixed_precision == Precision::kBf16;
+  peak_flops_ = device.is_cuda() ? PeakFlopsPerDevice(CudaDeviceDescription(device.index()), bf16)
+                                 : config.metrics.cpu_peak_flops;
+  // On a terminal of its own (torchrun, srun) rank 0 draws the bar; under `fsdp train`'s own
+  // launcher the CLI draws it from the progress file (cli/train.cc).
+  if (ctx_->rank() == 0) {
+    draw_bar_ = config.metrics.progress_bar != ProgressBarMode::kOff && isatty(STDERR_FILENO);
+    if (const char* file = std::getenv("FSDP_PROGRESS_FILE"); file != nullptr) progress_file_ = file;
+  }
+  first_bad_ = at::full({}, -1, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+void TrainMetrics::Start() {
+  CpuMemoryTracker::Install().ResetPeak();
+  if (device_.is_cuda()) CudaResetPeakMemory(device_.index());
+  comm_.Reset();
+  interval_comm_ = comm_;
+  run_start_ = interval_start_ = Clock::now();
+}
+
+void TrainMetrics::Record(const at::Tensor& loss, const at::Tensor& grad_norm,
+                          const at::Tensor& nonfinite, int64_t step, double lr) {
+  losses_.push_back(loss);
+  norms_.push_back(grad_norm);
+  lrs_.push_back(lr);
+  if (nonfinite.defined()) {
+    first_bad_ = at::where(nonfinite & first_bad_.lt(0), at::full_like(first_bad_, step + 1),
+                           first_bad_);
+  }
+}
+
+bool TrainMetrics::ShouldLog(int64_t steps_done) const {
+  return steps_done % config_.training.log_interval == 0 || steps_done == config_.training.steps;
+}
+
+absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requested) {
+  RECORD_FUNCTION("fsdp::log", std::vector<c10::IValue>());
+  const int world = ctx_->world_size();
+  const int64_t n = static_cast<int64_t>(losses_.size());
+  // One host synchronisation per log interval: the losses (averaged over data-parallel ranks),
+  // the norms and the non-finite flag of every step since the last log, and SIGTERM.
+  at::Tensor term = at::full({1}, term_requested ? 1.0 : 0.0,
+                             at::TensorOptions().dtype(at::kDouble).device(device_));
+  at::Tensor stacked = at::cat({at::stack(losses_).to(at::kDouble), term});
+  ctx_->world().AllReduce(stacked)->wait();
+  stacked = stacked.cpu();
+  IntervalEnd end;
+  end.terminate = stacked[n].item<double>() > 0;
+  end.first_nonfinite = first_bad_.item<int64_t>();
+  stacked = stacked.narrow(0, 0, n) / world;
+  at::Tensor norm_values = at::stack(norms_).to(at::kDouble).cpu();
+
+  StepRecord r;
+  r.total_steps = config_.training.steps;
+  r.elapsed_s = std::chrono::duration<double>(Clock::now() - run_start_).count();
+  r.step_time_s =
+      std::chrono::duration<double>(Clock::now() - interval_start_).count() / static_cast<double>(n);
+  r.tokens_per_s = static_cast<double>(tokens_per_step_) / r.step_time_s;
+  r.tokens_per_s_per_device = r.tokens_per_s / world;
+  r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s_per_device / peak_flops_ : 0.0;
+  r.peak_mem_bytes = device_.is_cuda() ? CudaPeakAllocatedBytes(device_.index())
+                                       : CpuMemoryTracker::Install().peak_bytes();
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    const CommCounter &now = comm_.Get(static_cast<CommKind>(k)),
+                      &before = interval_comm_.Get(static_cast<CommKind>(k));
+    r.comm_wait_s += (now.wait_seconds - before.wait_seconds) / static_cast<double>(n);
+    r.comm_bytes += static_cast<double>(now.bytes - before.bytes) / static_cast<double>(n);
+  }
+  interval_comm_ = comm_;
+  const int64_t first = steps_done - n;
+  for (int64_t i = 0; i < n; ++i) {
+    r.step = first + i + 1;
+    r.loss = stacked[i].item<double>();
+    r.grad_norm = norm_values[i].item<double>();
+    r.lr = lrs_[i];
+    if (jsonl_) jsonl_->Write(r.ToJson());
+  }
+  last_loss_ = r.loss;
+  if (ctx_->rank() == 0) {
+    if (!progress_file_.empty()) PublishProgress(progress_file_, r);  // before the line wakes the CLI
+    if (draw_bar_) std::cerr << "\r\033[K";
+    std::cout << r.ToLine() << "\n";
+    std::cout.flush();
+    if (draw_bar_) {
+      std::cerr << ProgressBar(r.step, r.total_steps, r.elapsed_s / static_cast<double>(r.step));
+      std::cerr.flush();
+    }
+  }
+  losses_.clear();
+  norms_.clear();
+  lrs_.clear();
+  interval_start_ = Clock::now();
+  return end;
+}
+
+void TrainMetrics::RecordEval(int64_t step, double val_loss) {
+  interval_start_ = Clock::now();  // the evaluation is not part of the next interval's steps
+  if (ctx_->rank() != 0) return;
+  std::cout << fmt::format("eval   step {:>6}  val_loss {:.4f}\n", step, val_loss);
+  if (jsonl_) jsonl_->Write({{"step", step}, {"val_loss", val_loss}});
+}
+
+void TrainMetrics::RecordCheckpoint(int64_t step, double blocking_seconds) {
+  if (jsonl_) jsonl_->Write({{"step", step}, {"checkpoint_blocking_s", blocking_seconds}});
+}
+
+void TrainMetrics::Finish(int64_t steps) {
+  if (ctx_->rank() != 0) return;
+  if (draw_bar_) std::cerr << "\n";
+  const double total = std::chrono::duration<double>(Clock::now() - run_start_).count();
+  std::cout << fmt::format("fsdp train: done, {} steps in {:.1f} s, final loss {:.4f}; metrics in {}\n",
+                           steps, total, last_loss_,
+                           (std::filesystem::path(config_.run.dir) / "metrics.jsonl").string());
+}
+
+}  // namespace fsdp

@@ -1,0 +1,51 @@
+// The model as the training loop drives it: one interface that the FSDP-wrapped model and the
+// unwrapped baseline both implement, so the loop has no "sharded or not" branches.
+//
+// Per step, in this order (every rank, the same calls):
+//   for each micro-batch m of k:  BeginMicroBatch(m, k); loss = f(Forward(x)); loss.backward();
+//                                 AfterBackward();
+//   norm = ClipGradNorm(max);  optimizer.step();  AfterStep();  optimizer.zero_grad();
+//
+//   std::unique_ptr<TrainableModel> wrapped = WrapForTraining(std::move(fsdp_model));
+//   auto optimizer = BuildOptimizer(config.optimizer, wrapped->parameters());
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "sharding/comm_stats.h"
+
+namespace fsdp {
+
+class FsdpModel;
+
+class TrainableModel {
+ public:
+  virtual ~TrainableModel() = default;
+  // What the optimizer steps (sharded fp32 parameters, or the unwrapped model's masters).
+  virtual std::vector<at::Tensor> parameters() const = 0;
+  // Before micro-batch `index` of `count` (HSDP: the replicas' all-reduce waits for the last).
+  virtual void BeginMicroBatch(int index, int count) {}
+  // After each micro-batch's backward.
+  virtual void AfterBackward() {}
+  // Clips by the global gradient norm; returns the norm before clipping (0-dim fp32 on the
+  // device: no host synchronisation). Collective where the gradients are sharded.
+  virtual at::Tensor ClipGradNorm(double max_norm) = 0;
+  // After the optimizer step.
+  virtual void AfterStep() {}
+  // The parameters from a safetensors file with the state-dict names (model.init_from).
+  virtual absl::Status InitFromSafetensors(const std::string& path) = 0;
+  // Collectives issued so far (all zero without a wrapper).
+  virtual CommStats& comm_stats() = 0;
+  // The sharded model, for sharded checkpoints; null for the unwrapped baseline.
+  virtual FsdpModel* fsdp() { return nullptr; }
+};
+
+// The FSDP-wrapped model behind the interface.
+std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model);
+
+}  // namespace fsdp

@@ -1,0 +1,109 @@
+// What the engine, the planner and the benchmarks need of a model, and the registry that finds
+// a model family by the YAML key `model.arch`.
+//
+// A model family is one folder under models/ (models/gpt/ builds gpt, llama and mlp) and one
+// line in models/registry.cc. It provides:
+//   - Build: the libtorch module behind the `Model` interface (forward, its FSDP units, seeded
+//     initialisation, FLOPs per token). The module routes each unit's forward through
+//     fsdp::UnitForward (sharding/unit_forward.h) and knows nothing else of the engine.
+//   - Count: parameter counts and dim-0 shapes per unit, without building anything, so that
+//     `fsdp plan` answers for 175B parameters in microseconds.
+//   - activation and head bytes per token, for the planner's memory model.
+//
+//   const ModelFamily* family = FindModelFamily("llama");
+//   std::unique_ptr<Model> model = family->build(ModelArgs{.arch = "llama", .dim = 256});
+//   model->MaterializeSeeded(1234);
+//   at::Tensor logits = model->Forward(tokens);          // [batch, seq, vocab]
+//   ModelCounts counts = family->count(args);             // == model->NumParameters()
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "sharding/deferred_init.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+enum class NormKind { kLayerNorm, kRmsNorm };
+enum class Activation { kGelu, kSwiglu };
+enum class Positions { kLearned, kRope };
+
+// The YAML `model` section's shape keys, typed (engine/config.cc parses the names).
+struct ModelArgs {
+  std::string arch = "gpt";  // a registered family (ModelArchs())
+  int64_t vocab_size = 256;
+  int64_t dim = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t seq_len = 64;
+  int64_t ffn_hidden = 0;  // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
+  NormKind norm = NormKind::kLayerNorm;
+  Activation activation = Activation::kGelu;
+  Positions positions = Positions::kLearned;
+  bool tie_embeddings = true;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t ffn() const;
+};
+
+// Analytic sizes (no tensors): what `fsdp plan` and the benchmarks' theory lines count.
+struct ModelCounts {
+  int64_t params = 0;
+  std::vector<int64_t> unit_params;  // root first, then the units in forward order
+  // Per unit (same order), every parameter as (dim0 rows, elements per row): the padding of
+  // dim-0 sharding depends on it.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_shapes;
+  double flops_per_token = 0;
+  double block_flops_per_token = 0;  // one non-root unit's share (the planner's overlap model)
+};
+
+// A built model, as the trainer drives it.
+class Model {
+ public:
+  virtual ~Model() = default;
+  // The module to wrap (its parameters are deferred until MaterializeSeeded or sharding).
+  virtual std::shared_ptr<torch::nn::Module> module() const = 0;
+  // tokens [batch, seq] int64 -> logits [batch, seq, vocab].
+  virtual at::Tensor Forward(const at::Tensor& tokens) = 0;
+  // The submodules that become FSDP units (the root unit holds the rest).
+  virtual std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const = 0;
+  // FsdpOptions::param_init: each rank creates only its shards' values.
+  virtual ParamInitFn ParamInit(uint64_t seed) const = 0;
+  // Gives every deferred parameter its seeded values (one process, no sharding).
+  virtual void MaterializeSeeded(uint64_t seed) = 0;
+  // Training FLOPs per token (forward + backward), for MFU. See docs/models.md.
+  virtual double FlopsPerToken() const = 0;
+  virtual int64_t NumParameters() const = 0;  // each tensor once
+};
+
+struct ModelFamily {
+  std::string arch;         // the `model.arch` value
+  std::string description;  // one line, for `fsdp plan` and docs
+  std::function<std::unique_ptr<Model>(const ModelArgs&)> build;
+  std::function<ModelCounts(const ModelArgs&)> count;  // equals the built model's
+  // Elements (compute dtype) autograd keeps per token and per unit until backward.
+  std::function<double(const ModelArgs&)> activation_elements_per_token;
+  // Bytes per token of the head and loss (logits, fp32 loss copies), `compute_bytes` per element.
+  std::function<double(const ModelArgs&, double compute_bytes)> head_bytes_per_token;
+};
+
+// The family registered under `arch`, or null.
+const ModelFamily* FindModelFamily(std::string_view arch);
+// Every registered arch, in registry order (for "valid: ..." messages).
+std::vector<std::string> ModelArchs();
+
+}  // namespace fsdp
