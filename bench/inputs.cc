@@ -14,6 +14,7 @@
 
 #include "bench/bench.h"
 #include "checkpoint/safetensors.h"
+#include "common/env_knobs.h"
 #include "common/status.h"
 #include "common/strings.h"
 #include "engine/data.h"
@@ -69,7 +70,7 @@ absl::Status WriteBatches(const RunConfig& config, int world_size, int steps,
 
 std::string PythonPath(const std::string& requested) {
   if (!requested.empty()) return requested;
-  if (const char* env = std::getenv("FSDP_PYTHON"); env != nullptr && *env != '\0') return env;
+  if (std::optional<std::string> env = GetEnvKnob(kPython); env && !env->empty()) return *env;
   return FSDP_VENV_PYTHON;
 }
 

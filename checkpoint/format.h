@@ -16,6 +16,10 @@
 //   ... rank 0 merges every rank's manifest into Metadata, WriteMetadata, CommitCheckpoint ...
 //   absl::StatusOr<CheckpointReader> r = CheckpointReader::Open(dir);
 //   r->ReadRows("model/layers.0.attention.wq", 10, 20, out);   // any rows, any sharding
+//
+// The structs and JSON schemas are in metadata.h (included); the code is split by task:
+// shard_writer.cc, commit.cc (metadata.json, commit, latest, prune), reader.cc,
+// metadata_json.cc, tensor_layout.cc, crc32.cc, file_io.cc.
 #pragma once
 
 #include <cstdint>
@@ -25,69 +29,12 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "checkpoint/metadata.h"
 
 namespace fsdp::ckpt {
-
-constexpr int kFormatVersion = 1;
-constexpr const char* kMetadataFile = "metadata.json";
-constexpr int64_t kMaxMetadataBytes = 256 << 20;
-
-struct Chunk {
-  std::string file;       // file name inside the checkpoint folder, e.g. "rank00001.bin"
-  int64_t offset = 0;     // byte offset in the file
-  int64_t nbytes = 0;
-  int64_t row_begin = 0;  // dim-0 rows [row_begin, row_end) of the global tensor
-  int64_t row_end = 0;
-  uint32_t crc32 = 0;     // of the chunk's bytes
-};
-
-struct TensorEntry {
-  std::string name;
-  std::string dtype;            // "F32", "BF16", "F16", "F64", "I64", "I32" (safetensors names)
-  std::vector<int64_t> shape;   // global shape; a scalar is [] and stored as one row
-  std::vector<Chunk> chunks;    // ordered by row_begin; together they cover every row once
-};
-
-struct FileEntry {
-  std::string file;
-  int64_t size = 0;
-  uint32_t crc32 = 0;  // of the whole file
-};
-
-// What one rank wrote.
-struct RankManifest {
-  int rank = 0;
-  std::vector<TensorEntry> tensors;  // only this rank's chunks
-  FileEntry file;
-};
-
-struct Metadata {
-  int version = kFormatVersion;
-  int64_t step = 0;
-  int world_size = 1;
-  std::vector<std::string> mesh_axes;
-  std::vector<int> mesh_degrees;
-  std::string strategy;
-  nlohmann::json extra;  // trainer state: data position, RNG states, resolved config, ...
-  std::vector<TensorEntry> tensors;  // merged: every tensor with all its chunks
-  std::vector<FileEntry> files;
-};
-
-// Merges the ranks' manifests: chunks of one tensor from several ranks are combined and must
-// tile its rows exactly once (kInternal naming the tensor otherwise).
-absl::StatusOr<std::vector<TensorEntry>> MergeManifests(const std::vector<RankManifest>& ranks);
-
-nlohmann::json ToJson(const Metadata& metadata);
-// Validates every field (types, ranges, chunks within their files, rows tiling the shape);
-// kDataLoss naming `source` and the field otherwise.
-absl::StatusOr<Metadata> MetadataFromJson(const nlohmann::json& json, const std::string& source);
-
-const char* DtypeName(c10::ScalarType dtype);  // at::kFloat -> "F32"; "" if not supported
-absl::StatusOr<c10::ScalarType> DtypeFromName(const std::string& name);
 
 // Writes one rank's file. Tensors are copied to CPU (contiguous) as they are added.
 class ShardWriter {

@@ -1,10 +1,12 @@
 #include "common/logging.h"
 
-#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <spdlog/sinks/stdout_sinks.h>
+
+#include "common/env_knobs.h"
 
 namespace fsdp {
 namespace {
@@ -18,8 +20,8 @@ std::shared_ptr<spdlog::logger> MakeLogger() {
   auto logger = std::make_shared<spdlog::logger>(
       "fsdp", std::make_shared<spdlog::sinks::stderr_sink_mt>());
   logger->set_pattern(Pattern(-1));
-  const char* level = std::getenv("FSDP_LOG_LEVEL");
-  logger->set_level(level ? spdlog::level::from_str(level) : spdlog::level::info);
+  std::optional<std::string> level = GetEnvKnob(kLogLevel);
+  logger->set_level(level ? spdlog::level::from_str(*level) : spdlog::level::info);
   logger->flush_on(spdlog::level::trace);
   return logger;
 }

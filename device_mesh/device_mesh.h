@@ -7,11 +7,14 @@
 // Create is collective over the whole world: every rank calls it with the same shape, and
 // all ranks create their meshes in the same order.
 //
-//   auto ctx = DistContext::InitFromEnvironment({});
-//   FSDP_ASSIGN_OR_RETURN(MeshShape shape, ParseMeshSpec("replicate=2,shard=-1", (*ctx)->world_size()));
-//   FSDP_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(*ctx, shape));
-//   ProcessGroup& shard = mesh.group("shard");
+//   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<DistContext> ctx,
+//                         DistContext::InitFromEnvironment(DistOptions{}));
+//   FSDP_ASSIGN_OR_RETURN(MeshShape shape,
+//                         ParseMeshSpec("replicate=2,shard=-1", ctx->world_size()));
+//   FSDP_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(ctx, shape));
+//   FSDP_ASSIGN_OR_RETURN(ProcessGroup * shard, mesh.group("shard"));
 //   int my_shard_index = mesh.coord(mesh.shape().AxisIndex("shard"));
+// (compiled and run on 2 ranks in tests/header_examples_test.cc)
 #pragma once
 
 #include <memory>

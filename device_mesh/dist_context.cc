@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "absl/strings/str_format.h"
+#include "common/env_knobs.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "device_mesh/cuda_support.h"
@@ -187,9 +188,9 @@ absl::Status DistOptions::Validate() const {
 absl::Status ApplyTimeoutEnv(const EnvLookup& env, DistOptions& options) {
   const int kMaxSeconds = 7 * 24 * 3600;
   FSDP_ASSIGN_OR_RETURN(std::optional<int> rdzv,
-                        GetOptionalIntEnv(env, "FSDP_RENDEZVOUS_TIMEOUT_S", 1, kMaxSeconds));
+                        GetOptionalIntEnv(env, kRendezvousTimeoutS.name, 1, kMaxSeconds));
   FSDP_ASSIGN_OR_RETURN(std::optional<int> coll,
-                        GetOptionalIntEnv(env, "FSDP_COLLECTIVE_TIMEOUT_S", 1, kMaxSeconds));
+                        GetOptionalIntEnv(env, kCollectiveTimeoutS.name, 1, kMaxSeconds));
   if (rdzv) options.rendezvous_timeout = std::chrono::seconds(*rdzv);
   if (coll) options.collective_timeout = std::chrono::seconds(*coll);
   return absl::OkStatus();
@@ -245,8 +246,9 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
     ctx->device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     ctx->group_options_.cuda_device = index;
   }
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    ctx->group_options_.gloo_interface = ifname;
+  if (std::optional<std::string> ifname = GetEnvKnob(kGlooSocketIfname);
+      ifname && !ifname->empty()) {
+    ctx->group_options_.gloo_interface = *ifname;
   } else if (env.master_addr.empty() || IsLoopback(env.master_addr)) {
     ctx->group_options_.gloo_hostname = "127.0.0.1";
   }

@@ -8,16 +8,15 @@
 #include <filesystem>
 
 #include <ATen/ATen.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "checkpoint/format.h"
 #include "checkpoint/safetensors.h"
+#include "common/env_knobs.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
+#include "engine/optimizer.h"
 
 namespace fsdp {
 
@@ -37,72 +36,6 @@ struct Checkpointer::Pending {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-nlohmann::json ManifestToJson(const ckpt::RankManifest& m) {
-  nlohmann::json tensors = nlohmann::json::array();
-  for (const ckpt::TensorEntry& t : m.tensors) {
-    nlohmann::json chunks = nlohmann::json::array();
-    for (const ckpt::Chunk& c : t.chunks) {
-      chunks.push_back({{"file", c.file}, {"offset", c.offset}, {"nbytes", c.nbytes},
-                        {"rows", {c.row_begin, c.row_end}}, {"crc32", c.crc32}});
-    }
-    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"chunks", chunks}});
-  }
-  return {{"rank", m.rank}, {"tensors", tensors},
-          {"file", {{"file", m.file.file}, {"size", m.file.size}, {"crc32", m.file.crc32}}}};
-}
-
-ckpt::RankManifest ManifestFromJson(const nlohmann::json& j) {
-  ckpt::RankManifest m;
-  m.rank = j.at("rank").get<int>();
-  for (const auto& t : j.at("tensors")) {
-    ckpt::TensorEntry e;
-    e.name = t.at("name").get<std::string>();
-    e.dtype = t.at("dtype").get<std::string>();
-    e.shape = t.at("shape").get<std::vector<int64_t>>();
-    for (const auto& c : t.at("chunks")) {
-      ckpt::Chunk chunk;
-      chunk.file = c.at("file").get<std::string>();
-      chunk.offset = c.at("offset").get<int64_t>();
-      chunk.nbytes = c.at("nbytes").get<int64_t>();
-      chunk.row_begin = c.at("rows")[0].get<int64_t>();
-      chunk.row_end = c.at("rows")[1].get<int64_t>();
-      chunk.crc32 = c.at("crc32").get<uint32_t>();
-      e.chunks.push_back(chunk);
-    }
-    m.tensors.push_back(std::move(e));
-  }
-  const auto& f = j.at("file");
-  m.file = {f.at("file").get<std::string>(), f.at("size").get<int64_t>(),
-            f.at("crc32").get<uint32_t>()};
-  return m;
-}
-
-// The optimizer's per-parameter state tensors that have the parameter's shape, by name.
-std::vector<std::pair<std::string, at::Tensor*>> StateTensors(torch::optim::OptimizerParamState& s) {
-  if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(&s)) {
-    return {{"exp_avg", &a->exp_avg()}, {"exp_avg_sq", &a->exp_avg_sq()}};
-  }
-  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&s)) {
-    return {{"exp_avg", &a->exp_avg()}, {"exp_avg_sq", &a->exp_avg_sq()}};
-  }
-  if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(&s)) {
-    return {{"momentum_buffer", &g->momentum_buffer()}};
-  }
-  return {};
-}
-
-int64_t* StepOf(torch::optim::OptimizerParamState& s) {
-  if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(&s)) return &a->step();
-  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&s)) return &a->step();
-  return nullptr;
-}
-
-std::unique_ptr<torch::optim::OptimizerParamState> NewState(torch::optim::Optimizer& opt) {
-  if (dynamic_cast<torch::optim::AdamW*>(&opt)) return std::make_unique<torch::optim::AdamWParamState>();
-  if (dynamic_cast<torch::optim::Adam*>(&opt)) return std::make_unique<torch::optim::AdamParamState>();
-  return std::make_unique<torch::optim::SGDParamState>();
-}
 
 }  // namespace
 
@@ -159,7 +92,7 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
       for (auto& [state_name, tensor] : StateTensors(*it->second)) {
         add(StrCat("optim/", name, "/", state_name), *tensor);
       }
-      if (int64_t* s = StepOf(*it->second); s != nullptr && rank0) {
+      if (int64_t* s = StepCounter(*it->second); s != nullptr && rank0) {
         pending->items.push_back({StrCat("optim/", name, "/step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
       }
     }
@@ -193,13 +126,13 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
     FSDP_ASSIGN_OR_RETURN(manifest, writer.Finish());
   }
   // Fault injection for the tests: this rank dies after writing its shard, before reporting.
-  if (const char* crash = std::getenv("FSDP_CHECKPOINT_CRASH_AFTER_WRITE");
-      crash != nullptr && ParseInt(crash) == ctx_->rank()) {
+  if (std::optional<std::string> crash = GetEnvKnob(kCheckpointCrashAfterWrite);
+      crash && ParseInt(*crash) == ctx_->rank()) {
     std::_Exit(137);
   }
   // Report to rank 0 through the store (thread-safe, outside the process groups' order).
   const std::string key = StrCat("fsdp/ckpt/", pending.step, "/rank/");
-  std::string text = ManifestToJson(manifest).dump();
+  std::string text = ckpt::RankManifestToJson(manifest).dump();
   ctx_->store()->set(key + StrCat(ctx_->rank()), std::vector<uint8_t>(text.begin(), text.end()));
   if (ctx_->rank() != 0) return absl::OkStatus();
 
@@ -210,7 +143,15 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
       ctx_->store()->wait({k}, ctx_->options().collective_timeout);
     }));
     std::vector<uint8_t> v = ctx_->store()->get(k);
-    ckpt::RankManifest m = ManifestFromJson(nlohmann::json::parse(std::string(v.begin(), v.end())));
+    const std::string source = StrCat("rank ", r, "'s checkpoint manifest (store key ", k, ")");
+    FSDP_ASSIGN_OR_RETURN(nlohmann::json json,
+                          ckpt::ParseJson(std::string_view(reinterpret_cast<const char*>(v.data()),
+                                                           v.size()),
+                                          source));
+    FSDP_ASSIGN_OR_RETURN(ckpt::RankManifest m, ckpt::RankManifestFromJson(json, source));
+    if (m.rank != r) {
+      return absl::DataLossError(StrCat(source, ": rank: ", m.rank, ", expected ", r));
+    }
     if (!m.file.file.empty()) manifests.push_back(std::move(m));
   }
   ckpt::Metadata metadata;
@@ -271,7 +212,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     at::Tensor dst = shard;
     FSDP_RETURN_IF_ERROR(read_into("model/" + name, dst, first, p->sharding.shape));
     if (!p->requires_grad) continue;
-    std::unique_ptr<torch::optim::OptimizerParamState> state = NewState(optimizer_);
+    std::unique_ptr<torch::optim::OptimizerParamState> state = NewParamState(optimizer_);
     bool any = false;
     for (auto& [state_name, tensor] : StateTensors(*state)) {
       std::string key = StrCat("optim/", name, "/", state_name);
@@ -280,7 +221,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
       FSDP_RETURN_IF_ERROR(read_into(key, *tensor, first, p->sharding.shape));
       any = true;
     }
-    if (int64_t* step = StepOf(*state); step != nullptr) {
+    if (int64_t* step = StepCounter(*state); step != nullptr) {
       if (const ckpt::TensorEntry* e = reader.Find(StrCat("optim/", name, "/step")); e != nullptr) {
         at::Tensor s;
         FSDP_RETURN_IF_ERROR(reader.ReadRows(e->name, 0, 1, s));

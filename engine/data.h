@@ -17,9 +17,15 @@
 // on (seed, global batch), not on how it is sharded. The position (epoch, batch) is all the
 // state, so resuming is exact.
 //
-//   absl::StatusOr<std::unique_ptr<TokenDataset>> data = OpenDataset(config.data, model.vocab_size, seed);
-//   DataLoader loader(**data, {.seq_len = 64, .micro_batch = 8, .grad_accum = 2, .dp_rank = r, .dp_size = 4, .seed = 1});
-//   Batch b = loader.Next(/*micro_step=*/0);   // b.inputs, b.targets: [8, 64] int64
+//   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> data,
+//                         OpenDataset(config.data, /*vocab_size=*/256, /*seed=*/1));
+//   FSDP_ASSIGN_OR_RETURN(DataLoader loader,
+//                         DataLoader::Create(*data, {.seq_len = 64, .micro_batch = 8,
+//                                                    .grad_accum = 2, .dp_rank = 1,
+//                                                    .dp_size = 4, .seed = 1}));
+//   Batch b = loader.Get(/*micro_step=*/0);  // b.inputs, b.targets: [8, 64] int64
+//   loader.Advance();                        // the next global batch; position() resumes it
+// (compiled and run in tests/header_examples_test.cc)
 #pragma once
 
 #include <cstdint>

@@ -2,9 +2,10 @@
 // line on rank 0's stdout every log interval, an optional progress bar on a terminal, and MFU
 // against a table of peak FLOP/s.
 //
-//   MetricsWriter writer(run_dir + "/metrics.jsonl");
-//   writer.Write({{"step", 1}, {"loss", 5.2}, ...});
-//   double peak = PeakFlopsPerDevice("NVIDIA H100 80GB HBM3", /*bf16=*/true);   // 989e12
+//   FSDP_ASSIGN_OR_RETURN(MetricsWriter writer, MetricsWriter::Open(run_dir + "/metrics.jsonl"));
+//   writer.Write({{"step", 1}, {"loss", 5.2}});
+//   double peak = PeakFlopsPerDevice("NVIDIA H100 80GB HBM3", /*bf16=*/true);  // 989e12
+// (compiled and run in tests/header_examples_test.cc)
 #pragma once
 
 #include <cstdio>

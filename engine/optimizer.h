@@ -1,38 +1,74 @@
-// Optimizers: one place that builds them from the `optimizer` section and names their state
-// for checkpoints.
+// The optimizers a run can use (the YAML `optimizer` section), built in one place, and the names
+// their per-parameter state is saved under in a checkpoint ("optim/<param>/exp_avg", ...).
+// Not collective: each rank builds its optimizer over its own shards.
+//
+//   OptimizerOptions options{.kind = *ParseOptimizerKind("adamw"), .lr = 1e-3};
+//   std::unique_ptr<torch::optim::Optimizer> opt = BuildOptimizer(options, model.parameters());
+//   SetLearningRate(*opt, 5e-4);                                 // every param group
+//   for (const OptimizerStateTensor& s : StateTensors(*opt->state().begin()->second))
+//     ... s.name ("exp_avg", "exp_avg_sq" or "momentum_buffer"), *s.tensor ...
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
-
-namespace torch::optim {
-class Optimizer;
-}
+#include <torch/optim/optimizer.h>
 
 namespace fsdp {
 
 enum class OptimizerKind { kAdamW, kAdam, kSgd };
+
 std::string_view OptimizerKindName(OptimizerKind kind);  // "adamw" | "adam" | "sgd"
+// The kind named `name` (exact, lower case), or nullopt.
 std::optional<OptimizerKind> ParseOptimizerKind(std::string_view name);
-std::vector<std::string> OptimizerKindNames();  // for "valid: ..." messages
+// Every kind's name, in enum order: for "valid: ..." messages.
+std::vector<std::string> OptimizerKindNames();
 
 struct OptimizerOptions {  // the YAML `optimizer` section, typed
   OptimizerKind kind = OptimizerKind::kAdamW;
   double lr = 3e-3;
   double weight_decay = 0.1;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
+  double beta1 = 0.9;   // adam, adamw
+  double beta2 = 0.95;  // adam, adamw
+  double eps = 1e-8;    // adam, adamw
   double momentum = 0.9;  // sgd
 };
 
+// torch::optim::AdamW / Adam / SGD over `params` with the options' hyper-parameters (Adam's
+// weight decay is L2 added to the gradient, AdamW's is decoupled, as in torch).
 std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& options,
                                                         std::vector<at::Tensor> params);
+
+// Sets the learning rate of every parameter group.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);
+
+// ---- per-parameter state, as checkpoints name it ----
+
+// The kind of an optimizer BuildOptimizer made; nullopt for any other optimizer.
+std::optional<OptimizerKind> KindOf(const torch::optim::Optimizer& optimizer);
+
+// Names of the state tensors (each shaped like its parameter) that `kind` keeps per parameter:
+// adam / adamw {"exp_avg", "exp_avg_sq"}, sgd {"momentum_buffer"}.
+std::vector<std::string_view> StateTensorNames(OptimizerKind kind);
+
+struct OptimizerStateTensor {
+  std::string_view name;  // one of StateTensorNames(kind)
+  at::Tensor* tensor;     // inside the state; may be undefined (e.g. SGD before its first step)
+};
+// The state tensors of one parameter's state, by checkpoint name, in StateTensorNames order;
+// empty for a state of another optimizer.
+std::vector<OptimizerStateTensor> StateTensors(torch::optim::OptimizerParamState& state);
+
+// The state's step counter (adam, adamw), or nullptr (sgd has none).
+int64_t* StepCounter(torch::optim::OptimizerParamState& state);
+
+// A fresh per-parameter state of the optimizer's kind (tensors undefined, step 0), to fill from
+// a checkpoint and put into optimizer.state(); an SGD state for an optimizer of unknown kind.
+std::unique_ptr<torch::optim::OptimizerParamState> NewParamState(
+    const torch::optim::Optimizer& optimizer);
 
 }  // namespace fsdp

@@ -9,6 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "common/env_knobs.h"
 #include "common/logging.h"
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
@@ -49,9 +50,9 @@ std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_r
   };
   // As torchrun: several ranks per node would oversubscribe the cores with one OpenMP thread
   // pool each; the user can still say otherwise.
-  if (o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+  if (o.nproc_per_node > 1 && !GetEnvKnob(kOmpNumThreads)) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    env["OMP_NUM_THREADS"] = StrCat(std::max(1L, cores / o.nproc_per_node));
+    env[std::string(kOmpNumThreads.name)] = StrCat(std::max(1L, cores / o.nproc_per_node));
   }
   return env;
 }

@@ -41,7 +41,7 @@ MATCHER_P2(StatusIs, code, message_matcher, "") {
                                        result_listener);
 }
 
-// A bitwise CRC-32 (zlib / IEEE), independent of the table-driven one in format.cc.
+// A bitwise CRC-32 (zlib / IEEE), independent of the table-driven one in crc32.cc.
 uint32_t ReferenceCrc32(const std::string& bytes) {
   uint32_t crc = 0xFFFFFFFFu;
   for (unsigned char b : bytes) {
@@ -458,6 +458,63 @@ TEST_F(CheckpointFormatTest, MetadataValidation) {
   EXPECT_THAT(MetadataFromJson(v2, "src"),
               StatusIs(absl::StatusCode::kUnimplemented,
                        "src: format version 2 is newer than this build reads (1)"));
+}
+
+// The rank manifest (what a rank reports to rank 0): round trip and validation.
+TEST_F(CheckpointFormatTest, RankManifestJson) {
+  at::Tensor w = at::randn({10, 3});
+  ShardWriter writer(root_ + "/m.tmp", 1);
+  ASSERT_TRUE(writer.Add("w", w.slice(0, 4, 8), 4, {10, 3}).ok());
+  ASSERT_TRUE(writer.Add("none", at::zeros({0, 4}), 0, {0, 4}).ok());
+  absl::StatusOr<RankManifest> written = writer.Finish();
+  ASSERT_TRUE(written.ok()) << written.status();
+  const nlohmann::json good = RankManifestToJson(*written);
+  absl::StatusOr<RankManifest> back = RankManifestFromJson(good, "src");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->rank, 1);
+  EXPECT_EQ(back->file.file, "rank00001.bin");
+  EXPECT_EQ(back->file.crc32, written->file.crc32);
+  ASSERT_EQ(back->tensors.size(), 2u);
+  EXPECT_EQ(back->tensors[0].chunks[0].row_end, 8);
+  EXPECT_EQ(RankManifestToJson(*back), good);
+
+  // A rank that held no rows reports no file.
+  RankManifest empty;
+  empty.rank = 2;
+  absl::StatusOr<RankManifest> empty_back = RankManifestFromJson(RankManifestToJson(empty), "e");
+  ASSERT_TRUE(empty_back.ok()) << empty_back.status();
+  EXPECT_EQ(empty_back->rank, 2);
+  EXPECT_TRUE(empty_back->file.file.empty());
+
+  using J = nlohmann::json;
+  struct Case {
+    std::function<void(J&)> mutate;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {[](J& j) { j.erase("rank"); }, "src: rank: missing"},
+      {[](J& j) { j["rank"] = -1; }, "src: rank: -1 is out of range [0, 2147483647]"},
+      {[](J& j) { j.erase("file"); }, "src: file: missing"},
+      {[](J& j) { j["file"]["size"] = -1; },
+       "src: file.size: -1 is out of range [0, 9223372036854775807]"},
+      {[](J& j) { j["tensors"] = J::object(); }, "src: tensors: expected an array, got object"},
+      {[](J& j) { j["tensors"][0].erase("shape"); }, "src: tensors[0].shape: missing"},
+      {[](J& j) { j["tensors"][0]["chunks"][0]["crc32"] = "x"; },
+       "src: tensors[0].chunks[0].crc32: expected an integer, got string"},
+      {[](J& j) { j["tensors"][0]["chunks"][0]["file"] = "rank00002.bin"; },
+       "src: tensors[0].chunks[0].file: 'rank00002.bin' is not listed in files"},
+      {[](J& j) { j["tensors"][0]["chunks"][0]["rows"] = {8, 12}; },
+       "src: tensors[0].chunks: rows [8, 12) are beyond the 10 rows of shape [10, 3]"},
+      {[](J& j) { j = J::array(); }, "src: (root): expected an object, got array"},
+  };
+  for (const Case& c : cases) {
+    J json = good;
+    c.mutate(json);
+    EXPECT_THAT(RankManifestFromJson(json, "src"),
+                StatusIs(absl::StatusCode::kDataLoss, c.message));
+  }
+  EXPECT_THAT(ParseJson(R"({"rank": )", "rank 3's manifest"),
+              StatusIs(absl::StatusCode::kDataLoss, StartsWith("rank 3's manifest: not valid JSON")));
 }
 
 TEST_F(CheckpointFormatTest, MergeRejectsNonTilingRows) {

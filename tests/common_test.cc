@@ -3,12 +3,14 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/env.h"
+#include "common/env_knobs.h"
 #include "common/strings.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -225,6 +227,32 @@ TEST(GetOptionalIntEnvTest, UnsetIsNotAnError) {
   }
   EXPECT_THAT(GetOptionalIntEnv(env, "SET", 6, 9).status(),
               InvalidArgumentWith(HasSubstr("SET=5 is out of range; valid: 6..9")));
+}
+
+// The one declaration of our environment knobs: unique names, each documented.
+TEST(EnvKnobsTest, UniqueAndDescribed) {
+  std::set<std::string_view> names;
+  for (const EnvKnob& knob : AllEnvKnobs()) {
+    SCOPED_TRACE(std::string(knob.name));
+    EXPECT_TRUE(names.insert(knob.name).second) << "declared twice";
+    EXPECT_FALSE(knob.name.empty());
+    EXPECT_FALSE(knob.description.empty());
+    EXPECT_FALSE(knob.default_value.empty());
+    EXPECT_FALSE(knob.valid.empty());
+    EXPECT_FALSE(knob.read_by.empty());
+  }
+  EXPECT_GE(names.size(), 8u);
+}
+
+TEST(EnvKnobsTest, GetEnvKnobReadsTheProcessEnvironment) {
+  constexpr EnvKnob kProbe{"FSDP_ENV_KNOBS_TEST_PROBE", "d", "unset", "any", "tests"};
+  ::unsetenv("FSDP_ENV_KNOBS_TEST_PROBE");
+  EXPECT_EQ(GetEnvKnob(kProbe), std::nullopt);
+  ::setenv("FSDP_ENV_KNOBS_TEST_PROBE", "", 1);
+  EXPECT_EQ(GetEnvKnob(kProbe), "");
+  ::setenv("FSDP_ENV_KNOBS_TEST_PROBE", "3", 1);
+  EXPECT_EQ(GetEnvKnob(kProbe), "3");
+  ::unsetenv("FSDP_ENV_KNOBS_TEST_PROBE");
 }
 
 }  // namespace

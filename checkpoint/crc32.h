@@ -1,0 +1,21 @@
+// CRC-32 as zlib computes it (IEEE 802.3, reflected polynomial 0xEDB88320): the checksum of
+// every checkpoint chunk and file.
+//
+//   uint32_t crc = Crc32(0, a, na);
+//   crc = Crc32(crc, b, nb);          // == Crc32(0, a + b, na + nb)
+//   std::string shown = CrcHex(crc);  // "0x1c291ca3"
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fsdp::ckpt {
+
+// Like zlib's crc32(crc, data, n): Crc32(Crc32(0, a), b) == Crc32(0, a + b).
+uint32_t Crc32(uint32_t crc, const void* data, size_t n);
+
+// "0x%08x", for messages.
+std::string CrcHex(uint32_t crc);
+
+}  // namespace fsdp::ckpt

@@ -1,0 +1,100 @@
+// Every environment variable fsdp.cpp reads for itself, declared once: its name, what it does,
+// its default, its valid values and who reads it. Code reads a knob through its declaration
+// (GetEnvKnob(kLogLevel), or GetOptionalIntEnv(env, kCollectiveTimeoutS.name, ...) where an
+// EnvLookup is threaded through for tests); a knob's name string appears only in this file.
+//
+// Not declared here:
+//   - The launcher-standard variables that say where a rank stands (RANK, LOCAL_RANK,
+//     WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*,
+//     SLURM_*, OMPI_COMM_WORLD_*, PMI_*, MPI_LOCALRANKID, MPI_LOCALNRANKS): torchrun, SLURM and
+//     MPI define them; device_mesh/launch_env.cc reads them as a table per launcher (and
+//     launcher/launch.cc sets the torchrun ones for the ranks it starts).
+//   - The test harness's own variables (FSDP_TEST_CHILD_CALL, FSDP_TEST_RANK, set for and
+//     read by the rank processes of tests/multirank.cc), and FSDP_TEST_VERBOSE (listed below).
+//   - Build-time knobs (FSDP_TORCH_DIR, FSDP_CUDA_MODE, JOBS...): the Makefile's, not the
+//     binaries'.
+//
+//   if (std::optional<std::string> level = GetEnvKnob(kLogLevel)) ...;   // nullopt: unset
+//   for (const EnvKnob& knob : AllEnvKnobs()) std::cout << knob.name << ": " << knob.description;
+#pragma once
+
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace fsdp {
+
+struct EnvKnob {
+  std::string_view name;
+  std::string_view description;    // what it does
+  std::string_view default_value;  // what leaving it unset means
+  std::string_view valid;          // the values it accepts
+  std::string_view read_by;        // the source files that read it
+};
+
+// FSDP_LOG_LEVEL: the level of the project's rank-prefixed logger (stderr), read once when the
+// logger is first used.
+inline constexpr EnvKnob kLogLevel{
+    "FSDP_LOG_LEVEL", "level of the fsdp logger on stderr (spdlog levels)", "info",
+    "trace, debug, info, warn, err, critical, off (anything else: off)", "common/logging.cc"};
+
+// FSDP_RENDEZVOUS_TIMEOUT_S / FSDP_COLLECTIVE_TIMEOUT_S: override the DistOptions timeouts.
+inline constexpr EnvKnob kRendezvousTimeoutS{
+    "FSDP_RENDEZVOUS_TIMEOUT_S",
+    "seconds to wait for every rank at the rendezvous (store connection, process group "
+    "creation) before failing with kDeadlineExceeded",
+    "DistOptions::rendezvous_timeout", "an integer in 1..604800",
+    "device_mesh/dist_context.cc"};
+inline constexpr EnvKnob kCollectiveTimeoutS{
+    "FSDP_COLLECTIVE_TIMEOUT_S",
+    "seconds a collective (or a wait on the store, e.g. for a checkpoint manifest) may take "
+    "before it fails",
+    "DistOptions::collective_timeout", "an integer in 1..604800",
+    "device_mesh/dist_context.cc"};
+
+// GLOO_SOCKET_IFNAME: Gloo's own knob, honoured as PyTorch does.
+inline constexpr EnvKnob kGlooSocketIfname{
+    "GLOO_SOCKET_IFNAME",
+    "network interface Gloo binds to (as in PyTorch); when unset: 127.0.0.1 if MASTER_ADDR "
+    "is loopback or unset, otherwise Gloo's default (the host name's address)",
+    "unset", "an interface name, e.g. eth0", "device_mesh/dist_context.cc"};
+
+// OMP_NUM_THREADS: OpenMP's knob; the launcher only decides whether to set it for its ranks.
+inline constexpr EnvKnob kOmpNumThreads{
+    "OMP_NUM_THREADS",
+    "OpenMP threads per process; when unset and `fsdp launch` starts several ranks per node, "
+    "the launcher sets it to cores / ranks per node for them (as torchrun)",
+    "unset (OpenMP's default: one thread per core)", "a positive integer",
+    "launcher/launch.cc"};
+
+// FSDP_CHECKPOINT_CRASH_AFTER_WRITE: fault injection for the checkpoint tests.
+inline constexpr EnvKnob kCheckpointCrashAfterWrite{
+    "FSDP_CHECKPOINT_CRASH_AFTER_WRITE",
+    "testing only: the rank with this number exits (status 137) after writing its checkpoint "
+    "shard and before reporting it to rank 0, to test that a partial save is never committed",
+    "unset (no crash)", "a rank number", "engine/checkpointing.cc"};
+
+// FSDP_PYTHON: the Python that `fsdp bench` runs the PyTorch reference with.
+inline constexpr EnvKnob kPython{
+    "FSDP_PYTHON",
+    "Python interpreter (with torch) for the bench's PyTorch FSDP2 reference and plots, when "
+    "the command line names none",
+    "the build's virtualenv python (FSDP_VENV_PYTHON)", "a path to an executable",
+    "bench/inputs.cc"};
+
+// FSDP_TEST_VERBOSE: the multi-rank test harness prints every rank's output.
+inline constexpr EnvKnob kTestVerbose{
+    "FSDP_TEST_VERBOSE",
+    "testing only: the multi-rank test harness prints every rank's output, not only a failed "
+    "rank's",
+    "unset (quiet)", "set to anything", "tests/multirank.cc"};
+
+// Every knob above, in this order.
+std::span<const EnvKnob> AllEnvKnobs();
+
+// The knob's value in the process environment; nullopt when it is unset (an empty value is
+// returned as "", as getenv would).
+std::optional<std::string> GetEnvKnob(const EnvKnob& knob);
+
+}  // namespace fsdp
