@@ -8,32 +8,16 @@
 
 namespace fsdp {
 
+// Names in enum order.
 const char* StateName(FsdpUnit::ShardedState state) {
-  switch (state) {
-    case FsdpUnit::ShardedState::kSharded:
-      return "kSharded";
-    case FsdpUnit::ShardedState::kGathering:
-      return "kGathering";
-    case FsdpUnit::ShardedState::kUnsharded:
-      return "kUnsharded";
-    case FsdpUnit::ShardedState::kShardedPostForward:
-      return "kShardedPostForward";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"kSharded", "kGathering", "kUnsharded",
+                                           "kShardedPostForward"};
+  return kNames[static_cast<int>(state)];
 }
 
 const char* StateName(FsdpUnit::TrainingState state) {
-  switch (state) {
-    case FsdpUnit::TrainingState::kIdle:
-      return "kIdle";
-    case FsdpUnit::TrainingState::kForward:
-      return "kForward";
-    case FsdpUnit::TrainingState::kPreBackward:
-      return "kPreBackward";
-    case FsdpUnit::TrainingState::kPostBackward:
-      return "kPostBackward";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"kIdle", "kForward", "kPreBackward", "kPostBackward"};
+  return kNames[static_cast<int>(state)];
 }
 
 FsdpUnit::FsdpUnit(std::string name, torch::nn::Module* module, std::vector<FsdpParam> params,
