@@ -12,6 +12,7 @@
 
 #include "device_mesh/device_mesh.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/unit_forward.h"
 
 // A block of the user's model. The only FSDP-specific line: forward goes through
 // fsdp::UnitForward, which is a plain call when the module is not sharded.

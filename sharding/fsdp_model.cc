@@ -12,6 +12,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "sharding/registry.h"
+#include "sharding/unit_forward.h"
 
 namespace fsdp {
 
@@ -100,12 +101,26 @@ void FsdpModel::UpdateMemoryStats() {
   int64_t bytes = 0;
   for (const auto& unit : units_) {
     if (unit->is_root()) continue;
-    int64_t b = unit->UnshardedBytes();
-    units += b > 0;
-    bytes += b;
+    units += unit->HoldsUnsharded();
+    bytes += unit->UnshardedBytes();
   }
   memory_.peak_unsharded_units = std::max(memory_.peak_unsharded_units, units);
   memory_.peak_unsharded_bytes = std::max(memory_.peak_unsharded_bytes, bytes);
+}
+
+namespace {
+
+// kSharded or kShardedPostForward: an Unshard() would issue an all-gather.
+bool IsSharded(const FsdpUnit& unit) {
+  return unit.state() == FsdpUnit::ShardedState::kSharded ||
+         unit.state() == FsdpUnit::ShardedState::kShardedPostForward;
+}
+
+}  // namespace
+
+void FsdpModel::EnsureUnsharded(FsdpUnit& unit) {
+  if (IsSharded(unit)) unit.Unshard();  // not prefetched
+  if (unit.state() == FsdpUnit::ShardedState::kGathering) unit.WaitForUnshard();
 }
 
 FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
@@ -119,6 +134,8 @@ FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
   return nullptr;
 }
 
+// See Note [Rank-identical prefetch] (fsdp_model.h): everything below reads only the forward
+// order, the units' states and the options.
 // Note [Prefetch limit]: with reshard after forward, at most max_unsharded_units non-root
 // units hold or gather unsharded parameters at once (the current one included): the engine
 // gathers up to max_unsharded_units - 1 units ahead (in forward order during forward, in
@@ -131,10 +148,7 @@ void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   for (int step = 1; step <= depth; ++step) {
     FsdpUnit* unit = Neighbour(current, direction * step);
     if (unit == nullptr) return;
-    if (unit->state() == FsdpUnit::State::kUnsharded ||
-        unit->state() == FsdpUnit::State::kGathering) {
-      continue;
-    }
+    if (!IsSharded(*unit)) continue;  // gathered or gathering already
     if (limited && NumUnshardedUnits() >= ctx_.options.max_unsharded_units) return;
     unit->Unshard();
     UpdateMemoryStats();
@@ -154,13 +168,11 @@ at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
 
 void FsdpModel::PreForward(FsdpUnit& unit) {
   if (unit.is_root()) {
-    for (auto& u : units_) {
-      u->pending_grads = u->num_trainable();
-      u->backward_prepared = false;
-      u->post_backward_done = false;
-    }
+    // A new iteration: the last forward need not have been followed by a backward.
+    for (auto& u : units_) u->ResetIteration();
   }
-  unit.WaitForUnshard();
+  unit.BeginForward();
+  EnsureUnsharded(unit);
   UpdateMemoryStats();
   if (order_final_) {
     Prefetch(unit, +1);
@@ -170,18 +182,27 @@ void FsdpModel::PreForward(FsdpUnit& unit) {
 }
 
 at::Tensor FsdpModel::PostForward(FsdpUnit& unit, at::Tensor output) {
+  unit.EndForward();
+  const bool backward_follows = at::GradMode::is_enabled();
   if (unit.is_root()) {
     order_final_ = true;
-    if (!at::GradMode::is_enabled()) {
-      // No backward will follow (evaluation): give every unit's memory back now.
-      for (auto& u : units_) u->Reshard(/*after_forward=*/false);
+    if (!backward_follows) {
+      // No backward will follow (evaluation): give every unit's memory back now, post-forward
+      // shards included (they are a copy that a later optimizer step or checkpoint load
+      // would make stale).
+      for (auto& u : units_) ReshardFully(*u);
     }
     const auto& out_dtype = ctx_.options.mixed_precision.output_dtype;
     if (out_dtype && output.defined() && at::isFloatingType(output.scalar_type())) {
       output = output.to(*out_dtype);
     }
   } else if (ctx_.options.reshard_after_forward) {
-    unit.Reshard(/*after_forward=*/true);
+    // See Note [Reshard to a sub-group] (collectives.h): only worth its memory for a backward.
+    if (ctx_.reshard_group && backward_follows) {
+      unit.ReshardAfterForward();
+    } else {
+      unit.Reshard();
+    }
   }
   if (output.defined() && output.requires_grad()) {
     FsdpUnit* u = &unit;
@@ -191,19 +212,22 @@ at::Tensor FsdpModel::PostForward(FsdpUnit& unit, at::Tensor output) {
 }
 
 void FsdpModel::PreBackward(FsdpUnit& unit) {
-  if (unit.backward_prepared) return;
+  // A unit that ran more than once in forward has one hook per output: only the first counts.
+  if (unit.training_state() != FsdpUnit::TrainingState::kIdle) return;
   if (!backward_started_) {
     backward_started_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
   }
-  unit.backward_prepared = true;
-  unit.WaitForUnshard();
+  unit.BeginPreBackward();
+  EnsureUnsharded(unit);
   UpdateMemoryStats();
   Prefetch(unit, -1);
 }
 
 void FsdpModel::OnGradAccumulated(FsdpUnit& unit) {
-  if (--unit.pending_grads == 0 && !unit.post_backward_done) {
+  if (unit.CountGradAccumulated() == 0 &&
+      unit.training_state() != FsdpUnit::TrainingState::kPostBackward) {
+    ReshardFully(unit);
     unit.PostBackward();
     // At most two units' reduce-scatters in flight: the one just issued overlaps the wait
     // for the previous one, whose full-size gradient buffer is then freed.
@@ -216,19 +240,15 @@ void FsdpModel::FinishBackward() {
   // Units whose parameters did not all get gradients (unused, frozen-only) finish here.
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
     FsdpUnit* unit = *it;
-    if (unit->num_trainable() > 0 && !unit->post_backward_done) {
+    ReshardFully(*unit);
+    if (unit->num_trainable() > 0 &&
+        unit->training_state() != FsdpUnit::TrainingState::kPostBackward) {
       unit->PostBackward();
-    } else {
-      unit->Reshard(/*after_forward=*/false);
     }
   }
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) (*it)->FinishGradients();
   last_reducing_ = nullptr;
-  for (auto& u : units_) {
-    u->backward_prepared = false;
-    u->post_backward_done = false;
-    u->pending_grads = u->num_trainable();
-  }
+  for (auto& u : units_) u->ResetIteration();
   backward_started_ = false;
 }
 

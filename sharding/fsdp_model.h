@@ -12,17 +12,7 @@
 // runs forward/backward in the same order.
 //
 // What a module must do to be wrappable (libtorch modules have no forward hooks): route its
-// forward through UnitForward. The math is untouched and, when the module is not a unit (one
-// process, no wrapping), UnitForward just calls the function.
-//
-//   struct BlockImpl : torch::nn::Module {
-//     torch::Tensor forward(const torch::Tensor& x) {
-//       return fsdp::UnitForward(this, x, [&](const torch::Tensor& h) {
-//         return h + mlp->forward(norm->forward(h));
-//       });
-//     }
-//     ...
-//   };
+// forward through UnitForward (unit_forward.h, the only header model code needs).
 //
 //   auto units = fsdp::SelectUnits(*model, {.module_types = {"BlockImpl"}});
 //   auto fsdp_model = fsdp::FsdpModel::Wrap(model, mesh, units, options).value();
@@ -44,21 +34,13 @@
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_unit.h"
 #include "sharding/options.h"
+#include "sharding/unit_forward.h"
 
 namespace torch::nn {
 class Module;
 }
 
 namespace fsdp {
-
-// Runs `fn(input)` as the forward of `module`'s FSDP unit: unshard before, reshard after, and
-// hooks for backward. A module that is not a unit just runs fn(input). Floating-point inputs
-// are cast to the unit's compute dtype (mixed precision).
-at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
-                       const std::function<at::Tensor(const at::Tensor&)>& fn);
-
-// Forward through a torch::nn::Sequential whose children may be units.
-at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input);
 
 // Which children of Sequential / ModuleList containers become units.
 struct WrapPolicy {
@@ -80,6 +62,14 @@ struct MemoryStats {
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
                                c10::Device device, ProcessGroup* sum_over);
 
+// Note [Rank-identical prefetch]
+// Which unit to all-gather next, and whether to skip one, must be a pure function of state that
+// is identical on every rank: the recorded forward order, the units' ShardedStates, the options
+// (max_unsharded_units, reshard_after_forward) and the unit's own position. Never of timing
+// (whether a collective has finished, how long a step took) or of rank-local memory (free
+// bytes, allocator state): every rank of a group must issue its collectives in the same order,
+// and one rank that prefetched a different unit would pair its all-gather with another rank's
+// different collective: a hang or silently mixed data.
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
@@ -131,11 +121,14 @@ class FsdpModel {
 
  private:
   FsdpModel() = default;
+  // kSharded / kShardedPostForward / kGathering -> kUnsharded (already kUnsharded: nothing).
+  void EnsureUnsharded(FsdpUnit& unit);
   void PreForward(FsdpUnit& unit);
   at::Tensor PostForward(FsdpUnit& unit, at::Tensor output);
   void PreBackward(FsdpUnit& unit);
   void FinishBackward();
   // Starts all-gathers of the next units in `direction` (+1 forward, -1 backward order).
+  // See Note [Rank-identical prefetch].
   void Prefetch(const FsdpUnit& current, int direction);
   FsdpUnit* Neighbour(const FsdpUnit& unit, int step) const;
   void UpdateMemoryStats();

@@ -1,36 +1,51 @@
-// Internal to sharding/: one FSDP unit (a module whose parameters move together) and its
-// parameters. Users see FsdpModel (fsdp_model.h); this header is for the engine and its tests.
+// Internal to sharding/: one FSDP unit (a module whose parameters move together) as an explicit
+// state machine. Users see FsdpModel (fsdp_model.h); this header is for the engine and its
+// tests. FsdpUnit says *when* parameters and gradients move; collectives.h says *how*.
+//
+// Cross-rank contract: every transition that issues a collective (Unshard, PostBackward,
+// WaitForReduceScatter with HSDP) is called by every rank of the unit's groups in the same
+// order; FsdpModel guarantees it (Note [Rank-identical prefetch] in fsdp_model.h).
 //
 // Note [Unit lifecycle]
-//   kSharded --Unshard()--> kGathering --WaitForUnshard()--> kUnsharded
-//   kUnsharded --Reshard(after_forward, full)--> kSharded
-//   kUnsharded --Reshard(after_forward, sub-group k)--> kShardedPostForward --Unshard()--> ...
-// Buffers alive per state (and counted by MemoryStats):
-//   kSharded              padded shards (always) only
-//   kGathering            + gather_input_ (1-D, chunk) and gather_output_ (1-D, group x chunk)
-//                         (direct gather, Note [Gathering into the parameters]: every
-//                         parameter's unsharded storage, and gather_input_ only for a cast)
-//   kUnsharded            + every parameter's unsharded storage (padded_numel, compute dtype)
-//   kShardedPostForward   + post_forward_shard_ (1-D, chunk of the sub-group layout)
-// After backward (PostBackward) the unit holds reduce_input_ (1-D, shards x grad chunk) and
-// reduce_output_ until FinishGradients writes each sharded parameter's .grad. Note
-// [Reduce-scattering from the gradients]: with the p2p collectives (CPU) there is no
-// reduce_input_: the reduce-scatter holds the unsharded gradients themselves until it is done.
+// Two independent state variables, as FSDP2's FSDPParamGroup:
 //
-// Note [Gathering into the parameters]: on CPU with the p2p collectives (device_mesh/
-// p2p_collectives.h), the all-gather over the whole shard axis receives each rank's piece of
-// each parameter straight into the parameter's storage (which is laid out as the padded shards
-// of all ranks in rank order) and sends straight from the padded shards, so there is no
-// gather buffer, no copy-in and no copy-out; the unsharded storage is allocated when the
-// gather is issued. When the compute dtype differs from the shards' (mixed precision) the
-// shards are first cast into gather_input_ and sent from there.
+// ShardedState: where the parameters are. Each transition is one method that checks the
+// from-state; calling it in any other state is an error naming the unit, the state and the
+// call (TORCH_CHECK), never a silent no-op: a caller for which "already there" is fine says
+// so at the call site (e.g. `if (unit.state() == kSharded) unit.Unshard();`).
 //
-// Note [Freeing unsharded storage]
-// The module keeps its own handle to each parameter tensor (P), and autograd saves P (or views
-// of it) for backward. So P's TensorImpl never changes: only the bytes of its StorageImpl are
-// released (nbytes 0) after forward and allocated again before backward, and writes into it go
-// through an alias tensor with its own version counter, so autograd's saved-tensor version
-// check never sees them.
+//   kSharded            --Unshard()-------------> kGathering   (whole shard axis)
+//   kSharded            --Unshard()-------------> kUnsharded   (no collective: one shard,
+//                                                               Note [One shard]; or a unit
+//                                                               without parameters)
+//   kShardedPostForward --Unshard()-------------> kGathering   (reshard sub-group)
+//   kGathering          --WaitForUnshard()------> kUnsharded
+//   kUnsharded          --Reshard()-------------> kSharded
+//   kUnsharded          --ReshardAfterForward()-> kShardedPostForward  (sub-group of k ranks)
+//   kShardedPostForward --DropPostForwardShard()> kSharded     (no backward will follow)
+//
+// Buffers alive per state, on top of the padded shards (always alive, never counted), and what
+// UnshardedBytes() / MemoryStats count:
+//   kSharded              nothing
+//   kGathering            every parameter's unsharded storage once issued (direct gather, Note
+//                         [Gathering into the parameters]; gather input only for a cast), or
+//                         the flat gather input (1-D, chunk) and output (1-D, group x chunk)
+//   kUnsharded            every parameter's unsharded storage (padded_numel, compute dtype;
+//                         with one shard and no cast it is the shard's own memory, counted)
+//   kShardedPostForward   post_forward_shard_ (1-D, chunk of the sub-group layout), counted in
+//                         UnshardedBytes but not by HoldsUnsharded (no full parameter is held)
+//
+// TrainingState: where the unit is in the iteration (driven by FsdpModel).
+//   kIdle --BeginForward()--> kForward --EndForward()--> kIdle
+//   kIdle --BeginPreBackward()--> kPreBackward --PostBackward()--> kPostBackward
+//   kIdle --PostBackward()--> kPostBackward   (end of backward: a unit whose output's gradient
+//                                               hook never ran, e.g. unused by the loss)
+//   any --ResetIteration()--> kIdle            (start of the root's forward, end of backward:
+//                                               a forward need not be followed by a backward)
+// After PostBackward the unit may hold the reduce-scatter's flat input (1-D, shards x grad
+// chunk; none on the p2p path, Note [Reduce-scattering from the gradients]) until
+// WaitForReduceScatter, and its output (1-D, grad chunk) until FinishGradients writes each
+// sharded parameter's .grad.
 #pragma once
 
 #include <memory>
@@ -42,7 +57,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "device_mesh/process_group.h"
+#include "sharding/collectives.h"
 #include "sharding/comm_stats.h"
+#include "sharding/fsdp_param.h"
 #include "sharding/options.h"
 #include "sharding/shard_layout.h"
 #include "sharding/streams.h"
@@ -55,8 +72,8 @@ namespace fsdp {
 
 // What every unit of one model shares.
 struct EngineContext {
-  ProcessGroup* shard_group = nullptr;      // size num_shards
-  ProcessGroup* replicate_group = nullptr;  // null when the replicate degree is 1
+  ProcessGroup* shard_group = nullptr;          // size num_shards
+  ProcessGroup* replicate_group = nullptr;      // null when the replicate degree is 1
   std::shared_ptr<ProcessGroup> reshard_group;  // sub-group for reshard_group_size, or null
   int shard_rank = 0;
   int num_shards = 1;
@@ -69,28 +86,11 @@ struct EngineContext {
   std::unique_ptr<DeviceStreams> streams;  // copy-in stream on CUDA; no-op on CPU
 };
 
-struct FsdpParam {
-  std::vector<std::string> names;  // every name of this tensor (tied parameters have several)
-  at::Tensor param;                // P: the module's tensor; full shape, compute dtype
-  ParamSharding sharding;
-  at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero
-  at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
-  bool requires_grad = false;
-  c10::ScalarType compute_dtype = c10::kFloat;
-
-  int64_t unsharded_nbytes() const;
-  bool unsharded_allocated() const;
-  void AllocateUnsharded();
-  // P's storage is padded_shard's memory (Note [One shard]: one shard, same dtype).
-  void AliasShard();
-  void FreeUnsharded();
-  // 1-D alias of P's whole (padded) storage in the compute dtype, outside autograd.
-  at::Tensor UnshardedFlat() const;
-};
-
 class FsdpUnit {
  public:
-  enum class State { kSharded, kGathering, kUnsharded, kShardedPostForward };
+  // See Note [Unit lifecycle].
+  enum class ShardedState { kSharded, kGathering, kUnsharded, kShardedPostForward };
+  enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
   FsdpUnit(std::string name, torch::nn::Module* module, std::vector<FsdpParam> params,
            EngineContext* ctx, bool is_root);
@@ -98,41 +98,60 @@ class FsdpUnit {
   const std::string& name() const { return name_; }
   torch::nn::Module* module() const { return module_; }
   bool is_root() const { return is_root_; }
-  State state() const { return state_; }
+  ShardedState state() const { return state_; }
+  TrainingState training_state() const { return training_state_; }
   std::vector<FsdpParam>& params() { return params_; }
   const std::vector<FsdpParam>& params() const { return params_; }
   int num_trainable() const { return static_cast<int>(grad_params_.size()); }
-  // Bytes of unsharded parameters and gather buffers this unit holds right now.
+  // Trainable parameters whose gradient has not been accumulated yet in this iteration.
+  int pending_grads() const { return pending_grads_; }
+  // One trainable parameter got its gradient; returns how many are still pending.
+  int CountGradAccumulated() { return --pending_grads_; }
+  // Bytes this unit holds beyond its shards right now: unsharded parameters, gather buffers,
+  // the post-forward shard (Note [Unit lifecycle]).
   int64_t UnshardedBytes() const;
-  bool HoldsUnsharded() const { return UnshardedBytes() > 0; }
+  // True while any parameter's unsharded storage or a gather buffer is allocated.
+  bool HoldsUnsharded() const;
 
-  // Issues the all-gather (asynchronously) unless already unsharded or gathering.
+  // ---- ShardedState transitions (each checks its from-state) ----
+  // kSharded | kShardedPostForward -> kGathering: issues the all-gather (asynchronously).
+  // With nothing to gather (one shard, or no parameters) -> kUnsharded at once.
   void Unshard();
-  // Waits for the all-gather and copies it out into the parameters' storage.
+  // kGathering -> kUnsharded: waits for the all-gather and copies it out into the parameters.
   void WaitForUnshard();
-  // Frees the unsharded parameters; after forward with a sub-group, keeps this rank's piece.
-  void Reshard(bool after_forward);
-  // After the unit's backward: reshard, and (with gradient sync) reduce-scatter the gradients.
+  // kUnsharded -> kSharded: frees the unsharded parameters.
+  void Reshard();
+  // kUnsharded -> kShardedPostForward: keeps this rank's piece for the reshard sub-group (Note
+  // [Reshard to a sub-group]) and frees the unsharded parameters.
+  void ReshardAfterForward();
+  // kShardedPostForward -> kSharded: frees the post-forward shard (no backward will use it).
+  void DropPostForwardShard();
+
+  // ---- TrainingState transitions ----
+  // Any -> kIdle, every trainable parameter pending again.
+  void ResetIteration();
+  // kIdle -> kForward.
+  void BeginForward();
+  // kForward -> kIdle.
+  void EndForward();
+  // kIdle -> kPreBackward.
+  void BeginPreBackward();
+  // kIdle | kPreBackward -> kPostBackward; the unit must be kSharded. With gradient sync,
+  // issues the reduce-scatter of the unit's gradients (or, with one rank, writes them).
   void PostBackward();
-  // Waits for the reduce-scatter and frees its input; starts the replicas' all-reduce (HSDP).
+  // Waits for the reduce-scatter, if one is in flight, and frees its input; starts the
+  // replicas' all-reduce (HSDP).
   void WaitForReduceScatter();
   // Waits for all of the unit's gradient communication, averages, and accumulates into each
   // sharded parameter's .grad.
   void FinishGradients();
 
-  // Per-iteration flags, driven by FsdpModel.
-  int pending_grads = 0;
-  bool backward_prepared = false;
-  bool post_backward_done = false;
-
  private:
-  void CopyInShards(at::Tensor& input) const;
+  // Fails, naming the unit, its state and `call`, unless state_ is `from` (or `or_from`).
+  void CheckState(const char* call, ShardedState from) const;
+  void CheckState(const char* call, ShardedState from, ShardedState or_from) const;
+  void CheckTraining(const char* call, TrainingState from) const;
   void AfterReduceScatter();
-  // Unshard's direct path: see Note [Gathering into the parameters].
-  void GatherIntoParams(const at::TensorOptions& opts);
-  // Unshard with a shard axis of size 1: see Note [One shard] (fsdp_unit.cc).
-  void UnshardOneShard();
-  void CopyOut(const at::Tensor& output, const UnitLayout& layout, int group_size);
 
   std::string name_;
   torch::nn::Module* module_;
@@ -140,24 +159,28 @@ class FsdpUnit {
   std::vector<int> grad_params_;  // indices of trainable parameters
   EngineContext* ctx_;
   bool is_root_;
-  State state_ = State::kSharded;
+  ShardedState state_ = ShardedState::kSharded;
+  TrainingState training_state_ = TrainingState::kIdle;
+  int pending_grads_ = 0;
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;
 
-  UnitLayout layout_;          // all parameters, whole shard group
-  UnitLayout sub_layout_;      // all parameters, reshard sub-group
-  UnitLayout grad_layout_;     // trainable parameters, whole shard group
-  at::Tensor gather_input_;    // 1-D, chunk
-  at::Tensor gather_output_;   // 1-D, group_size x chunk
-  int gather_group_size_ = 1;
-  bool gather_direct_ = false;  // Note [Gathering into the parameters]
-  c10::intrusive_ptr<c10d::Work> gather_work_;
-  at::Tensor post_forward_shard_;  // 1-D, sub_layout_.chunk_numel
-  at::Tensor reduce_input_;        // 1-D, num_shards x grad chunk
-  at::Tensor reduce_output_;       // 1-D, grad chunk
-  c10::intrusive_ptr<c10d::Work> reduce_work_;      // reduce-scatter over the shard axis
+  UnitLayout layout_;              // all parameters, whole shard group
+  UnitLayout sub_layout_;          // all parameters, reshard sub-group
+  UnitLayout grad_layout_;         // trainable parameters, whole shard group
+  Gather gather_;                  // kGathering only
+  at::Tensor post_forward_shard_;  // 1-D, sub_layout_.chunk_numel; kShardedPostForward only
+  Reduce reduce_;                  // from PostBackward until FinishGradients
   c10::intrusive_ptr<c10d::Work> all_reduce_work_;  // all-reduce over the replicate axis
-  at::Tensor unreduced_partial_;   // HSDP: reduce-scattered, not yet all-reduced sums
+  at::Tensor unreduced_partial_;  // HSDP: reduce-scattered, not yet all-reduced sums
 };
+
+const char* StateName(FsdpUnit::ShardedState state);
+const char* StateName(FsdpUnit::TrainingState state);
+
+// Brings `unit` to kSharded from whichever state it is in (waiting for a gather in flight,
+// dropping a post-forward shard): for the points where no later step of this iteration needs
+// the parameters (end of an evaluation forward, end of backward).
+void ReshardFully(FsdpUnit& unit);
 
 }  // namespace fsdp

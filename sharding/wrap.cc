@@ -304,7 +304,6 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
 
   for (auto& unit : model->units_) {
     RegisterUnit(unit->module(), UnitEntry{model.get(), unit.get()});
-    unit->pending_grads = unit->num_trainable();
     for (FsdpParam& p : unit->params()) {
       for (const std::string& name : p.names) model->by_name_[name] = &p;
       if (p.requires_grad) {

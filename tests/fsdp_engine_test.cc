@@ -252,6 +252,103 @@ TEST(FsdpEngineTest, EvaluationForwardMatchesAndFreesEverything) {
   });
 }
 
+// Writes `source`'s values into the wrapped model's shards (each rank its own rows), as an
+// optimizer step or a checkpoint load does: only the shards change.
+void WriteShards(Wrapped& w, torch::nn::Module& source) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : source.named_parameters()) {
+    const FsdpParam* p = w.fsdp->FindParam(item.key());
+    ASSERT_NE(p, nullptr) << item.key();
+    int64_t rows = p->sharded.size(0);
+    if (rows == 0) continue;  // a short parameter: this rank holds padding only
+    p->sharded.copy_(item.value().narrow(0, w.fsdp->FirstLocalRow(*p), rows));
+  }
+}
+
+// Note [Reshard to a sub-group] (sharding/collectives.h): the post-forward shard is a copy of
+// the parameters that only a backward may use. An evaluation forward must not leave it behind:
+// the next forward would gather the old values and ignore shards changed in between. While it
+// exists (a training forward) it counts toward UnshardedBytes.
+TEST(FsdpEngineTest, EvaluationForwardWithSubGroupReshardLeavesNoStaleCopy) {
+  testing::RunOnRanks(4, [](int) {
+    FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+    options.reshard_group_size = 2;
+    Wrapped w = WrapTiny("full_shard", 4, 1, &options);
+    torch::manual_seed(5);
+    torch::Tensor x = torch::randint(37, {2, 8});
+    {
+      torch::NoGradGuard no_grad;
+      w.model->forward(x);
+    }
+    for (const FsdpUnit* unit : w.fsdp->units()) {
+      EXPECT_EQ(unit->state(), FsdpUnit::ShardedState::kSharded) << unit->name();
+      EXPECT_EQ(unit->UnshardedBytes(), 0) << unit->name();
+    }
+
+    torch::manual_seed(11);  // other values than WrapTiny's seed 7
+    TinyGpt updated{TinyGptConfig{}};
+    WriteShards(w, *updated);
+    {
+      torch::NoGradGuard no_grad;
+      torch::Tensor out = w.model->forward(x);
+      EXPECT_TRUE(torch::allclose(out, updated->forward(x), 1e-5, 1e-6))
+          << "the forward after an evaluation forward used stale parameters";
+    }
+
+    // A training forward keeps the post-forward shards for backward, and counts them.
+    torch::Tensor out = w.model->forward(x);
+    EXPECT_TRUE(torch::allclose(out, updated->forward(x), 1e-5, 1e-6));
+    for (const FsdpUnit* unit : w.fsdp->units()) {
+      if (unit->is_root()) continue;
+      EXPECT_EQ(unit->state(), FsdpUnit::ShardedState::kShardedPostForward) << unit->name();
+      EXPECT_GT(unit->UnshardedBytes(), 0) << unit->name();
+      EXPECT_FALSE(unit->HoldsUnsharded()) << unit->name();
+    }
+    EXPECT_GT(w.fsdp->memory_stats().peak_unsharded_bytes, 0);
+    out.sum().backward();
+    for (const FsdpUnit* unit : w.fsdp->units()) {
+      EXPECT_EQ(unit->state(), FsdpUnit::ShardedState::kSharded) << unit->name();
+      EXPECT_EQ(unit->UnshardedBytes(), 0) << unit->name();
+    }
+  });
+}
+
+// Note [Unit lifecycle]: every transition checks its from-state; a call out of order is an
+// error naming the unit, its state and the call, never a silent no-op.
+TEST(FsdpUnitStateTest, OutOfOrderTransitionsAreErrors) {
+  EngineContext ctx;
+  FsdpUnit unit("lonely", /*module=*/nullptr, /*params=*/{}, &ctx, /*is_root=*/false);
+  EXPECT_EQ(unit.state(), FsdpUnit::ShardedState::kSharded);
+  try {
+    unit.Reshard();
+    ADD_FAILURE() << "Reshard of a sharded unit did not throw";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'lonely'"));
+    EXPECT_THAT(e.what(), HasSubstr("Reshard"));
+    EXPECT_THAT(e.what(), HasSubstr("kSharded"));
+  }
+  EXPECT_THROW(unit.WaitForUnshard(), c10::Error);
+  EXPECT_THROW(unit.DropPostForwardShard(), c10::Error);
+  unit.Unshard();  // no parameters: nothing to gather
+  EXPECT_EQ(unit.state(), FsdpUnit::ShardedState::kUnsharded);
+  EXPECT_THROW(unit.Unshard(), c10::Error);
+  EXPECT_THROW(unit.PostBackward(), c10::Error);  // still unsharded
+  unit.Reshard();
+  EXPECT_EQ(unit.state(), FsdpUnit::ShardedState::kSharded);
+
+  EXPECT_THROW(unit.EndForward(), c10::Error);
+  unit.BeginForward();
+  EXPECT_THROW(unit.BeginForward(), c10::Error);
+  EXPECT_THROW(unit.BeginPreBackward(), c10::Error);
+  unit.EndForward();
+  unit.BeginPreBackward();
+  unit.PostBackward();
+  EXPECT_EQ(unit.training_state(), FsdpUnit::TrainingState::kPostBackward);
+  EXPECT_THROW(unit.PostBackward(), c10::Error);
+  unit.ResetIteration();
+  EXPECT_EQ(unit.training_state(), FsdpUnit::TrainingState::kIdle);
+}
+
 // Note [One shard]: with one shard the unsharded parameters are the shards' own memory (no
 // gather, no copy), and each gradient becomes the shard's gradient, as a tensor an optimizer
 // can zero. Under mixed precision the parameters hold one cast of the shards.

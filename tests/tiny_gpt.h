@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "sharding/fsdp_model.h"
+#include "sharding/unit_forward.h"
 
 namespace fsdp::testing {
 

@@ -7,7 +7,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 
-#include "sharding/fsdp_model.h"
+#include "sharding/unit_forward.h"
 
 namespace fsdp {
 namespace {

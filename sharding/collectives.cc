@@ -1,0 +1,249 @@
+#include "sharding/collectives.h"
+
+#include <chrono>
+
+#include <ATen/ATen.h>
+
+namespace fsdp {
+
+using Clock = std::chrono::steady_clock;
+
+void WaitFor(const c10::intrusive_ptr<c10d::Work>& work, CommKind kind, CommStats& stats) {
+  auto start = Clock::now();
+  work->wait();
+  stats.RecordWait(kind, std::chrono::duration<double>(Clock::now() - start).count());
+}
+
+int64_t TensorBytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+// ---- All-gather ------------------------------------------------------------------------------
+
+int64_t Gather::BufferBytes() const {
+  // A group of one aliases output to input: count the memory once.
+  if (output.defined() && input.defined() && output.is_same(input)) return TensorBytes(input);
+  return TensorBytes(input) + TensorBytes(output);
+}
+
+at::Tensor CopyInShards(const std::vector<FsdpParam>& params, const UnitLayout& layout,
+                        const at::TensorOptions& opts) {
+  at::Tensor input = at::empty({layout.chunk_numel}, opts);
+  for (size_t i = 0; i < params.size(); ++i) {
+    input.narrow(0, layout.offsets[i], layout.pieces[i]).copy_(params[i].padded_shard.view(-1));
+  }
+  return input;
+}
+
+// See Note [Gathering into the parameters].
+Gather GatherIntoParams(std::vector<FsdpParam>& params, const UnitLayout& layout,
+                        ProcessGroup& group, c10::ScalarType compute_dtype,
+                        const at::TensorOptions& opts, CommStats& stats) {
+  Gather gather;
+  bool cast = false;
+  for (const FsdpParam& p : params) cast |= p.padded_shard.scalar_type() != compute_dtype;
+  if (cast) gather.input = CopyInShards(params, layout, opts);
+  std::vector<at::Tensor> outputs, inputs;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    FsdpParam& p = params[i];
+    p.AllocateUnsharded();
+    outputs.push_back(p.UnshardedFlat());
+    inputs.push_back(cast ? gather.input.narrow(0, layout.offsets[i], layout.pieces[i])
+                          : p.padded_shard.view(-1));
+    bytes += TensorBytes(outputs.back());
+  }
+  gather.group_size = group.size();
+  gather.direct = true;
+  gather.work = group.AllGatherPieces(std::move(outputs), std::move(inputs));
+  stats.RecordIssue(CommKind::kAllGather, bytes);
+  return gather;
+}
+
+Gather GatherFlat(at::Tensor input, ProcessGroup& group, CommStats& stats) {
+  Gather gather;
+  gather.group_size = group.size();
+  gather.input = std::move(input);
+  if (gather.group_size == 1) {
+    gather.output = gather.input;
+    return gather;
+  }
+  gather.output = at::empty({gather.input.numel() * gather.group_size}, gather.input.options());
+  gather.work = group.AllGatherInto(gather.output, gather.input);
+  stats.RecordIssue(CommKind::kAllGather, TensorBytes(gather.output));
+  return gather;
+}
+
+void FinishGather(Gather& gather, std::vector<FsdpParam>& params, const UnitLayout& layout,
+                  CommStats& stats, DeviceStreams& streams) {
+  if (gather.work) WaitFor(gather.work, CommKind::kAllGather, stats);
+  if (!gather.direct) {
+    at::Tensor rows = gather.output.view({gather.group_size, layout.chunk_numel});
+    for (size_t i = 0; i < params.size(); ++i) {
+      FsdpParam& p = params[i];
+      p.AllocateUnsharded();
+      p.UnshardedFlat()
+          .view({gather.group_size, layout.pieces[i]})
+          .copy_(rows.narrow(1, layout.offsets[i], layout.pieces[i]));
+    }
+    // See Note [Copy-in stream]: the copy-out may still read these on the compute stream.
+    streams.Stash({std::move(gather.input), std::move(gather.output)});
+  }
+  gather = Gather{};
+}
+
+// See Note [One shard].
+void UnshardOneShard(std::vector<FsdpParam>& params, c10::ScalarType compute_dtype) {
+  for (FsdpParam& p : params) {
+    if (p.padded_shard.scalar_type() == compute_dtype) {
+      p.AliasShard();
+    } else {
+      p.AllocateUnsharded();
+      p.UnshardedFlat().copy_(p.padded_shard.view(-1));
+    }
+  }
+}
+
+// See Note [Reshard to a sub-group].
+at::Tensor CutSubGroupShard(const std::vector<FsdpParam>& params, const UnitLayout& sub_layout,
+                            int sub_rank, const at::TensorOptions& opts) {
+  const int k = sub_layout.group_size;
+  at::Tensor shard = at::empty({sub_layout.chunk_numel}, opts);
+  for (size_t i = 0; i < params.size(); ++i) {
+    shard.narrow(0, sub_layout.offsets[i], sub_layout.pieces[i])
+        .copy_(params[i].UnshardedFlat().view({k, sub_layout.pieces[i]})[sub_rank]);
+  }
+  return shard;
+}
+
+// ---- Reduce-scatter and all-reduce ----------------------------------------------------------
+
+namespace {
+
+// Adds `g` (the shard's shape and dtype) into the sharded parameter's .grad. Without a .grad
+// yet, `g` becomes it: as is when the caller owns it and it is a plain contiguous tensor (a
+// view cannot be an optimizer's .grad: zero_grad detaches it in place), else a copy.
+void AccumulateShardGrad(FsdpParam& p, const at::Tensor& g, bool owned) {
+  at::Tensor& dst = p.sharded.mutable_grad();
+  if (dst.defined()) {
+    dst.add_(g);
+  } else if (owned && g.is_contiguous() && !g.is_view()) {
+    dst = g;
+  } else {
+    dst = g.clone(at::MemoryFormat::Contiguous);
+  }
+}
+
+// dst: [shards, rows_per_shard, row_numel]; shard k's rows of the gradient, padding rows zero,
+// nothing but zeros for a parameter unused in this forward (undefined grad).
+void CopyGradRows(const at::Tensor& grad, const ParamSharding& s, int n, at::Tensor dst) {
+  if (!grad.defined()) {
+    dst.zero_();
+    return;
+  }
+  at::Tensor g = grad.reshape({s.dim0, s.row_numel});
+  if (s.padded_rows() != s.dim0) {
+    // Padding rows reduce to zero; real rows are copied shard by shard (dst is strided).
+    dst.zero_();
+    for (int k = 0; k < n; ++k) {
+      int64_t local = s.LocalRows(k);
+      if (local > 0) dst[k].narrow(0, 0, local).copy_(g.narrow(0, s.FirstRow(k), local));
+    }
+  } else {
+    dst.copy_(g.view({n, s.rows_per_shard, s.row_numel}));
+  }
+}
+
+}  // namespace
+
+// See Note [Reduce-scattering from the gradients].
+Reduce ReduceScatterPieces(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
+                           const UnitLayout& grad_layout, ProcessGroup& group,
+                           const at::TensorOptions& opts, CommStats& stats) {
+  const int n = group.size();
+  const c10::ScalarType reduce_dtype = opts.dtype().toScalarType();
+  std::vector<at::Tensor> inputs;
+  int64_t bytes = 0;
+  for (size_t j = 0; j < grad_params.size(); ++j) {
+    FsdpParam& p = params[grad_params[j]];
+    const ParamSharding& s = p.sharding;
+    at::Tensor& grad = p.param.mutable_grad();
+    if (grad.defined() && s.padded_rows() == s.dim0 && grad.scalar_type() == reduce_dtype &&
+        grad.is_contiguous()) {
+      inputs.push_back(grad.view(-1));
+    } else {
+      at::Tensor padded = at::empty({n * grad_layout.pieces[j]}, opts);
+      CopyGradRows(grad, s, n, padded.view({n, s.rows_per_shard, s.row_numel}));
+      inputs.push_back(std::move(padded));
+    }
+    bytes += TensorBytes(inputs.back());
+    grad.reset();  // the collective holds the unsharded gradient until it is done
+  }
+  Reduce reduce;
+  reduce.output = at::empty({grad_layout.chunk_numel}, opts);
+  reduce.work = group.ReduceScatterPieces(reduce.output, std::move(inputs));
+  stats.RecordIssue(CommKind::kReduceScatter, bytes);
+  return reduce;
+}
+
+Reduce ReduceScatterFlat(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
+                         const UnitLayout& grad_layout, ProcessGroup& group,
+                         const at::TensorOptions& opts, CommStats& stats) {
+  const int n = grad_layout.group_size;
+  Reduce reduce;
+  reduce.input = at::empty({grad_layout.total_numel()}, opts);
+  at::Tensor rows = reduce.input.view({n, grad_layout.chunk_numel});
+  for (size_t j = 0; j < grad_params.size(); ++j) {
+    FsdpParam& p = params[grad_params[j]];
+    const ParamSharding& s = p.sharding;
+    at::Tensor& grad = p.param.mutable_grad();
+    CopyGradRows(grad, s, n,
+                 rows.narrow(1, grad_layout.offsets[j], grad_layout.pieces[j])
+                     .view({n, s.rows_per_shard, s.row_numel}));
+    grad.reset();  // the unsharded gradient is not needed any more
+  }
+  if (n == 1) {
+    reduce.output = std::move(reduce.input);  // DDP: nothing to scatter
+    reduce.input.reset();
+    return reduce;
+  }
+  reduce.output = at::empty({grad_layout.chunk_numel}, opts);
+  reduce.work = group.ReduceScatter(reduce.output, reduce.input);
+  stats.RecordIssue(CommKind::kReduceScatter, TensorBytes(reduce.input));
+  return reduce;
+}
+
+// See Note [One shard].
+void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
+                    c10::ScalarType reduce_dtype) {
+  // Moved rather than copied when nothing needs converting.
+  for (int index : grad_params) {
+    FsdpParam& p = params[index];
+    at::Tensor& grad = p.param.mutable_grad();
+    at::Tensor g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())
+                                  : at::zeros_like(p.sharded);
+    grad.reset();
+    if (g.sizes() != p.sharded.sizes()) g = g.reshape(p.sharded.sizes());  // e.g. a 0-dim P
+    AccumulateShardGrad(p, g, /*owned=*/true);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> AllReduceReplicas(at::Tensor& sums, ProcessGroup& group,
+                                                 CommStats& stats) {
+  c10::intrusive_ptr<c10d::Work> work = group.AllReduce(sums);
+  stats.RecordIssue(CommKind::kAllReduce, TensorBytes(sums));
+  return work;
+}
+
+void AccumulateShardGrads(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
+                          const UnitLayout& grad_layout, const at::Tensor& grads, int shard_rank) {
+  for (size_t j = 0; j < grad_params.size(); ++j) {
+    FsdpParam& p = params[grad_params[j]];
+    const ParamSharding& s = p.sharding;
+    int64_t local = s.LocalRows(shard_rank) * s.row_numel;
+    at::Tensor g = grads.narrow(0, grad_layout.offsets[j], local)
+                       .view(p.sharded.sizes())
+                       .to(p.sharded.scalar_type());
+    AccumulateShardGrad(p, g, /*owned=*/false);
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,45 @@
+// Internal to sharding/: one sharded parameter (FsdpParam): its shard, the optimizer's view of
+// it, and the module's full-shape tensor whose storage is allocated only while unsharded.
+//
+// Note [Freeing unsharded storage]
+// The module keeps its own handle to each parameter tensor (P), and autograd saves P (or views
+// of it) for backward. So P's TensorImpl never changes: only the bytes of its StorageImpl are
+// released (nbytes 0) after forward and allocated again before backward, and writes into it go
+// through an alias tensor with its own version counter, so autograd's saved-tensor version
+// check never sees them.
+//
+//   FsdpParam& p = ...;
+//   p.AllocateUnsharded();                    // P's storage: padded_numel, compute dtype
+//   p.UnshardedFlat().copy_(gathered);        // 1-D alias outside autograd
+//   p.FreeUnsharded();                        // nbytes 0; P's TensorImpl unchanged
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "sharding/shard_layout.h"
+
+namespace fsdp {
+
+struct FsdpParam {
+  std::vector<std::string> names;  // every name of this tensor (tied parameters have several)
+  at::Tensor param;                // P: the module's tensor; full shape, compute dtype
+  ParamSharding sharding;
+  at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero
+  at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
+  bool requires_grad = false;
+  c10::ScalarType compute_dtype = c10::kFloat;
+
+  int64_t unsharded_nbytes() const;
+  bool unsharded_allocated() const;
+  void AllocateUnsharded();
+  // P's storage is padded_shard's memory (Note [One shard]: one shard, same dtype).
+  void AliasShard();
+  void FreeUnsharded();
+  // 1-D alias of P's whole (padded) storage in the compute dtype, outside autograd.
+  at::Tensor UnshardedFlat() const;
+};
+
+}  // namespace fsdp

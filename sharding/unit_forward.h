@@ -1,0 +1,39 @@
+// What a model's modules need to be wrappable by FsdpModel, and nothing else: route the forward
+// of a module that may become an FSDP unit through UnitForward (libtorch modules have no forward
+// hooks). The math is untouched and, when the module is not a unit (one process, no wrapping),
+// UnitForward just calls the function. Model code includes this header, not fsdp_model.h.
+//
+// Cross-rank contract: none here beyond FsdpModel's (every rank runs its units' forwards in the
+// same order).
+//
+//   struct BlockImpl : torch::nn::Module {
+//     torch::Tensor forward(const torch::Tensor& x) {
+//       return fsdp::UnitForward(this, x, [&](const torch::Tensor& h) {
+//         return h + mlp->forward(norm->forward(h));
+//       });
+//     }
+//     ...
+//   };
+//   x = fsdp::SequentialForward(*blocks, x);  // a Sequential whose children may be units
+#pragma once
+
+#include <functional>
+
+#include <ATen/core/Tensor.h>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+// Runs `fn(input)` as the forward of `module`'s FSDP unit: unshard before, reshard after, and
+// hooks for backward. A module that is not a unit just runs fn(input). Floating-point inputs
+// are cast to the unit's compute dtype (mixed precision).
+at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
+                       const std::function<at::Tensor(const at::Tensor&)>& fn);
+
+// Forward through a torch::nn::Sequential whose children may be units.
+at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input);
+
+}  // namespace fsdp
