@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "common/env.h"
+#include "common/env_knobs.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/launch_env.h"
 #include "engine/config.h"
@@ -57,7 +58,7 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
         // Rank 0's output reaches the terminal through this process: draw the bar here, from
         // the structured record rank 0 publishes at each log (engine/train_metrics.h).
         progress_file = fmt::format("/tmp/fsdp-progress-{}.json", getpid());
-        setenv("FSDP_PROGRESS_FILE", progress_file.c_str(), 1);
+        setenv(std::string(kProgressFile.name).c_str(), progress_file.c_str(), 1);
         launch.status_line = [progress_file, last = std::string()](int rank, std::string_view) mutable {
           if (rank != 0) return last;
           absl::StatusOr<StepRecord> record = ReadProgressFile(progress_file);

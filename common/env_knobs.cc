@@ -9,7 +9,7 @@ namespace {
 constexpr std::array kAllKnobs = {
     kLogLevel,         kRendezvousTimeoutS, kCollectiveTimeoutS,
     kGlooSocketIfname, kOmpNumThreads,      kCheckpointCrashAfterWrite,
-    kPython,           kTestVerbose,
+    kPython,           kTestVerbose,        kProgressFile,
 };
 
 }  // namespace

@@ -83,6 +83,14 @@ inline constexpr EnvKnob kPython{
     "the build's virtualenv python (FSDP_VENV_PYTHON)", "a path to an executable",
     "bench/inputs.cc"};
 
+// FSDP_PROGRESS_FILE: set by `fsdp train` for the ranks it starts; rank 0 writes its latest
+// StepRecord there (step, total steps, elapsed seconds) at each log interval, and the launching
+// process draws the progress bar from it instead of parsing rank 0's text.
+inline constexpr EnvKnob kProgressFile{
+    "FSDP_PROGRESS_FILE",
+    "file where rank 0 publishes its latest step record for the launcher's progress bar",
+    "unset (no record published)", "a writable path", "engine/train_metrics.cc, cli/train.cc"};
+
 // FSDP_TEST_VERBOSE: the multi-rank test harness prints every rank's output.
 inline constexpr EnvKnob kTestVerbose{
     "FSDP_TEST_VERBOSE",

@@ -13,6 +13,7 @@
 #include <ATen/record_function.h>
 #include <fmt/format.h>
 
+#include "common/env_knobs.h"
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "sharding/memory_tracker.h"
@@ -94,7 +95,7 @@ TrainMetrics::TrainMetrics(const RunConfig& config, std::shared_ptr<DistContext>
   // launcher the CLI draws it from the progress file (cli/train.cc).
   if (ctx_->rank() == 0) {
     draw_bar_ = config.metrics.progress_bar != ProgressBarMode::kOff && isatty(STDERR_FILENO);
-    if (const char* file = std::getenv("FSDP_PROGRESS_FILE"); file != nullptr) progress_file_ = file;
+    progress_file_ = GetEnvKnob(kProgressFile).value_or("");
   }
   first_bad_ = at::full({}, -1, at::TensorOptions().dtype(at::kLong).device(device));
 }
