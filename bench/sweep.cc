@@ -137,12 +137,12 @@ int RunSweep(const SweepOptions& o) {
     const std::string model_name = config->run.name;
     const plan::ModelCounts counts = plan::CountModel(config->model);
     for (const std::string& strategy : o.strategies) {
+      absl::StatusOr<Strategy> parsed = ParseStrategy(strategy);
+      if (!parsed.ok()) {
+        std::cerr << "fsdp bench sweep: --strategies: " << parsed.status().message() << "\n";
+        return 2;
+      }
       for (int world : o.world_sizes) {
-        absl::StatusOr<Strategy> parsed = ParseStrategy(strategy);
-        if (!parsed.ok()) {
-          std::cerr << "fsdp bench sweep: --strategies: " << parsed.status().message() << "\n";
-          return 2;
-        }
         std::optional<plan::Layout> layout = SweepLayout(*parsed, world);
         if (!layout) continue;
         std::string dir = (out / "runs" / StrCat(model_name, "-", strategy, "-", world)).string();

@@ -101,8 +101,7 @@ TrainMetrics::TrainMetrics(const RunConfig& config, std::shared_ptr<DistContext>
 }
 
 void TrainMetrics::Start() {
-  CpuMemoryTracker::Install().ResetPeak();
-  if (device_.is_cuda()) CudaResetPeakMemory(device_.index());
+  ResetDevicePeak(device_);
   comm_.Reset();
   interval_comm_ = comm_;
   run_start_ = interval_start_ = Clock::now();
@@ -148,8 +147,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   r.tokens_per_s = static_cast<double>(tokens_per_step_) / r.step_time_s;
   r.tokens_per_s_per_device = r.tokens_per_s / world;
   r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s_per_device / peak_flops_ : 0.0;
-  r.peak_mem_bytes = device_.is_cuda() ? CudaPeakAllocatedBytes(device_.index())
-                                       : CpuMemoryTracker::Install().peak_bytes();
+  r.peak_mem_bytes = DevicePeakBytes(device_);
   for (int k = 0; k < kNumCommKinds; ++k) {
     const CommCounter &now = comm_.Get(static_cast<CommKind>(k)),
                       &before = interval_comm_.Get(static_cast<CommKind>(k));

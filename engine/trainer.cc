@@ -105,16 +105,6 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
   std::ofstream(run_dir / "rank_stats" / fmt::format("rank{}.json", rank)) << stats.dump(1) << "\n";
 }
 
-int64_t DeviceAllocatedBytes(c10::Device device) {
-  return device.is_cuda() ? CudaAllocatedBytes(device.index())
-                          : CpuMemoryTracker::Install().current_bytes();
-}
-
-int64_t DevicePeakBytes(c10::Device device) {
-  return device.is_cuda() ? CudaPeakAllocatedBytes(device.index())
-                          : CpuMemoryTracker::Install().peak_bytes();
-}
-
 absl::Status NonFiniteError(int64_t step) {
   return absl::FailedPreconditionError(StrCat(
       "step ", step, ": the loss or the gradient norm is not finite (NaN or inf); "
@@ -306,6 +296,14 @@ absl::Status Train(const RunConfig& config) {
     std::cout.flush();
   }
 
+  // The checkpoint cadence (Checkpointer::MaybeSave), each save noted in metrics.jsonl.
+  auto maybe_save = [&](int64_t step, bool last) -> absl::Status {
+    if (!checkpointer) return absl::OkStatus();
+    FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(step, last, loader.position()));
+    if (saved) metrics.RecordCheckpoint(step, checkpointer->last_blocking_seconds());
+    return absl::OkStatus();
+  };
+
   // ===== the loop ===============================================================================
   int64_t state_bytes = 0;  // model states right after the last update: Note [Rank statistics]
   metrics.Start();
@@ -318,10 +316,7 @@ absl::Status Train(const RunConfig& config) {
     if (!out.skipped) state_bytes = DeviceAllocatedBytes(device);
     metrics.Record(out.loss, out.grad_norm,
                    t.on_nonfinite == OnNonFinite::kStop ? out.nonfinite : at::Tensor(), step, lr);
-    if (checkpointer && done < t.steps) {
-      FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(done, /*last=*/false, loader.position()));
-      if (saved) metrics.RecordCheckpoint(done, checkpointer->last_blocking_seconds());
-    }
+    if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
     if (!metrics.ShouldLog(done)) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
@@ -332,10 +327,7 @@ absl::Status Train(const RunConfig& config) {
   }
 
   // ===== the end: last checkpoint, statistics ===================================================
-  if (checkpointer) {
-    FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(t.steps, /*last=*/true, loader.position()));
-    if (saved) metrics.RecordCheckpoint(t.steps, checkpointer->last_blocking_seconds());
-  }
+  FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, trained->comm_stats(),
                  model->FlopsPerToken(), metrics.peak_flops(),

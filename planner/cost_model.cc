@@ -261,10 +261,6 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   return p;
 }
 
-static int ReshardGroupOverride(const PlanRequest& request) {
-  return request.config.parallelism.reshard_after_forward.group_size;
-}
-
 absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request) {
   const int world = request.world_size;
   if (request.gpus_per_node < 1 || world < 1 || world % request.gpus_per_node != 0) {
@@ -285,10 +281,10 @@ absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& requ
   }
   std::vector<Prediction> out;
   for (const Layout& layout : layouts) {
+    // A layout the configuration's options do not fit (a reshard_after_forward group size k
+    // must divide its shard degree) is not a candidate; any other error is the request's.
+    if (!ShardingPlanFor(request.config, layout.strategy, layout.shard).ok()) continue;
     absl::StatusOr<Prediction> p = Predict(request, layout);
-    // A layout the reshard_after_forward override does not fit (k must divide its shard
-    // degree) is not a candidate; any other error is the request's.
-    if (!p.ok() && ReshardGroupOverride(request) > 0) continue;
     if (!p.ok()) return p.status();
     out.push_back(*std::move(p));
   }

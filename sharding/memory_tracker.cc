@@ -1,5 +1,7 @@
 #include "sharding/memory_tracker.h"
 
+#include "device_mesh/cuda_support.h"
+
 #include <cstdio>
 #include <cstring>
 
@@ -65,6 +67,21 @@ void ConfigureHostAllocator(bool caching) {
     mallopt(M_TRIM_THRESHOLD, INT_MAX);
   }
 #endif
+}
+
+int64_t DeviceAllocatedBytes(c10::Device device) {
+  return device.is_cuda() ? CudaAllocatedBytes(device.index())
+                          : CpuMemoryTracker::Install().current_bytes();
+}
+
+int64_t DevicePeakBytes(c10::Device device) {
+  return device.is_cuda() ? CudaPeakAllocatedBytes(device.index())
+                          : CpuMemoryTracker::Install().peak_bytes();
+}
+
+void ResetDevicePeak(c10::Device device) {
+  CpuMemoryTracker::Install().ResetPeak();
+  if (device.is_cuda()) CudaResetPeakMemory(device.index());
 }
 
 HostHeapStats GetHostHeapStats() {

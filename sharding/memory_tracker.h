@@ -16,6 +16,7 @@
 #include <string>
 
 #include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/status.h"
 
@@ -42,6 +43,12 @@ class CpuMemoryTracker final : public c10::Allocator {
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
 };
+
+// Tensor bytes on `device`: the CUDA caching allocator's for a GPU, the CPU tracker's (once
+// installed) for the host. Allocated now / the peak since the last reset.
+int64_t DeviceAllocatedBytes(c10::Device device);
+int64_t DevicePeakBytes(c10::Device device);
+void ResetDevicePeak(c10::Device device);
 
 // Note [Host caching]: a training step frees and allocates the same large host buffers every
 // step (unsharded parameters, gradients, activations, collective buffers). With glibc's
