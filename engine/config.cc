@@ -233,6 +233,32 @@ ChoiceField UnitPolicyField(UnitPolicy* field) {
           }};
 }
 
+ChoiceField CheckpointingField(ActivationCheckpointing* field) {
+  using Mode = ActivationCheckpointing::Mode;
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            if (text == "none" || text == "full" || text == "selective") {
+              *field = {text == "none" ? Mode::kNone : text == "full" ? Mode::kFull : Mode::kSelective, 1};
+              return std::nullopt;
+            }
+            std::optional<int64_t> k;
+            if (StartsWith(text, "every:")) k = ParseInt<int64_t>(std::string_view(text).substr(6));
+            if (!k || *k < 1 || *k > INT_MAX) {
+              return NotValid(text, {"none", "full", "selective"},
+                              "none, full, selective, every:k (every k-th block, k >= 1)");
+            }
+            *field = {Mode::kFull, static_cast<int>(*k)};
+            return std::nullopt;
+          },
+          [field]() -> std::string {
+            switch (field->mode) {
+              case Mode::kNone: return "none";
+              case Mode::kSelective: return "selective";
+              case Mode::kFull: break;
+            }
+            return field->every == 1 ? std::string("full") : StrCat("every:", field->every);
+          }};
+}
+
 ChoiceField OptimizerField(OptimizerKind* field) {
   NameTable<OptimizerKind> table;
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
@@ -280,7 +306,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"on_nonfinite", Enum(&c.training.on_nonfinite, {{OnNonFinite::kStop, "stop"}, {OnNonFinite::kSkip, "skip"}})},
         {"eval_interval", &c.training.eval_interval},
         {"eval_batches", &c.training.eval_batches},
-        {"log_interval", &c.training.log_interval}}},
+        {"log_interval", &c.training.log_interval},
+        {"activation_checkpointing", CheckpointingField(&c.training.activation_checkpointing)}}},
       {"optimizer",
        {{"name", OptimizerField(&c.optimizer.kind)},
         {"lr", &c.optimizer.lr},
@@ -302,7 +329,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"wrap_policy", UnitPolicyField(&c.parallelism.wrap_policy)},
         {"max_unsharded_units", &c.parallelism.max_unsharded_units},
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
-        {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())}}},
+        {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
+        {"offload", Enum(&c.parallelism.offload, {{Offload::kNone, "none"}, {Offload::kOptimizer, "optimizer"}, {Offload::kParams, "params"}})}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
@@ -647,6 +675,18 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
       "must be false with parallelism.strategy none (the unwrapped baseline saves no checkpoints); "
       "use full_shard or no_shard to checkpoint a one-rank run",
       {"parallelism.strategy"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      !(c.parallelism.Unwrapped() && c.training.activation_checkpointing.enabled()),
+      "training.activation_checkpointing",
+      "must be none with parallelism.strategy none (checkpointing runs at the FSDP units' "
+      "seam); use full_shard or no_shard on one rank",
+      {"parallelism.strategy"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      !(c.parallelism.Unwrapped() && c.parallelism.offload != Offload::kNone),
+      "parallelism.offload",
+      "must be none with parallelism.strategy none (offload moves FSDP shards); use full_shard "
+      "or no_shard on one rank",
+      {"parallelism.strategy"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
   return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
@@ -863,6 +903,8 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
       break;
   }
   options.max_unsharded_units = static_cast<int>(config.parallelism.max_unsharded_units);
+  options.activation_checkpointing = config.training.activation_checkpointing;
+  options.offload = config.parallelism.offload;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {
     options.mixed_precision.param_dtype = c10::kBFloat16;

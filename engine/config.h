@@ -103,6 +103,8 @@ struct TrainingSection {
   int64_t eval_interval = 50;        // steps; 0: never
   int64_t eval_batches = 4;
   int64_t log_interval = 10;
+  // none | full | every:k | selective (sharding/options.h: ActivationCheckpointing).
+  ActivationCheckpointing activation_checkpointing;
 };
 
 // name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum (engine/optimizer.h).
@@ -130,6 +132,8 @@ struct ParallelismSection {
   // CPU all-gather / reduce-scatter: p2p (ring / direct exchange over Gloo's send/recv) | gloo
   // (c10d's Gloo collectives; its reduce-scatter is an all-reduce underneath).
   CpuCollectives cpu_collectives = CpuCollectives::kP2p;
+  // none | optimizer | params: what lives in host memory (sharding/options.h: Offload).
+  Offload offload = Offload::kNone;
 
   // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
   std::pair<int, int> MeshDegrees(int world_size) const;

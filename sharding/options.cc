@@ -32,6 +32,15 @@ const char* StrategyName(Strategy strategy) {
   return "?";
 }
 
+const char* OffloadName(Offload offload) {
+  switch (offload) {
+    case Offload::kNone: return "none";
+    case Offload::kOptimizer: return "optimizer";
+    case Offload::kParams: return "params";
+  }
+  return "?";
+}
+
 FsdpOptions OptionsForStrategy(Strategy strategy) {
   FsdpOptions options;
   options.reshard_after_forward =

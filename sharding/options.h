@@ -42,6 +42,36 @@ struct MixedPrecision {
   std::optional<c10::ScalarType> output_dtype;
 };
 
+// training.activation_checkpointing (Note [Activation checkpointing] in sharding/checkpoint_unit.h):
+//   none       autograd keeps every unit's activations until its backward;
+//   full       a unit keeps only its input; its backward re-runs its forward first;
+//   every:k    full, for every k-th non-root unit in forward order (k = 1 is full);
+//   selective  as full, but the outputs of the unit's matmuls (fsdp::Linear) are kept and the
+//              recompute runs only the cheap ops between them (norms, activations, RoPE,
+//              attention's softmax core).
+struct ActivationCheckpointing {
+  enum class Mode { kNone, kFull, kSelective };
+  Mode mode = Mode::kNone;
+  int every = 1;  // kFull: checkpoint the units whose forward index % every == every - 1
+  bool operator==(const ActivationCheckpointing&) const = default;
+  bool enabled() const { return mode != Mode::kNone; }
+  // Whether the `index`-th non-root unit (forward order, from 0) is checkpointed.
+  bool Applies(int index) const {
+    return mode != Mode::kNone && (mode == Mode::kSelective || index % every == every - 1);
+  }
+};
+
+// parallelism.offload (Note [CPU offload] in sharding/offload.h):
+//   none       shards, gradients and optimizer state live on the device;
+//   optimizer  the fp32 shards' optimizer state and the optimizer step live in host memory
+//              (the gradient shards are copied to the host after the reduce-scatter, the
+//              updated shards back before the next all-gather);
+//   params     the fp32 shards and their gradients also live in host memory: each unit's shard
+//              is copied to the device just before its all-gather and its gradient shard back
+//              after its reduce-scatter.
+enum class Offload { kNone, kOptimizer, kParams };
+const char* OffloadName(Offload offload);
+
 struct FsdpOptions {
   // After a unit's forward: true frees its unsharded parameters (FULL_SHARD); false keeps them
   // until after its backward (SHARD_GRAD_OP). The root unit never reshards after forward.
@@ -60,6 +90,8 @@ struct FsdpOptions {
   // Fills this rank's rows of deferred parameters (DeferredTensor: full shape, no memory), so
   // that no rank materialises the whole model. Required when the model has any.
   ParamInitFn param_init;
+  ActivationCheckpointing activation_checkpointing;
+  Offload offload = Offload::kNone;
 };
 
 FsdpOptions OptionsForStrategy(Strategy strategy);
