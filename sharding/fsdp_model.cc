@@ -11,6 +11,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "sharding/activation_checkpoint.h"
 #include "sharding/registry.h"
 #include "sharding/unit_forward.h"
 
@@ -29,8 +30,10 @@ at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& in
               sequential.name());
   at::Tensor x = input;
   for (auto& child : *seq) {
-    x = UnitForward(child.ptr().get(), x,
-                    [&](const at::Tensor& h) { return child.forward<at::Tensor>(h); });
+    // By value: activation checkpointing calls the function again in backward.
+    x = UnitForward(child.ptr().get(), x, [child](const at::Tensor& h) mutable {
+      return child.forward<at::Tensor>(h);
+    });
   }
   return x;
 }
@@ -155,15 +158,73 @@ void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   }
 }
 
+bool FsdpModel::IsCheckpointed(const FsdpUnit& unit) const {
+  if (unit.is_root()) return false;
+  int index = 0;  // among the non-root units, in wrapping (= forward) order
+  for (const auto& u : units_) {
+    if (u.get() == &unit) return ctx_.options.activation_checkpointing.Applies(index);
+    index += !u->is_root();
+  }
+  return false;
+}
+
+int64_t FsdpModel::Recomputes(const FsdpUnit& unit) const {
+  auto it = recomputes_.find(&unit);
+  return it == recomputes_.end() ? 0 : it->second;
+}
+
 at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
                                      const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  TORCH_CHECK(in_checkpoint_ == nullptr, "training.activation_checkpointing: unit '",
+              in_checkpoint_ != nullptr ? in_checkpoint_->name() : "", "' runs the forward of unit '",
+              unit.name(), "' inside its own; a checkpointed unit cannot contain other units "
+              "(choose units that do not nest, or activation_checkpointing: none)");
   PreForward(unit);
   at::Tensor x = input;
   const auto& dtype = ctx_.options.mixed_precision.param_dtype;
   if (dtype && x.defined() && at::isFloatingType(x.scalar_type()) && x.scalar_type() != *dtype) {
     x = x.to(*dtype);
   }
-  return PostForward(unit, fn(x));
+  const bool backward_follows =
+      at::GradMode::is_enabled() && ((x.defined() && x.requires_grad()) || unit.num_trainable() > 0);
+  if (!backward_follows || !IsCheckpointed(unit)) return PostForward(unit, fn(x));
+  return PostForward(unit, CheckpointUnitForward(unit, x, fn));
+}
+
+at::Tensor FsdpModel::CheckpointUnitForward(FsdpUnit& unit, const at::Tensor& x,
+                                            const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  // Once per unit: a forward that draws random numbers would not be reproduced by its
+  // recompute (the generator has moved on), so it cannot be checkpointed.
+  bool& checked = rng_checked_[&unit];
+  at::Tensor rng_before = checked ? at::Tensor() : RngState(ctx_.device);
+  FsdpUnit* u = &unit;
+  RecomputeHooks hooks{
+      .before =
+          [this, u] {
+            TORCH_CHECK(u->state() == FsdpUnit::ShardedState::kUnsharded,
+                        "activation checkpointing: unit '", u->name(), "' is ",
+                        StateName(u->state()), " when its forward is re-run in backward");
+            ++recomputes_[u];
+            in_checkpoint_ = u;
+          },
+      .after = [this] { in_checkpoint_ = nullptr; }};
+  const bool selective = ctx_.options.activation_checkpointing.mode ==
+                         ActivationCheckpointing::Mode::kSelective;
+  in_checkpoint_ = &unit;  // cleared however the forward ends
+  struct Clear {
+    const FsdpUnit*& slot;
+    ~Clear() { slot = nullptr; }
+  } clear{in_checkpoint_};
+  at::Tensor out = CheckpointedForward(x, fn, selective, std::move(hooks));
+  if (!checked) {
+    TORCH_CHECK(at::equal(rng_before, RngState(ctx_.device)),
+                "training.activation_checkpointing: unit '", unit.name(),
+                "' draws random numbers in its forward (dropout?), which its recompute in "
+                "backward would not reproduce; use activation_checkpointing: none, or a unit "
+                "without randomness");
+    checked = true;
+  }
+  return out;
 }
 
 void FsdpModel::PreForward(FsdpUnit& unit) {

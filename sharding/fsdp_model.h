@@ -112,6 +112,10 @@ class FsdpModel {
   const EngineContext& context() const { return ctx_; }
   // Non-root units holding unsharded parameters right now (from their real storage).
   int NumUnshardedUnits() const;
+  // Whether training.activation_checkpointing applies to `unit`, and how many times its
+  // forward was re-run in backward so far (Note [Activation checkpointing]).
+  bool IsCheckpointed(const FsdpUnit& unit) const;
+  int64_t Recomputes(const FsdpUnit& unit) const;
 
   // Internal: the body of UnitForward for one of this model's units.
   at::Tensor RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
@@ -124,6 +128,9 @@ class FsdpModel {
   // kSharded / kShardedPostForward / kGathering -> kUnsharded (already kUnsharded: nothing).
   void EnsureUnsharded(FsdpUnit& unit);
   void PreForward(FsdpUnit& unit);
+  // fn(x) under activation checkpointing (Note [Activation checkpointing]).
+  at::Tensor CheckpointUnitForward(FsdpUnit& unit, const at::Tensor& x,
+                                   const std::function<at::Tensor(const at::Tensor&)>& fn);
   at::Tensor PostForward(FsdpUnit& unit, at::Tensor output);
   void PreBackward(FsdpUnit& unit);
   void FinishBackward();
@@ -142,6 +149,12 @@ class FsdpModel {
   FsdpUnit* last_reducing_ = nullptr;  // the unit whose reduce-scatter was issued last
   MemoryStats memory_;
   std::unordered_map<std::string, const FsdpParam*> by_name_;
+  // Activation checkpointing: recomputes per unit, the unit whose checkpointed forward or
+  // recompute is running (a nested unit's forward inside it is an error), units whose forward
+  // was checked for randomness.
+  std::unordered_map<const FsdpUnit*, int64_t> recomputes_;
+  const FsdpUnit* in_checkpoint_ = nullptr;
+  std::unordered_map<const FsdpUnit*, bool> rng_checked_;
 };
 
 }  // namespace fsdp

@@ -3,6 +3,11 @@
 // hooks). The math is untouched and, when the module is not a unit (one process, no wrapping),
 // UnitForward just calls the function. Model code includes this header, not fsdp_model.h.
 //
+// With training.activation_checkpointing the function given to UnitForward runs again in
+// backward (Note [Activation checkpointing] in activation_checkpoint.h): it must capture by
+// value, or objects that outlive the backward (the module's `this`), and draw no random numbers.
+// Its matmuls go through fsdp::Linear so that selective checkpointing can keep their outputs.
+//
 // Cross-rank contract: none here beyond FsdpModel's (every rank runs its units' forwards in the
 // same order).
 //
@@ -32,6 +37,11 @@ namespace fsdp {
 // are cast to the unit's compute dtype (mixed precision).
 at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
                        const std::function<at::Tensor(const at::Tensor&)>& fn);
+
+// y = x W^T + b (b may be undefined), as torch::nn::functional::linear. Inside a unit under
+// selective activation checkpointing its output is kept for the recompute; elsewhere it is
+// just linear.
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
 // Forward through a torch::nn::Sequential whose children may be units.
 at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input);

@@ -16,9 +16,8 @@ torch::Tensor Param(torch::nn::Module& m, const std::string& name, std::vector<i
   return m.register_parameter(name, DeferredTensor(shape));
 }
 
-torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return torch::nn::functional::linear(x, w, b.defined() ? b : torch::Tensor());
-}
+// Projections call fsdp::Linear (unit_forward.h): selective activation checkpointing keeps
+// their outputs.
 
 // Rotary embedding on pairs of the last dimension: x [batch, seq, heads, head_dim].
 torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
