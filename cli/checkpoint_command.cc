@@ -1,5 +1,6 @@
 #include "cli/checkpoint_command.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 
@@ -7,6 +8,7 @@
 
 #include "checkpoint/format.h"
 #include "checkpoint/safetensors.h"
+#include "common/status.h"
 #include "common/strings.h"
 
 namespace fsdp {
@@ -17,6 +19,30 @@ std::string Resolve(const std::string& dir) {
   if (std::filesystem::exists(std::filesystem::path(dir) / ckpt::kMetadataFile)) return dir;
   absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(dir);
   return latest.ok() ? *latest : dir;
+}
+
+// Tensors holding NaN or inf (name: count), read in blocks of rows so that no tensor is
+// held whole. A checkpoint can be complete and still useless: Note [Non-finite state is never
+// saved] (engine/trainer.cc) keeps fsdp train from writing one, and this finds one written
+// before that, or by another tool.
+absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> NonFiniteTensors(
+    const ckpt::CheckpointReader& reader) {
+  std::vector<std::pair<std::string, int64_t>> bad;
+  for (const ckpt::TensorEntry& t : reader.metadata().tensors) {
+    if (t.dtype[0] != 'F' && t.dtype != "BF16") continue;  // integers are always finite
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    int64_t row_numel = 1;
+    for (size_t i = 1; i < t.shape.size(); ++i) row_numel *= t.shape[i];
+    const int64_t block = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(row_numel, 1));
+    int64_t count = 0;
+    for (int64_t begin = 0; begin < rows; begin += block) {
+      at::Tensor rows_read;
+      FSDP_RETURN_IF_ERROR(reader.ReadRows(t.name, begin, std::min(rows, begin + block), rows_read));
+      count += rows_read.isfinite().logical_not().sum().item<int64_t>();
+    }
+    if (count > 0) bad.emplace_back(t.name, count);
+  }
+  return bad;
 }
 
 }  // namespace
@@ -54,8 +80,23 @@ int RunCheckpointInspect(const CheckpointCommand& command) {
       std::cout << "complete: no (a file does not match its checksum)\n";
       return 1;
     }
+    absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> bad = NonFiniteTensors(*reader);
+    if (!bad.ok()) {
+      std::cerr << "fsdp checkpoint inspect: " << bad.status().message() << "\n";
+      std::cout << "complete: no\n";
+      return 1;
+    }
+    if (!bad->empty()) {
+      for (const auto& [name, count] : *bad) {
+        std::cout << fmt::format("  non-finite  {} ({} NaN/inf elements)\n", name, count);
+      }
+      std::cout << "complete: yes, but " << bad->size() << " of " << m.tensors.size()
+                << " tensors hold NaN or inf: do not resume from it\n";
+      return 1;
+    }
   }
-  std::cout << "complete: yes" << (command.verify ? " (every file's CRC-32 verified)" : "") << "\n";
+  std::cout << "complete: yes"
+            << (command.verify ? " (every file's CRC-32 verified, every tensor finite)" : "") << "\n";
   return 0;
 }
 

@@ -27,6 +27,7 @@ struct Checkpointer::Pending {
     int64_t row_begin;
     std::vector<int64_t> shape;
   };
+  int64_t sequence = 0;  // which Save of this checkpointer (store keys)
   int64_t step = 0;
   DataPosition data;
   std::vector<Item> items;
@@ -66,11 +67,22 @@ absl::Status Checkpointer::Finish() {
   return status;
 }
 
+// Note [One save per step]: the SIGTERM save and the periodic save can fall on the same step.
+// Saving it twice made rank 0 read the first save's store reports as the second's and commit
+// the folder before the other ranks had rewritten their shards into it (a committed checkpoint
+// without rank00001.bin). So a step saved or in flight is not saved again (every rank makes
+// the same decision: Save is collective), and each save's reports use keys of their own.
 absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
   auto start = Clock::now();
   FSDP_RETURN_IF_ERROR(Finish());  // one save in flight at a time
+  if (saved_step_ == step) {
+    last_blocking_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
+    return absl::OkStatus();
+  }
+  saved_step_ = step;
   auto pending = std::make_shared<Pending>();
   pending->started = start;
+  pending->sequence = saves_++;
   pending->step = step;
   pending->data = data;
   {
@@ -131,7 +143,7 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
     std::_Exit(137);
   }
   // Report to rank 0 through the store (thread-safe, outside the process groups' order).
-  const std::string key = StrCat("fsdp/ckpt/", pending.step, "/rank/");
+  const std::string key = StrCat("fsdp/ckpt/", pending.sequence, "/step/", pending.step, "/rank/");
   std::string text = ckpt::RankManifestToJson(manifest).dump();
   ctx_->store()->set(key + StrCat(ctx_->rank()), std::vector<uint8_t>(text.begin(), text.end()));
   if (ctx_->rank() != 0) return absl::OkStatus();
@@ -279,10 +291,19 @@ absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
   return FillFromSafetensors(path, targets);
 }
 
-absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const DataPosition& data) {
+bool Checkpointer::Due(int64_t step, bool last) const {
   const CheckpointSection& cs = config_.checkpoint;
   const bool periodic = cs.interval > 0 && step % cs.interval == 0;
-  if (!cs.enabled || !(last || periodic)) return false;
+  return cs.enabled && (last || periodic);
+}
+
+absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const DataPosition& data) {
+  const CheckpointSection& cs = config_.checkpoint;
+  if (!Due(step, last)) return false;
+  if (saved_step_ == step) {  // already saved (Note [One save per step]): wait for it if last
+    if (last) FSDP_RETURN_IF_ERROR(Finish());
+    return false;
+  }
   FSDP_RETURN_IF_ERROR(Save(step, data));
   if (ctx_->rank() == 0) {
     std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms)\n", step,

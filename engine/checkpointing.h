@@ -47,7 +47,8 @@ class Checkpointer {
   // path; empty: nullopt) into the shards and the optimizer. Errors name the file and tensor.
   absl::StatusOr<std::optional<ResumePoint>> Load();
   // Saves the state after `step` completed steps. Returns when the shards are copied to host
-  // memory (async) or written and committed (sync).
+  // memory (async) or written and committed (sync). A step already saved or being saved by this
+  // checkpointer is not saved again: Save waits for it instead (Note [One save per step]).
   absl::Status Save(int64_t step, const DataPosition& data);
   // Waits for a background save to finish and reports its error.
   absl::Status Finish();
@@ -56,6 +57,8 @@ class Checkpointer {
   // to commit. Rank 0 prints what it did. Returns whether it saved; never saves when
   // checkpoint.enabled is false.
   absl::StatusOr<bool> MaybeSave(int64_t step, bool last, const DataPosition& data);
+  // Whether MaybeSave(step, last) would save.
+  bool Due(int64_t step, bool last) const;
 
   // Seconds the last Save kept the caller (the training loop) waiting.
   double last_blocking_seconds() const { return last_blocking_seconds_; }
@@ -74,6 +77,8 @@ class Checkpointer {
   std::string root_;
   bool writes_shards_;  // false on replicas other than replicate coordinate 0
   std::thread worker_;
+  int64_t saves_ = 0;                   // Save calls that wrote: the store keys' sequence
+  std::optional<int64_t> saved_step_;  // the step of the last of them
   std::shared_ptr<absl::Status> worker_status_;
   double last_blocking_seconds_ = 0;
 };

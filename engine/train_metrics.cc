@@ -1,5 +1,7 @@
 #include "engine/train_metrics.h"
 
+#include <limits>
+
 #include <unistd.h>
 
 #include <cmath>
@@ -118,6 +120,15 @@ void TrainMetrics::Record(const at::Tensor& loss, const at::Tensor& grad_norm,
   }
 }
 
+int64_t TrainMetrics::FirstNonFiniteOnAnyRank() {
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  at::Tensor first = at::where(first_bad_.lt(0), at::full_like(first_bad_, kNone), first_bad_)
+                         .reshape({1});
+  ctx_->world().AllReduce(first, c10d::ReduceOp::MIN)->wait();
+  const int64_t step = first.item<int64_t>();
+  return step == kNone ? -1 : step;
+}
+
 bool TrainMetrics::ShouldLog(int64_t steps_done) const {
   return steps_done % config_.training.log_interval == 0 || steps_done == config_.training.steps;
 }
@@ -135,7 +146,8 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   stacked = stacked.cpu();
   IntervalEnd end;
   end.terminate = stacked[n].item<double>() > 0;
-  end.first_nonfinite = first_bad_.item<int64_t>();
+  // Any rank's flag counts: every rank must stop at the same interval.
+  end.first_nonfinite = FirstNonFiniteOnAnyRank();
   stacked = stacked.narrow(0, 0, n) / world;
   at::Tensor norm_values = at::stack(norms_).to(at::kDouble).cpu();
 

@@ -66,6 +66,10 @@ class TrainMetrics {
   void Record(const at::Tensor& loss, const at::Tensor& grad_norm, const at::Tensor& nonfinite,
               int64_t step, double lr);
   bool ShouldLog(int64_t steps_done) const;
+  // The first step (1-based) any rank recorded as non-finite so far, or -1: one small
+  // all-reduce and host read, for the points that must not go on from a non-finite state (a
+  // checkpoint about to be saved). Collective over the world.
+  int64_t FirstNonFiniteOnAnyRank();
   // The interval's all-reduce and host read; writes, prints and publishes one record per step.
   absl::StatusOr<IntervalEnd> Log(int64_t steps_done, bool term_requested);
   // Rank 0 only: extra records in metrics.jsonl.

@@ -111,13 +111,11 @@ absl::Status NonFiniteError(int64_t step) {
       "stopping. Lower optimizer.lr, or set training.on_nonfinite: skip"));
 }
 
-// SIGTERM reached every rank at the same log interval: save and stop, or stop with an error
-// when there is nothing to save to.
-absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step,
-                        const DataPosition& position, int rank) {
+// SIGTERM reached every rank at the same log interval: the caller saved (a step already saved
+// by the periodic cadence is not saved twice: Checkpointer::Save); stop, with an error when
+// there was nothing to save to.
+absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step, int rank) {
   if (checkpointer && checkpointer->enabled()) {
-    FSDP_RETURN_IF_ERROR(checkpointer->Save(step, position));
-    FSDP_RETURN_IF_ERROR(checkpointer->Finish());
     if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step << " and stopped\n";
     return absl::OkStatus();
   }
@@ -297,8 +295,21 @@ absl::Status Train(const RunConfig& config) {
   }
 
   // The checkpoint cadence (Checkpointer::MaybeSave), each save noted in metrics.jsonl.
+  // Note [Non-finite state is never saved]: with on_nonfinite: stop, a non-finite step
+  // updated the parameters with NaN/inf, and the flag is only read at the log interval; a
+  // checkpoint due in between would commit that state and prune good ones. So each save first
+  // reads every rank's flag (one tiny all-reduce per save, none per step) and stops instead.
+  // With skip, non-finite steps never update, so the state stays finite.
   auto maybe_save = [&](int64_t step, bool last) -> absl::Status {
-    if (!checkpointer) return absl::OkStatus();
+    if (!checkpointer || !checkpointer->Due(step, last)) return absl::OkStatus();
+    if (t.on_nonfinite == OnNonFinite::kStop) {
+      if (int64_t bad = metrics.FirstNonFiniteOnAnyRank(); bad >= 0) {
+        FSDP_RETURN_IF_ERROR(checkpointer->Finish());  // an earlier, finite save may be in flight
+        return absl::FailedPreconditionError(
+            StrCat(std::string(NonFiniteError(bad).message()), "; the checkpoint of step ", step,
+                   " was not saved (the newest checkpoint holds the last finite state)"));
+      }
+    }
     FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(step, last, loader.position()));
     if (saved) metrics.RecordCheckpoint(step, checkpointer->last_blocking_seconds());
     return absl::OkStatus();
@@ -320,7 +331,10 @@ absl::Status Train(const RunConfig& config) {
     if (!metrics.ShouldLog(done)) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
-    if (end.terminate) return StopOnTerm(checkpointer, done, loader.position(), rank);
+    if (end.terminate) {
+      if (checkpointer && checkpointer->enabled()) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/true));
+      return StopOnTerm(checkpointer, done, rank);
+    }
     if (t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps)) {
       metrics.RecordEval(done, Evaluate(*model, loader, t.eval_batches, ctx->world(), device));
     }
