@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -209,8 +210,17 @@ absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
   return WriteFile(items, out_path);
 }
 
+// Note [Safetensors spec]: Open accepts exactly what the reference library (huggingface/
+// safetensors) accepts, so that a file it would refuse cannot load here with shifted or made-up
+// data: a regular file; a header that is a JSON object (trailing spaces allowed) with unique
+// keys; an optional "__metadata__" mapping strings to strings; every other entry a tensor whose
+// byte range matches dtype x shape; and the byte ranges, sorted, tile the data section exactly:
+// the first starts at 0, each starts where the previous ended (no hole, no overlap) and the last
+// ends at the end of the file (no trailing bytes). A header length a few bytes short leaves
+// bytes after the last tensor, so it is caught instead of shifting every tensor.
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: opening a FIFO for reading would otherwise wait for a writer forever.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     std::string message = StrCat("cannot open safetensors file ", path, ": ", std::strerror(errno));
     if (errno == ENOENT) return absl::NotFoundError(message);
@@ -221,6 +231,11 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   if (::fstat(fd, &st) != 0) {
     return absl::FailedPreconditionError(
         StrCat("cannot stat safetensors file ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(StrCat(
+        path, ": not a regular file (", S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO" : "a device or socket",
+        "); a safetensors file must be a regular file"));
   }
   const int64_t file_size = st.st_size;
   if (file_size < 8) {
@@ -245,14 +260,38 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     return absl::DataLossError(StrCat(path, ": cannot read the header: ", ErrnoString()));
   }
   nlohmann::json header;
+  std::set<std::string> top_keys;
+  std::string duplicate;
   try {
-    header = nlohmann::json::parse(text);
+    // nlohmann keeps the last of duplicate keys; the reference library refuses them.
+    header = nlohmann::json::parse(
+        text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+          if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string() &&
+              !top_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
+            duplicate = parsed.get<std::string>();
+          }
+          return true;
+        });
   } catch (const nlohmann::json::parse_error& e) {
     return absl::DataLossError(
         StrCat(path, ": safetensors header is not valid JSON (parse error at byte ", e.byte, ")"));
   }
   if (!header.is_object()) {
     return absl::DataLossError(StrCat(path, ": safetensors header is not a JSON object"));
+  }
+  if (!duplicate.empty()) {
+    return absl::DataLossError(
+        StrCat(path, ": safetensors header names '", duplicate, "' more than once"));
+  }
+  if (auto meta = header.find(kMetadataKey); meta != header.end()) {
+    bool strings = meta->is_object();
+    for (auto it = strings ? meta->begin() : meta->end(); strings && it != meta->end(); ++it) {
+      strings = it->is_string();
+    }
+    if (!strings) {
+      return absl::DataLossError(StrCat(path, ": safetensors ", kMetadataKey,
+                                        " must map strings to strings, got ", meta->dump()));
+    }
   }
 
   SafetensorsFile file;
@@ -306,20 +345,32 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     file.entries_.emplace(name, std::move(entry));
   }
 
-  // No two tensors may share bytes (empty tensors take none).
+  // The byte ranges tile the data section (Note [Safetensors spec]).
   std::vector<std::pair<const std::string*, const Entry*>> by_offset;
-  for (const auto& [name, entry] : file.entries_) {
-    if (entry.end > entry.begin) by_offset.emplace_back(&name, &entry);
-  }
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
-  for (size_t i = 1; i < by_offset.size(); ++i) {
-    if (by_offset[i].second->begin < by_offset[i - 1].second->end) {
-      return bad(
-          *by_offset[i].first,
-          StrCat("data_offsets [", by_offset[i].second->begin, ", ", by_offset[i].second->end,
-                 ") overlap those of tensor '", *by_offset[i - 1].first, "'"));
+  for (const auto& [name, entry] : file.entries_) by_offset.emplace_back(&name, &entry);
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto& a, const auto& b) {
+    return std::pair(a.second->begin, a.second->end) < std::pair(b.second->begin, b.second->end);
+  });
+  int64_t expected = 0;
+  const std::string* previous = nullptr;
+  for (const auto& [name, entry] : by_offset) {
+    if (entry->begin < expected) {
+      return bad(*name, StrCat("data_offsets [", entry->begin, ", ", entry->end,
+                               ") overlap those of tensor '", *previous, "'"));
     }
+    if (entry->begin > expected) {
+      return bad(*name, StrCat("data_offsets [", entry->begin, ", ", entry->end,
+                               ") leave a hole of ", entry->begin - expected, " bytes after ",
+                               previous ? StrCat("tensor '", *previous, "'") : "the header"));
+    }
+    expected = entry->end;
+    previous = name;
+  }
+  if (expected != data_size) {
+    return absl::DataLossError(StrCat(
+        path, ": safetensors data section has ", data_size - expected,
+        " bytes after the last tensor (", data_size, " bytes, tensors end at ", expected,
+        "); a header length that is too short or bytes appended to the file"));
   }
   return file;
 }

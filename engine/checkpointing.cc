@@ -1,5 +1,7 @@
 #include "engine/checkpointing.h"
 
+#include <set>
+
 #include <chrono>
 #include <iostream>
 
@@ -28,6 +30,8 @@ struct Checkpointer::Pending {
     std::vector<int64_t> shape;
   };
   int64_t sequence = 0;  // which Save of this checkpointer (store keys)
+  std::set<std::string> optimizer_state;  // state tensor names saved (metadata "optimizer")
+  bool optimizer_step = false;            // a step counter per parameter saved
   int64_t step = 0;
   DataPosition data;
   std::vector<Item> items;
@@ -37,6 +41,35 @@ struct Checkpointer::Pending {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Note [Strict loads]: a load either restores exactly what was saved or refuses, naming the
+// file, the tensor and both values. The metadata's "optimizer" record says which optimizer
+// saved the state and which of its tensors exist, so that a missing tensor is an error instead
+// of a crash in the first step (an undefined state tensor) or a silent reset (a missing step
+// counter restarts Adam's bias correction), and SGD state never loads into AdamW or back.
+nlohmann::json OptimizerRecord(const OptimizerOptions& o, const std::set<std::string>& state,
+                               bool step) {
+  nlohmann::json hyper = {{"lr", o.lr}, {"weight_decay", o.weight_decay}};
+  if (o.kind == OptimizerKind::kSgd) {
+    hyper["momentum"] = o.momentum;
+  } else {
+    hyper["beta1"] = o.beta1;
+    hyper["beta2"] = o.beta2;
+    hyper["eps"] = o.eps;
+  }
+  return {{"name", std::string(OptimizerKindName(o.kind))},
+          {"state", std::vector<std::string>(state.begin(), state.end())},
+          {"step", step},
+          {"hyperparameters", hyper}};
+}
+
+// Keys of a JSON object, sorted, joined ("beta1, beta2, eps").
+std::string KeysOf(const nlohmann::json& object) {
+  std::vector<std::string> keys;
+  for (const auto& item : object.items()) keys.push_back(item.key());
+  std::sort(keys.begin(), keys.end());
+  return StrJoin(keys, ", ");
+}
 
 }  // namespace
 
@@ -102,8 +135,10 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
       auto it = optimizer_.state().find(shard.unsafeGetTensorImpl());
       if (it == optimizer_.state().end()) continue;
       for (auto& [state_name, tensor] : StateTensors(*it->second)) {
+        if (tensor->defined()) pending->optimizer_state.insert(std::string(state_name));
         add(StrCat("optim/", name, "/", state_name), *tensor);
       }
+      pending->optimizer_step |= StepCounter(*it->second) != nullptr;
       if (int64_t* s = StepCounter(*it->second); s != nullptr && rank0) {
         pending->items.push_back({StrCat("optim/", name, "/step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
       }
@@ -176,7 +211,9 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
       ShardingPlanFor(config_, *config_.parallelism.strategy, mesh_.shape().degrees.back());
   metadata.strategy = plan.ok() ? plan->effective : StrategyLabel(config_.parallelism.strategy);
   metadata.extra = {{"data", {{"epoch", pending.data.epoch}, {"batch", pending.data.batch}}},
-                    {"config", config_.ToYaml()}};
+                    {"config", config_.ToYaml()},
+                    {"optimizer", OptimizerRecord(config_.optimizer, pending.optimizer_state,
+                                                  pending.optimizer_step)}};
   FSDP_ASSIGN_OR_RETURN(metadata.tensors, ckpt::MergeManifests(manifests));
   for (const ckpt::RankManifest& m : manifests) metadata.files.push_back(m.file);
   FSDP_RETURN_IF_ERROR(ckpt::WriteMetadata(tmp_dir, metadata));
@@ -194,11 +231,47 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
   if (dir.empty()) return std::optional<ResumePoint>();
   if (dir == "latest") {
     absl::StatusOr<std::string> latest = ckpt::LatestCheckpoint(root_);
-    if (latest.status().code() == absl::StatusCode::kNotFound) return std::optional<ResumePoint>();
+    if (latest.status().code() == absl::StatusCode::kNotFound) {
+      if (ctx_->rank() == 0) {
+        std::cout << "checkpoint: load: latest: no committed checkpoint in " << root_
+                  << " yet; starting from step 0\n";
+      }
+      return std::optional<ResumePoint>();
+    }
     FSDP_RETURN_IF_ERROR(latest.status());
     dir = *latest;
   }
   FSDP_ASSIGN_OR_RETURN(ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(dir));
+  const CheckpointSection& cs = config_.checkpoint;
+  const nlohmann::json& extra_meta = reader.metadata().extra;
+  // What the saved optimizer kept (Note [Strict loads]); absent in checkpoints written before
+  // the record existed, which are then checked tensor by tensor only.
+  std::optional<std::set<std::string>> saved_state;
+  bool saved_step = false;
+  if (cs.load_optimizer && extra_meta.contains("optimizer")) {
+    const nlohmann::json& record = extra_meta["optimizer"];
+    const std::string saved_name = record.value("name", std::string("?"));
+    const std::string want = std::string(OptimizerKindName(config_.optimizer.kind));
+    if (saved_name != want) {
+      return absl::FailedPreconditionError(StrCat(
+          dir, ": saved with optimizer '", saved_name, "', the config has optimizer.name: ", want,
+          "; use the same optimizer, or checkpoint.load_optimizer: false to load the model only"));
+    }
+    const std::string saved_hyper = KeysOf(record.value("hyperparameters", nlohmann::json::object()));
+    const std::string want_hyper =
+        KeysOf(OptimizerRecord(config_.optimizer, {}, false)["hyperparameters"]);
+    if (saved_hyper != want_hyper) {
+      return absl::FailedPreconditionError(
+          StrCat(dir, ": optimizer hyper-parameters saved (", saved_hyper, ") are not those of ",
+                 want, " (", want_hyper, "); use checkpoint.load_optimizer: false"));
+    }
+    saved_state.emplace();
+    for (const auto& n : record.value("state", nlohmann::json::array())) {
+      if (n.is_string()) saved_state->insert(n.get<std::string>());
+    }
+    saved_step = record.value("step", false);
+  }
+  std::set<std::string> expected;  // every tensor this load reads
   at::NoGradGuard no_grad;
   auto read_into = [&](const std::string& key, at::Tensor& dst, int64_t first,
                        const std::vector<int64_t>& shape) -> absl::Status {
@@ -207,10 +280,16 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
       return absl::FailedPreconditionError(StrCat(dir, ": no tensor '", key,
                                                   "': the checkpoint was saved from another model"));
     }
+    expected.insert(key);
     if (e->shape != shape) {
       return absl::FailedPreconditionError(StrCat(dir, ": tensor '", key, "' has shape [",
                                                   StrJoin(e->shape, ", "), "], the model expects [",
                                                   StrJoin(shape, ", "), "]"));
+    }
+    const std::string want_dtype = ckpt::DtypeName(dst.scalar_type());
+    if (e->dtype != want_dtype) {
+      return absl::FailedPreconditionError(StrCat(dir, ": tensor '", key, "' is stored as ",
+                                                  e->dtype, ", the model expects ", want_dtype));
     }
     if (dst.size(0) == 0) return absl::OkStatus();
     at::Tensor rows;
@@ -223,18 +302,39 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     int64_t first = model_.FirstLocalRow(*p);
     at::Tensor dst = shard;
     FSDP_RETURN_IF_ERROR(read_into("model/" + name, dst, first, p->sharding.shape));
-    if (!p->requires_grad) continue;
+    if (!p->requires_grad || !cs.load_optimizer) continue;
     std::unique_ptr<torch::optim::OptimizerParamState> state = NewParamState(optimizer_);
     bool any = false;
     for (auto& [state_name, tensor] : StateTensors(*state)) {
       std::string key = StrCat("optim/", name, "/", state_name);
-      if (reader.Find(key) == nullptr) continue;
+      const bool listed = saved_state ? saved_state->count(std::string(state_name)) > 0
+                                      : reader.Find(key) != nullptr;
+      if (!listed) continue;
+      if (reader.Find(key) == nullptr) {
+        return absl::FailedPreconditionError(
+            StrCat(dir, ": no tensor '", key, "', which the saved optimizer's state lists (",
+                   StrJoin(*saved_state, ", "), "); the checkpoint is incomplete"));
+      }
       *tensor = at::zeros_like(shard);
       FSDP_RETURN_IF_ERROR(read_into(key, *tensor, first, p->sharding.shape));
       any = true;
     }
     if (int64_t* step = StepCounter(*state); step != nullptr) {
-      if (const ckpt::TensorEntry* e = reader.Find(StrCat("optim/", name, "/step")); e != nullptr) {
+      const std::string key = StrCat("optim/", name, "/step");
+      const ckpt::TensorEntry* e = reader.Find(key);
+      if (e == nullptr && (saved_step || any)) {
+        return absl::FailedPreconditionError(StrCat(
+            dir, ": no tensor '", key, "': without the step counter Adam's bias correction "
+            "would restart; the checkpoint is incomplete (checkpoint.load_optimizer: false "
+            "starts the optimizer afresh)"));
+      }
+      if (e != nullptr) {
+        expected.insert(key);
+        if (!e->shape.empty() || e->dtype != "I64") {
+          return absl::FailedPreconditionError(StrCat(dir, ": tensor '", key, "' is ", e->dtype,
+                                                      " [", StrJoin(e->shape, ", "),
+                                                      "], expected a scalar I64 step counter"));
+        }
         at::Tensor s;
         FSDP_RETURN_IF_ERROR(reader.ReadRows(e->name, 0, 1, s));
         *step = s.item<int64_t>();
@@ -242,13 +342,27 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     }
     if (any) optimizer_.state()[shard.unsafeGetTensorImpl()] = std::move(state);
   }
+  if (cs.strict) {
+    std::vector<std::string> unexpected;
+    for (const ckpt::TensorEntry& t : reader.metadata().tensors) {
+      if (expected.count(t.name) || (!cs.load_optimizer && StartsWith(t.name, "optim/"))) continue;
+      unexpected.push_back(t.name);
+    }
+    if (!unexpected.empty()) {
+      const size_t shown = std::min<size_t>(unexpected.size(), 5);
+      return absl::FailedPreconditionError(StrCat(
+          dir, ": ", unexpected.size(), " tensor(s) the model does not have (",
+          StrJoin(std::vector<std::string>(unexpected.begin(), unexpected.begin() + shown), ", "),
+          unexpected.size() > shown ? ", ..." : "",
+          "): saved from another model (e.g. more layers)? checkpoint.strict: false ignores them"));
+    }
+  }
   ResumePoint point;
   point.step = reader.metadata().step;
   point.dir = dir;
-  const nlohmann::json& extra = reader.metadata().extra;
-  if (extra.contains("data")) {
-    point.data.epoch = extra["data"].value("epoch", int64_t{0});
-    point.data.batch = extra["data"].value("batch", int64_t{0});
+  if (extra_meta.contains("data")) {
+    point.data.epoch = extra_meta["data"].value("epoch", int64_t{0});
+    point.data.batch = extra_meta["data"].value("batch", int64_t{0});
   }
   return std::optional<ResumePoint>(point);
 }
@@ -278,6 +392,22 @@ absl::Status FillFromSafetensors(const std::string& path, const std::vector<Init
     FSDP_RETURN_IF_ERROR(file.ReadRows(t.name, t.first_row, t.first_row + rows, data));
     at::Tensor dst = t.dst;
     dst.copy_(data.reshape(dst.sizes()));
+  }
+  // A tensor the model does not have means the file is for another model (another depth or
+  // naming): loading the rest would silently start from a mix.
+  std::set<std::string> wanted;
+  for (const InitTarget& t : targets) wanted.insert(t.name);
+  std::vector<std::string> unexpected;
+  for (const auto& [name, entry] : file.entries()) {
+    if (!wanted.count(name)) unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    const size_t shown = std::min<size_t>(unexpected.size(), 5);
+    return absl::FailedPreconditionError(StrCat(
+        "model.init_from '", path, "': ", unexpected.size(), " tensor(s) the model does not have (",
+        StrJoin(std::vector<std::string>(unexpected.begin(), unexpected.begin() + shown), ", "),
+        unexpected.size() > shown ? ", ..." : "",
+        "); the file was saved from another model (check model.n_layers and the names)"));
   }
   return absl::OkStatus();
 }

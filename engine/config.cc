@@ -341,7 +341,9 @@ std::vector<Section> Sections(RunConfig& c) {
         {"interval", &c.checkpoint.interval},
         {"keep_latest_k", &c.checkpoint.keep_latest_k},
         {"load", &c.checkpoint.load},
-        {"async", &c.checkpoint.async}}},
+        {"async", &c.checkpoint.async},
+        {"strict", &c.checkpoint.strict},
+        {"load_optimizer", &c.checkpoint.load_optimizer}}},
   };
 }
 

@@ -156,6 +156,12 @@ struct CheckpointSection {
   int64_t keep_latest_k = 3;  // older committed checkpoints are removed; the newest never
   std::string load;           // "": start fresh; "latest": newest in dir (none: fresh); a path
   bool async = true;          // write shards in the background after a copy to host memory
+  // Loading: false tolerates tensors in the checkpoint that the model does not have (e.g. a
+  // deeper model's layers); true (default) refuses them, naming them.
+  bool strict = true;
+  // Loading: false loads the model's tensors only and starts the optimizer afresh (a different
+  // optimizer, or fine-tuning); true requires the saved optimizer to be the configured one.
+  bool load_optimizer = true;
 };
 
 struct RunConfig {

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <fstream>
 #include <sstream>
@@ -315,6 +316,70 @@ TEST(CheckpointFaultTest, NonFiniteStateIsNeverCheckpointed) {
     EXPECT_EQ(inspect.exit.code, 0) << inspect.Output();
     EXPECT_TRUE(inspect.StdoutHas("every tensor finite")) << inspect.Output();
   }
+  fs::remove_all(dir);
+}
+
+// Note [Strict loads] (engine/checkpointing.cc): each of these loaded (or crashed after
+// "resumed from") before; now each is refused with the file, the tensor and both values.
+TEST(CheckpointFaultTest, LoadsAreExactOrRefuse) {
+  std::string dir = FreshTempDir("strict");
+  // A 4-layer model saved at step 8 (AdamW: exp_avg, exp_avg_sq and a step counter per tensor).
+  TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "model.n_layers=4"});
+  ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
+  const std::string step8 = dir + "/checkpoints/" + ckpt::StepDirName(8);
+  const std::string meta_path = step8 + "/metadata.json";
+  const nlohmann::json original = nlohmann::json::parse(std::ifstream(meta_path));
+  // Resumes from a copy of the checkpoint whose metadata `edit` changed; returns the output.
+  auto resume = [&](const std::function<void(nlohmann::json&)>& edit,
+                    std::vector<std::string> sets) {
+    nlohmann::json m = original;
+    edit(m);
+    std::ofstream(meta_path) << m.dump();
+    sets.insert(sets.begin(), {"checkpoint.load=" + step8, "training.steps=9", "model.n_layers=4"});
+    fs::remove(dir + "/metrics.jsonl");
+    TrainRun run = Train(dir + "/resume", 2, "full_shard", sets);
+    std::ofstream(meta_path) << original.dump();
+    return run;
+  };
+  auto drop = [](const std::string& suffix) {
+    return [suffix](nlohmann::json& m) {
+      auto& tensors = m["tensors"];
+      for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+        if ((*it)["name"].get<std::string>().ends_with(suffix)) {
+          tensors.erase(it);
+          return;
+        }
+      }
+    };
+  };
+  auto expect_refused = [](const TrainRun& run, const std::string& what) {
+    EXPECT_FALSE(run.result.exit.ok()) << what << "\n" << run.result.Output();
+    EXPECT_TRUE(run.result.StderrHas(what) || run.result.StdoutHas(what))
+        << "expected '" << what << "'\n" << run.result.Output();
+    EXPECT_FALSE(run.result.StdoutHas("step     9/9")) << run.result.Output();
+  };
+  expect_refused(resume(drop("/exp_avg_sq"), {}), "which the saved optimizer's state lists");
+  expect_refused(resume(drop("/step"), {}), "bias correction");
+  expect_refused(resume([](nlohmann::json& m) { m["tensors"][0]["dtype"] = "I32"; }, {}),
+                 "is stored as I32, the model expects F32");
+  // Into a 2-layer model: two layers' tensors are left over, unless strict is off.
+  expect_refused(resume([](nlohmann::json&) {}, {"model.n_layers=2"}),
+                 "tensor(s) the model does not have");
+  TrainRun relaxed = resume([](nlohmann::json&) {}, {"model.n_layers=2", "checkpoint.strict=false"});
+  EXPECT_TRUE(relaxed.result.exit.ok()) << relaxed.result.Output();
+  // AdamW state into SGD: refused, unless the optimizer starts afresh.
+  expect_refused(resume([](nlohmann::json&) {}, {"optimizer.name=sgd"}),
+                 "saved with optimizer 'adamw'");
+  TrainRun fresh_optimizer =
+      resume([](nlohmann::json&) {}, {"optimizer.name=sgd", "checkpoint.load_optimizer=false"});
+  EXPECT_TRUE(fresh_optimizer.result.exit.ok()) << fresh_optimizer.result.Output();
+  // The untouched checkpoint still resumes.
+  TrainRun ok = resume([](nlohmann::json&) {}, {});
+  EXPECT_TRUE(ok.result.exit.ok()) << ok.result.Output();
+  // load: latest with nothing there says so.
+  TrainRun nothing = Train(dir + "/empty", 2, "full_shard",
+                           {"checkpoint.enabled=true", "checkpoint.load=latest", "training.steps=1"});
+  EXPECT_TRUE(nothing.result.StdoutHas("no committed checkpoint in")) << nothing.result.Output();
   fs::remove_all(dir);
 }
 

@@ -29,7 +29,8 @@ constexpr char kModelKeys[] =
     "tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from";
 constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, max_grad_norm, mixed_precision, reduce_dtype, "
-    "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval";
+    "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval, "
+    "activation_checkpointing";
 constexpr char kStrategies[] =
     "full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard, none";
 

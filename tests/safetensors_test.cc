@@ -1,5 +1,6 @@
 #include "checkpoint/safetensors.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -337,6 +338,67 @@ TEST_F(SafetensorsTest, OpenRejectsCorruptFiles) {
                                 std::string(8, '\0')),
                kDataLoss,
                ": safetensors tensor 'b': data_offsets [4, 8) overlap those of tensor 'a'");
+}
+
+// Note [Safetensors spec]: what the reference library refuses, Open refuses (issue: these
+// loaded, the first with every tensor shifted by one element).
+TEST_F(SafetensorsTest, OpenFollowsTheSpecExactly) {
+  auto open_error = [&](const std::string& name, const std::string& bytes) {
+    const std::string path = StrCat(dir_, "/", name, ".safetensors");
+    WriteFile(path, bytes);
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
+    EXPECT_FALSE(file.ok()) << name << " was accepted";
+    EXPECT_THAT(std::string(file.status().message()), HasSubstr(path)) << name;
+    return std::string(file.status().message());
+  };
+  const std::string a = R"("a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]})";
+  const std::string b = R"("b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]})";
+  const std::string data(12, '\1');
+  // A valid file, padded with spaces as the reference writer pads its header.
+  const std::string good_header = "{" + a + ", " + b + "}    ";
+  const std::string good_path = dir_ + "/good.safetensors";
+  WriteFile(good_path, SafetensorsBytes(good_header, data));
+  ASSERT_TRUE(SafetensorsFile::Open(good_path).ok()) << SafetensorsFile::Open(good_path).status();
+
+  // The header length 4 bytes short: the JSON still parses (its padding is cut), the data
+  // section starts 4 bytes early and 4 bytes are left after the last tensor.
+  std::string short_length = SafetensorsBytes(good_header, data);
+  uint64_t n = good_header.size() - 4;
+  std::memcpy(short_length.data(), &n, 8);
+  EXPECT_THAT(open_error("short_length", short_length),
+              HasSubstr("4 bytes after the last tensor"));
+  EXPECT_THAT(open_error("trailing", SafetensorsBytes("{" + a + ", " + b + "}", data + "xy")),
+              HasSubstr("2 bytes after the last tensor"));
+  EXPECT_THAT(
+      open_error("hole", SafetensorsBytes(
+                             "{" + a + R"(, "b": {"dtype": "F32", "shape": [1], "data_offsets": [9, 13]}})",
+                             data + "z")),
+      HasSubstr("leave a hole of 1 bytes after tensor 'a'"));
+  EXPECT_THAT(open_error("hole_at_start",
+                         SafetensorsBytes(R"({"b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                                          std::string(8, '\0'))),
+              HasSubstr("leave a hole of 4 bytes after the header"));
+  EXPECT_THAT(open_error("duplicate", SafetensorsBytes("{" + a + ", " + a + ", " + b + "}", data)),
+              HasSubstr("names 'a' more than once"));
+  EXPECT_THAT(open_error("metadata_not_strings",
+                         SafetensorsBytes("{" + a + ", " + b + R"(, "__metadata__": {"n": 1}})", data)),
+              HasSubstr("__metadata__ must map strings to strings"));
+  EXPECT_THAT(open_error("metadata_not_object",
+                         SafetensorsBytes("{" + a + ", " + b + R"(, "__metadata__": "x"})", data)),
+              HasSubstr("__metadata__ must map strings to strings"));
+  // String metadata is fine.
+  const std::string meta_path = dir_ + "/meta.safetensors";
+  WriteFile(meta_path,
+            SafetensorsBytes("{" + a + ", " + b + R"(, "__metadata__": {"format": "pt"}})", data));
+  EXPECT_TRUE(SafetensorsFile::Open(meta_path).ok());
+
+  // Not a regular file: a FIFO would block a reader forever, a directory is no file.
+  const std::string fifo = dir_ + "/fifo.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  absl::StatusOr<SafetensorsFile> from_fifo = SafetensorsFile::Open(fifo);
+  EXPECT_THAT(std::string(from_fifo.status().message()), HasSubstr("not a regular file (a FIFO)"));
+  absl::StatusOr<SafetensorsFile> from_dir = SafetensorsFile::Open(dir_);
+  EXPECT_THAT(std::string(from_dir.status().message()), HasSubstr("not a regular file (a directory)"));
 }
 
 TEST_F(SafetensorsTest, ReadRowsChecksNameAndRange) {
