@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
   train_cmd->add_option("config", train.config_path, "YAML configuration file")->required();
   train_cmd->add_option("--set", train.overrides,
                         "Override a key: --set section.key=value (repeatable)");
+  train_cmd->add_flag("--oversubscribe", train.oversubscribe,
+                      "Allow parallelism.nproc above the node's GPUs (CUDA) or 4 x its cores "
+                      "(CPU ranks)");
 
   // ---- checkpoint --------------------------------------------------------------------------
   fsdp::CheckpointCommand ckpt;

@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -44,6 +46,19 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
     bool cpu = config->training.device == DeviceKind::kCpu ||
                (config->training.device == DeviceKind::kAuto && CudaDeviceCount() == 0);
     if (nproc == 0) nproc = cpu ? 2 : CudaDeviceCount();
+    // Each local rank is a process with its own copy of libtorch (and a GPU on CUDA): far more
+    // than the node can run is a typo, not a plan, and would fork until memory runs out.
+    const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
+    const int64_t limit = cpu ? 4 * cores : CudaDeviceCount();
+    if (nproc > limit && !command.oversubscribe) {
+      std::cerr << fmt::format(
+          "fsdp train: parallelism.nproc={} is more local ranks than this node can run ({}: {}); "
+          "lower it, or pass --oversubscribe\n",
+          nproc, limit,
+          cpu ? fmt::format("4 x {} cores, CPU ranks", cores)
+              : fmt::format("{} GPU(s), one per rank", CudaDeviceCount()));
+      return 2;
+    }
     if (absl::Status fits = config->ValidateForWorld(static_cast<int>(nproc)); !fits.ok()) {
       std::cerr << "fsdp train: " << fits.message() << " (parallelism.nproc=" << nproc << ")\n";
       return 2;

@@ -14,6 +14,8 @@ namespace fsdp {
 struct TrainCommand {
   std::string config_path;
   std::vector<std::string> overrides;
+  // More local ranks than the node's GPUs (CUDA) or 4 x its cores (CPU) is refused unless set.
+  bool oversubscribe = false;
 };
 
 int RunTrainCommand(const TrainCommand& command, int argc, char** argv);

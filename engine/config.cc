@@ -434,6 +434,13 @@ class Parser {
   absl::Status ParseDocument(const std::string& text, Locations& where) {
     YAML::Node root;
     try {
+      // One document: a second one ("---") would otherwise be silently ignored.
+      std::vector<YAML::Node> documents = YAML::LoadAll(text);
+      if (documents.size() > 1) {
+        return Invalid(At(name_, documents[1].Mark()), "",
+                       StrCat("the file holds ", documents.size(),
+                              " YAML documents ('---'); a run configuration is one document"));
+      }
       root = YAML::Load(text);
     } catch (const YAML::ParserException& e) {
       return Invalid(At(name_, e.mark), "", StrCat("YAML syntax error: ", e.msg));

@@ -1,7 +1,10 @@
 #include "engine/metrics.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 
 #include <fmt/format.h>
 
@@ -9,16 +12,35 @@
 
 namespace fsdp {
 
-absl::StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path, bool append) {
+absl::StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path, int64_t resume_step) {
+  std::string kept;
+  if (resume_step >= 0) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+          record["step"].get<int64_t>() <= resume_step) {
+        kept += line + "\n";
+      }
+    }
+  }
   MetricsWriter writer;
-  writer.file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  writer.path_ = path;
+  writer.file_ = std::fopen(path.c_str(), "w");
   if (writer.file_ == nullptr) {
-    return absl::FailedPreconditionError(StrCat("cannot write metrics file '", path, "'"));
+    return absl::FailedPreconditionError(
+        StrCat("cannot write metrics file '", path, "': ", std::strerror(errno)));
+  }
+  if (!kept.empty() && (std::fwrite(kept.data(), 1, kept.size(), writer.file_) != kept.size() ||
+                        std::fflush(writer.file_) != 0)) {
+    return absl::FailedPreconditionError(
+        StrCat("cannot write metrics file '", path, "': ", std::strerror(errno)));
   }
   return writer;
 }
 
-MetricsWriter::MetricsWriter(MetricsWriter&& other) noexcept : file_(other.file_) {
+MetricsWriter::MetricsWriter(MetricsWriter&& other) noexcept
+    : path_(std::move(other.path_)), file_(other.file_), status_(std::move(other.status_)) {
   other.file_ = nullptr;
 }
 
@@ -27,10 +49,13 @@ MetricsWriter::~MetricsWriter() {
 }
 
 void MetricsWriter::Write(const nlohmann::json& record) {
-  if (file_ == nullptr) return;
+  if (file_ == nullptr || !status_.ok()) return;
   std::string line = record.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {
+    status_ = absl::ResourceExhaustedError(StrCat("writing metrics file '", path_, "' failed: ",
+                                                  std::strerror(errno),
+                                                  "; stopping (free space, or metrics.jsonl: false)"));
+  }
 }
 
 double PeakFlopsPerDevice(const std::string& name, bool bf16) {

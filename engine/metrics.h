@@ -19,17 +19,23 @@ namespace fsdp {
 
 class MetricsWriter {
  public:
-  // Opens `path` (truncated, or appended to when resuming); kFailedPrecondition naming the
-  // path if it cannot.
-  static absl::StatusOr<MetricsWriter> Open(const std::string& path, bool append = false);
+  // Opens `path` truncated; kFailedPrecondition naming the path if it cannot. With
+  // `resume_step` >= 0 (resuming after that many steps) the file is kept up to that step:
+  // records of later steps, written by the run that was interrupted, are dropped, so that
+  // every step appears exactly once across resumes.
+  static absl::StatusOr<MetricsWriter> Open(const std::string& path, int64_t resume_step = -1);
   MetricsWriter(MetricsWriter&& other) noexcept;
   ~MetricsWriter();
-  // Appends one line and flushes it.
+  // Appends one line and flushes it. A failed write (disk full, I/O error) is kept: status()
+  // returns it from then on, and nothing more is written.
   void Write(const nlohmann::json& record);
+  const absl::Status& status() const { return status_; }
 
  private:
   MetricsWriter() = default;
+  std::string path_;
   std::FILE* file_ = nullptr;
+  absl::Status status_;
 };
 
 // Dense peak FLOP/s of one GPU for the compute dtype (bf16, or fp32 = TF32), from its name

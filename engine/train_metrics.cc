@@ -23,7 +23,7 @@
 namespace fsdp {
 
 nlohmann::json StepRecord::ToJson() const {
-  return {{"step", step},
+  nlohmann::json j = {{"step", step},
           {"loss", loss},
           {"grad_norm", grad_norm},
           {"lr", lr},
@@ -34,6 +34,8 @@ nlohmann::json StepRecord::ToJson() const {
           {"peak_mem_bytes", peak_mem_bytes},
           {"comm_wait_s", comm_wait_s},
           {"comm_bytes", comm_bytes}};
+  if (skipped) j["skipped"] = true;  // its loss / grad_norm are null (non-finite)
+  return j;
 }
 
 std::string StepRecord::ToLine() const {
@@ -110,7 +112,9 @@ void TrainMetrics::Start() {
 }
 
 void TrainMetrics::Record(const at::Tensor& loss, const at::Tensor& grad_norm,
-                          const at::Tensor& nonfinite, int64_t step, double lr) {
+                          const at::Tensor& nonfinite, int64_t step, double lr, bool skipped) {
+  skipped_.push_back(skipped);
+  skipped_total_ += skipped;
   losses_.push_back(loss);
   norms_.push_back(grad_norm);
   lrs_.push_back(lr);
@@ -139,11 +143,13 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   const int64_t n = static_cast<int64_t>(losses_.size());
   // One host synchronisation per log interval: the losses (averaged over data-parallel ranks),
   // the norms and the non-finite flag of every step since the last log, and SIGTERM.
-  at::Tensor term = at::full({1}, term_requested ? 1.0 : 0.0,
-                             at::TensorOptions().dtype(at::kDouble).device(device_));
-  at::Tensor stacked = at::cat({at::stack(losses_).to(at::kDouble), term});
+  const bool write_failed = jsonl_ && !jsonl_->status().ok();
+  at::Tensor flags = at::tensor({term_requested ? 1.0 : 0.0, write_failed ? 1.0 : 0.0},
+                                at::TensorOptions().dtype(at::kDouble)).to(device_);
+  at::Tensor stacked = at::cat({at::stack(losses_).to(at::kDouble), flags});
   ctx_->world().AllReduce(stacked)->wait();
   stacked = stacked.cpu();
+  if (stacked[n + 1].item<double>() > 0) return WriteError();
   IntervalEnd end;
   end.terminate = stacked[n].item<double>() > 0;
   // Any rank's flag counts: every rank must stop at the same interval.
@@ -173,6 +179,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
     r.loss = stacked[i].item<double>();
     r.grad_norm = norm_values[i].item<double>();
     r.lr = lrs_[i];
+    r.skipped = skipped_[i];
     if (jsonl_) jsonl_->Write(r.ToJson());
   }
   last_loss_ = r.loss;
@@ -189,6 +196,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   losses_.clear();
   norms_.clear();
   lrs_.clear();
+  skipped_.clear();
   interval_start_ = Clock::now();
   return end;
 }
@@ -204,13 +212,27 @@ void TrainMetrics::RecordCheckpoint(int64_t step, double blocking_seconds) {
   if (jsonl_) jsonl_->Write({{"step", step}, {"checkpoint_blocking_s", blocking_seconds}});
 }
 
-void TrainMetrics::Finish(int64_t steps) {
-  if (ctx_->rank() != 0) return;
+absl::Status TrainMetrics::WriteError() const {
+  if (jsonl_ && !jsonl_->status().ok()) return jsonl_->status();
+  return absl::ResourceExhaustedError(
+      "rank 0 could not write metrics.jsonl (its message names the file); stopping");
+}
+
+absl::Status TrainMetrics::Finish(int64_t steps) {
+  at::Tensor failed = at::full({1}, jsonl_ && !jsonl_->status().ok() ? 1.0 : 0.0,
+                               at::TensorOptions().dtype(at::kDouble).device(device_));
+  ctx_->world().AllReduce(failed)->wait();
+  if (failed.item<double>() > 0) return WriteError();
+  if (ctx_->rank() != 0) return absl::OkStatus();
   if (draw_bar_) std::cerr << "\n";
   const double total = std::chrono::duration<double>(Clock::now() - run_start_).count();
-  std::cout << fmt::format("fsdp train: done, {} steps in {:.1f} s, final loss {:.4f}; metrics in {}\n",
+  std::cout << fmt::format("fsdp train: done, {} steps in {:.1f} s, final loss {:.4f}{}; metrics in {}\n",
                            steps, total, last_loss_,
+                           skipped_total_ > 0
+                               ? fmt::format(" ({} update(s) skipped: non-finite)", skipped_total_)
+                               : "",
                            (std::filesystem::path(config_.run.dir) / "metrics.jsonl").string());
+  return absl::OkStatus();
 }
 
 }  // namespace fsdp

@@ -39,6 +39,7 @@ struct StepRecord {
   double step_time_s = 0, tokens_per_s = 0, tokens_per_s_per_device = 0, mfu = 0;
   int64_t peak_mem_bytes = 0;
   double comm_wait_s = 0, comm_bytes = 0;  // this rank's, per step of the interval
+  bool skipped = false;                    // on_nonfinite: skip skipped this step's update
   double elapsed_s = 0;                    // since the loop started
 
   nlohmann::json ToJson() const;  // the metrics.jsonl record
@@ -63,26 +64,30 @@ class TrainMetrics {
   void Start();
   // Step `step` (0-based) is done; `nonfinite` (0-dim bool on the device) marks a non-finite
   // loss or norm, noted without a host read.
+  // `skipped`: the update was skipped (on_nonfinite: skip), recorded as such.
   void Record(const at::Tensor& loss, const at::Tensor& grad_norm, const at::Tensor& nonfinite,
-              int64_t step, double lr);
+              int64_t step, double lr, bool skipped = false);
   bool ShouldLog(int64_t steps_done) const;
   // The first step (1-based) any rank recorded as non-finite so far, or -1: one small
   // all-reduce and host read, for the points that must not go on from a non-finite state (a
   // checkpoint about to be saved). Collective over the world.
   int64_t FirstNonFiniteOnAnyRank();
   // The interval's all-reduce and host read; writes, prints and publishes one record per step.
+  // An earlier failed write of metrics.jsonl (rank 0) is an error on every rank.
   absl::StatusOr<IntervalEnd> Log(int64_t steps_done, bool term_requested);
   // Rank 0 only: extra records in metrics.jsonl.
   void RecordEval(int64_t step, double val_loss);
   void RecordCheckpoint(int64_t step, double blocking_seconds);
-  // The end of the run: the progress bar's newline and the summary line.
-  void Finish(int64_t steps);
+  // The end of the run: the progress bar's newline and the summary line. Collective: a failed
+  // write of metrics.jsonl is an error on every rank.
+  absl::Status Finish(int64_t steps);
 
   double last_loss() const { return last_loss_; }
   double peak_flops() const { return peak_flops_; }
 
  private:
   using Clock = std::chrono::steady_clock;
+  absl::Status WriteError() const;
   const RunConfig& config_;
   std::shared_ptr<DistContext> ctx_;
   c10::Device device_;
@@ -96,6 +101,8 @@ class TrainMetrics {
   std::string progress_file_;   // FSDP_PROGRESS_FILE (rank 0), or empty
   std::vector<at::Tensor> losses_, norms_;  // per step of the interval, on the device
   std::vector<double> lrs_;
+  std::vector<bool> skipped_;  // per step of the interval
+  int64_t skipped_total_ = 0;
   at::Tensor first_bad_;  // 0-dim int64 on the device: first non-finite step, or -1
   Clock::time_point run_start_, interval_start_;
   double last_loss_ = std::nan("");

@@ -279,7 +279,8 @@ absl::Status Train(const RunConfig& config) {
   std::optional<MetricsWriter> jsonl;
   if (rank == 0 && config.metrics.jsonl) {
     FSDP_ASSIGN_OR_RETURN(MetricsWriter writer,
-                          MetricsWriter::Open((run_dir / "metrics.jsonl").string(), resume.has_value()));
+                          MetricsWriter::Open((run_dir / "metrics.jsonl").string(),
+                                              resume ? resume->step : -1));
     jsonl.emplace(std::move(writer));
   }
   TrainMetrics metrics(config, ctx, device, model->FlopsPerToken(), trained->comm_stats(),
@@ -317,6 +318,8 @@ absl::Status Train(const RunConfig& config) {
 
   // ===== the loop ===============================================================================
   int64_t state_bytes = 0;  // model states right after the last update: Note [Rank statistics]
+  constexpr int kMaxConsecutiveSkips = 10;
+  int consecutive_skips = 0;
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
@@ -326,7 +329,18 @@ absl::Status Train(const RunConfig& config) {
     if (out.skipped && rank == 0) FSDP_LOG_WARN("step {}: non-finite loss or gradient norm; update skipped", done);
     if (!out.skipped) state_bytes = DeviceAllocatedBytes(device);
     metrics.Record(out.loss, out.grad_norm,
-                   t.on_nonfinite == OnNonFinite::kStop ? out.nonfinite : at::Tensor(), step, lr);
+                   t.on_nonfinite == OnNonFinite::kStop ? out.nonfinite : at::Tensor(), step, lr,
+                   out.skipped);
+    // Skipping keeps a run alive through a rare bad batch; a run whose every update is skipped
+    // has diverged and would otherwise "finish" without learning (skipped is known on the host
+    // in skip mode, and identical on every rank: the norm is global).
+    consecutive_skips = out.skipped ? consecutive_skips + 1 : 0;
+    if (consecutive_skips >= kMaxConsecutiveSkips) {
+      return absl::FailedPreconditionError(StrCat(
+          "steps ", done - consecutive_skips + 1, "-", done, ": ", consecutive_skips,
+          " updates in a row skipped (non-finite loss or gradient norm): training diverged; "
+          "lower optimizer.lr, or check the data"));
+    }
     if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
     if (!metrics.ShouldLog(done)) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
@@ -346,7 +360,7 @@ absl::Status Train(const RunConfig& config) {
                  DevicePeakBytes(device), state_bytes, trained->comm_stats(),
                  model->FlopsPerToken(), metrics.peak_flops(),
                  device.is_cuda() ? CudaDeviceDescription(device.index()) : "cpu");
-  metrics.Finish(t.steps);
+  FSDP_RETURN_IF_ERROR(metrics.Finish(t.steps));
   ctx->world().Barrier()->wait();
   return absl::OkStatus();
 }

@@ -154,6 +154,7 @@ int RunLaunch(const LaunchOptions& o) {
     }
     WaitOptions wait;
     wait.grace = o.grace;
+    wait.failure_grace = std::min(o.grace, o.failure_grace);
     const std::string failed_key = AttemptKey(attempt, "failed");
     wait.stop_requested = [&] {
       if (ReceivedStopSignal() != 0) return true;

@@ -31,7 +31,10 @@ struct LaunchOptions {
   int master_port = 0;  // 0: pick a free port (single node only)
   int max_restarts = 0;
   std::chrono::seconds rendezvous_timeout{300};
-  std::chrono::milliseconds grace{std::chrono::seconds(5)};  // SIGTERM -> SIGKILL
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};  // SIGTERM -> SIGKILL on a stop
+  // SIGTERM -> SIGKILL for the others once a rank failed (they cannot finish a collective, or
+  // a checkpoint, without it; capped by `grace`).
+  std::chrono::milliseconds failure_grace{std::chrono::seconds(5)};
   bool prefix_output = true;
   std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
   std::vector<std::string> program;  // PROGRAM ARGS...

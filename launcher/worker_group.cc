@@ -271,7 +271,7 @@ GroupResult WorkerGroup::Wait(const WaitOptions& options) {
       }
     }
   }
-  StopAll(options.grace, options.tail_lines);
+  StopAll(result.first_failure ? options.failure_grace : options.grace, options.tail_lines);
   // Drain what is left in the pipes (bounded: a detached grandchild may keep one open).
   bool open = true;
   auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);

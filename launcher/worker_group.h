@@ -66,8 +66,12 @@ struct WaitOptions {
   std::optional<std::chrono::steady_clock::time_point> deadline;
   // Polled a few times a second; returning true stops everything (kStopped).
   std::function<bool()> stop_requested;
-  // Time a worker gets between SIGTERM and SIGKILL.
+  // Time a worker gets between SIGTERM and SIGKILL when the group is stopped (a stop request,
+  // a deadline): e.g. long enough for a SIGTERM checkpoint.
   std::chrono::milliseconds grace{std::chrono::seconds(5)};
+  // The same after a worker failed: the others cannot finish a collective without it, so they
+  // get only the time to report their own state.
+  std::chrono::milliseconds failure_grace{std::chrono::seconds(5)};
   // Lines kept per worker for WorkerExit::tail.
   size_t tail_lines = 40;
 };

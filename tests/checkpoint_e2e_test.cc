@@ -383,6 +383,26 @@ TEST(CheckpointFaultTest, LoadsAreExactOrRefuse) {
   fs::remove_all(dir);
 }
 
+// Issue: a resumed run appended its records after the interrupted run's, so steps between
+// the checkpoint and the interruption appeared twice.
+TEST(CheckpointResumeTest, MetricsRecordEveryStepOnceAcrossResume) {
+  std::string dir = FreshTempDir("metrics-resume");
+  TrainRun first = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.interval=4"});
+  ASSERT_TRUE(first.result.exit.ok()) << first.result.Output();
+  fs::remove_all(dir + "/checkpoints/" + ckpt::StepDirName(8));  // as if killed after step 8
+  TrainRun resumed = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.load=latest"});
+  ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+  std::map<int64_t, int> seen;
+  std::ifstream in(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json r = nlohmann::json::parse(line);
+    if (r.contains("loss")) ++seen[r["step"].get<int64_t>()];
+  }
+  ASSERT_EQ(seen.size(), 8u);
+  for (const auto& [step, n] : seen) EXPECT_EQ(n, 1) << "step " << step;
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointToolsTest, InspectAndExport) {
   std::string dir = FreshTempDir("tools");
   TrainRun saved = Train(dir, 2, "full_shard", {"checkpoint.enabled=true"});

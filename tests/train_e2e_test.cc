@@ -172,6 +172,68 @@ TEST(TrainTest, NonFiniteLossStopsNamingTheStep) {
   EXPECT_TRUE(std::isnan(run.losses.back()));
 }
 
+// Issue: skip mode left metrics.jsonl without the skipped steps and exited 0 after skipping
+// almost every step. Now each skipped step is a record saying so, and a run that skips every
+// update for 10 steps in a row stops as diverged.
+TEST(TrainTest, SkippedStepsAreRecordedAndDivergenceStops) {
+  std::vector<std::string> blow_up = {"optimizer.lr=1e12", "lr_scheduler.warmup_steps=0",
+                                      "lr_scheduler.min_lr=0", "training.max_grad_norm=0",
+                                      "training.log_interval=1", "parallelism.nproc=1",
+                                      "training.on_nonfinite=skip", "training.eval_interval=0"};
+  std::vector<std::string> short_run = blow_up;
+  short_run.push_back("training.steps=6");
+  TrainRun run = Train("default.yaml", short_run, "skip");
+  ASSERT_EQ(run.result.exit.code, 0) << run.result.Output();
+  ASSERT_EQ(run.losses.size(), 6u) << "one record per step, skipped ones included";
+  int skipped = 0;
+  for (const nlohmann::json& r : run.records) {
+    if (!r.contains("loss")) continue;
+    const bool finite = !r["loss"].is_null() && !r["grad_norm"].is_null();
+    EXPECT_EQ(r.value("skipped", false), !finite) << r.dump();
+    skipped += r.value("skipped", false);
+  }
+  EXPECT_GT(skipped, 0) << run.result.Output();
+  EXPECT_TRUE(run.result.StdoutHas(StrCat("(", skipped, " update(s) skipped: non-finite)")))
+      << run.result.Output();
+
+  std::vector<std::string> long_run = blow_up;
+  long_run.push_back("training.steps=16");
+  TrainRun diverged = Train("default.yaml", long_run, "skip-diverged");
+  EXPECT_NE(diverged.result.exit.code, 0) << diverged.result.Output();
+  EXPECT_TRUE(diverged.result.StderrHas("updates in a row skipped")) << diverged.result.Output();
+  EXPECT_LT(diverged.losses.size(), 16u);
+}
+
+// Issue: a full disk truncated metrics.jsonl and the run exited 0. /dev/full fails every write.
+TEST(TrainTest, MetricsWriteErrorStopsEveryRank) {
+  std::string dir = FreshTempDir("full-disk");
+  std::filesystem::create_symlink("/dev/full", dir + "/metrics.jsonl");
+  CommandResult r = RunCommand({FsdpBinary(), "train", SourceDir() + "/configs/default.yaml",
+                                "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off",
+                                "--set", "training.steps=6", "--set", "training.log_interval=2",
+                                "--set", "training.eval_interval=0"},
+                               {}, std::chrono::seconds(120));
+  EXPECT_NE(r.exit.code, 0) << r.Output();
+  EXPECT_TRUE(r.StderrHas("writing metrics file")) << r.Output();
+  EXPECT_TRUE(r.StderrHas("No space left on device")) << r.Output();
+  EXPECT_FALSE(r.StdoutHas("fsdp train: done")) << r.Output();
+  std::filesystem::remove_all(dir);
+}
+
+// A second YAML document would be ignored; more ranks than the node can run would fork until
+// memory runs out.
+TEST(TrainTest, MultiDocumentYamlAndAbsurdNprocAreRefused) {
+  std::string dir = FreshTempDir("multidoc");
+  std::ofstream(dir + "/two.yaml") << "training:\n  steps: 5\n---\ntraining:\n  steps: 7\n";
+  CommandResult two = RunCommand({FsdpBinary(), "train", dir + "/two.yaml"});
+  EXPECT_EQ(two.exit.code, 2) << two.Output();
+  EXPECT_TRUE(two.StderrHas("the file holds 2 YAML documents")) << two.Output();
+  TrainRun many = Train("default.yaml", {"parallelism.nproc=100000"}, "nproc");
+  EXPECT_EQ(many.result.exit.code, 2) << many.result.Output();
+  EXPECT_TRUE(many.result.StderrHas("pass --oversubscribe")) << many.result.Output();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ExampleTest, CustomModelTrainsOnTwoRanks) {
   std::string example =
       (std::filesystem::path(FsdpBinary()).parent_path() / "train_custom_model").string();
