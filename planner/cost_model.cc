@@ -170,7 +170,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const int blocks_unsharded = reshard ? std::min(num_blocks, max_units) : num_blocks;
   mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
                         (num_blocks > 0 ? block * cb + block * rb : 0);
-  mem.activations = tokens_micro * (num_blocks * family.activation_elements_per_token(model) * cb +
+  mem.activations = tokens_micro * (num_blocks * family.block_activation_bytes(model, cb).none +
                                     family.head_bytes_per_token(model, cb));
   double backward_start = mem.unsharded_units + mem.activations;
   if (t.grad_accum_steps > 1) {
