@@ -22,12 +22,6 @@ std::string SelfExe() {
   return n > 0 ? std::string(buffer, static_cast<size_t>(n)) : std::string("fsdp");
 }
 
-std::string Overrides(const plan::Layout& l) {
-  return StrCat("--set parallelism.strategy=", StrategyName(l.strategy),
-                " --set parallelism.data_parallel_replicate_degree=", l.replicate,
-                " --set parallelism.data_parallel_shard_degree=", l.shard);
-}
-
 nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   const plan::MemoryBreakdown& m = p.memory;
   const plan::TimeBreakdown& t = p.time;
@@ -36,15 +30,19 @@ nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   j["runs_as"] = p.runs_as;
   j["replicate"] = p.layout.replicate;
   j["shard"] = p.layout.shard;
+  j["activation_checkpointing"] = plan::CheckpointingName(p.activation_checkpointing);
+  j["offload"] = OffloadName(p.offload);
   j["fits"] = p.fits;
   j["memory_bytes"] = {{"params", m.params},       {"grads", m.grads},
                        {"optimizer", m.optimizer}, {"unsharded_units", m.unsharded_units},
                        {"activations", m.activations}, {"padding", m.padding},
-                       {"total", m.total}};
-  j["time_s"] = {{"compute", t.compute_s},           {"all_gather", t.all_gather_s},
-                 {"reduce_scatter", t.reduce_scatter_s}, {"all_reduce", t.all_reduce_s},
-                 {"comm", t.comm_s},                 {"exposed_comm", t.exposed_comm_s},
-                 {"optimizer", t.optimizer_s},       {"step", t.step_s}};
+                       {"total", m.total},         {"host", m.host}};
+  j["time_s"] = {{"compute", t.compute_s},           {"recompute", t.recompute_s},
+                 {"all_gather", t.all_gather_s},     {"reduce_scatter", t.reduce_scatter_s},
+                 {"all_reduce", t.all_reduce_s},     {"comm", t.comm_s},
+                 {"exposed_comm", t.exposed_comm_s}, {"host_copy", t.host_copy_s},
+                 {"exposed_copy", t.exposed_copy_s}, {"optimizer", t.optimizer_s},
+                 {"step", t.step_s}};
   j["tokens_per_s"] = t.tokens_per_s;
   j["mfu"] = t.mfu;
   j["note"] = p.note;
@@ -88,9 +86,9 @@ int RunPlanCommand(const PlanCommand& command) {
     std::cerr << "fsdp plan: " << request.status().message() << "\n";
     return 2;
   }
-  absl::StatusOr<std::vector<plan::Prediction>> all = plan::EnumerateLayouts(*request);
-  if (!all.ok()) {
-    std::cerr << "fsdp plan: " << all.status().message() << "\n";
+  absl::StatusOr<plan::Recommendation> rec = plan::Recommend(*request);
+  if (!rec.ok()) {
+    std::cerr << "fsdp plan: " << rec.status().message() << "\n";
     return 2;
   }
   const plan::PlanRequest& r = *request;
@@ -109,44 +107,54 @@ int RunPlanCommand(const PlanCommand& command) {
       t.micro_batch_size, r.config.model.seq_len, t.grad_accum_steps, tokens_per_step);
   std::cout << fmt::format(
       "hardware: {}: {:.3g} FLOP/s ({}), efficiency {:.2f}, {:.1f} GiB usable per rank, "
-      "intra-node {:.3g} GB/s, inter-node {:.3g} GB/s per GPU\n\n",
+      "intra-node {:.3g} GB/s, inter-node {:.3g} GB/s per GPU, host {:.0f} GiB per node, "
+      "host link {:.3g} GB/s\n",
       r.hw.name, t.mixed_precision == Precision::kBf16 && r.hw.peak_flops_bf16 > 0 ? r.hw.peak_flops_bf16 : r.hw.peak_flops_fp32,
       PrecisionName(t.mixed_precision), r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9,
-      r.hw.inter_node_bw / 1e9);
+      r.hw.inter_node_bw / 1e9, r.hw.host_memory_bytes / kGiB, r.hw.host_link_bw / 1e9);
+  std::cout << fmt::format("configured: activation_checkpointing {}, offload {}\n\n",
+                           plan::CheckpointingName(t.activation_checkpointing),
+                           OffloadName(r.config.parallelism.offload));
   std::cout << fmt::format(
-      "{:<19} {:>9} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>4} | {:>9} {:>9} {:>9} "
-      "{:>9} {:>10} {:>6}  {}\n",
+      "{:<19} {:>9} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8} {:>7} {:>4} | {:>9} {:>9} "
+      "{:>9} {:>9} {:>9} {:>10} {:>6}  {}\n",
       "strategy", "mesh RxS", "params", "grads", "optim", "unshard", "activ", "pad",
-      "total GiB", "fits", "step ms", "compute", "comm", "exposed", "tok/s/GPU", "MFU", "note");
+      "total GiB", "host", "fits", "step ms", "compute", "comm", "exposed", "copy exp",
+      "tok/s/GPU", "MFU", "note");
   size_t shown = 0;
-  for (const plan::Prediction& p : *all) {
+  for (const plan::Prediction& p : rec->configured) {
     if (command.top > 0 && shown++ >= static_cast<size_t>(command.top)) break;
     const plan::MemoryBreakdown& m = p.memory;
     const plan::TimeBreakdown& tm = p.time;
     std::cout << fmt::format(
-        "{:<19} {:>9} | {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>6.3f} {:>8.2f} {:>4} | "
-        "{:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>10.0f} {:>5.1f}%  {}\n",
+        "{:<19} {:>9} | {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>6.3f} {:>8.2f} {:>7.2f} "
+        "{:>4} | {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>10.0f} {:>5.1f}%  {}\n",
         StrategyName(p.layout.strategy), StrCat(p.layout.replicate, "x", p.layout.shard), m.params / kGiB,
         m.grads / kGiB, m.optimizer / kGiB, m.unsharded_units / kGiB, m.activations / kGiB,
-        m.padding / kGiB, m.total / kGiB, p.fits ? "yes" : "NO", tm.step_s * 1e3,
-        tm.compute_s * 1e3, tm.comm_s * 1e3, tm.exposed_comm_s * 1e3,
+        m.padding / kGiB, m.total / kGiB, m.host / kGiB, p.fits ? "yes" : "NO", tm.step_s * 1e3,
+        tm.compute_s * 1e3, tm.comm_s * 1e3, tm.exposed_comm_s * 1e3, tm.exposed_copy_s * 1e3,
         tm.tokens_per_s / r.world_size, 100 * tm.mfu, p.note);
   }
-  const plan::Prediction& best = all->front();
-  std::string recommended;
-  if (best.fits) {
-    recommended = StrCat(best.runs_as, " ", best.layout.replicate, "x", best.layout.shard,
-                         ": ", Overrides(best.layout));
+  const plan::Prediction& anchor = rec->alternatives.front();
+  std::cout << fmt::format(
+      "\nactivation checkpointing x offload on {} {}x{}:\n{:<10} {:<9} | {:>7} {:>8} {:>7} {:>4} | "
+      "{:>9} {:>9} {:>9} {:>9} {:>10} {:>6}\n",
+      anchor.runs_as, anchor.layout.replicate, anchor.layout.shard, "ckpt", "offload", "activ",
+      "total GiB", "host", "fits", "step ms", "recompute", "copy exp", "optimizer", "tok/s/GPU",
+      "MFU");
+  for (const plan::Prediction& p : rec->alternatives) {
     std::cout << fmt::format(
-        "\n(memory: GiB per rank at the step's peak; total can be less than the sum: see "
-        "docs/cost_model.md)\nrecommended: {}\n",
-        recommended);
-  } else {
-    std::cout << fmt::format(
-        "\nrecommended: none: no layout fits in {:.1f} GiB per rank; lower "
-        "training.micro_batch_size (raise grad_accum_steps), use bf16, or more GPUs\n",
-        usable / kGiB);
+        "{:<10} {:<9} | {:>7.2f} {:>8.2f} {:>7.2f} {:>4} | {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} "
+        "{:>10.0f} {:>5.1f}%\n",
+        plan::CheckpointingName(p.activation_checkpointing), OffloadName(p.offload),
+        p.memory.activations / kGiB, p.memory.total / kGiB, p.memory.host / kGiB,
+        p.fits ? "yes" : "NO", p.time.step_s * 1e3, p.time.recompute_s * 1e3,
+        p.time.exposed_copy_s * 1e3, p.time.optimizer_s * 1e3, p.time.tokens_per_s / r.world_size,
+        100 * p.time.mfu);
   }
+  std::cout << "\n(memory: GiB per rank at the step's peak; host: pinned host memory per rank with "
+               "offload; total can be less than the sum: see docs/cost_model.md)\n"
+            << rec->message << "\n";
   if (!command.json_out.empty()) {
     nlohmann::ordered_json j;
     j["config"] = command.config_path;
@@ -155,10 +163,16 @@ int RunPlanCommand(const PlanCommand& command) {
     j["hardware"] = nlohmann::json::parse(plan::HardwareToJson(r.hw));
     j["params"] = counts.params;
     j["flops_per_token"] = counts.flops_per_token;
-    j["recommended"] = best.fits ? ToJson(best) : nlohmann::ordered_json();
-    j["recommended_overrides"] = best.fits ? Overrides(best.layout) : "";
+    j["configured"] = {
+        {"activation_checkpointing", plan::CheckpointingName(t.activation_checkpointing)},
+        {"offload", OffloadName(r.config.parallelism.offload)}};
+    j["recommended"] = rec->best ? ToJson(*rec->best) : nlohmann::ordered_json();
+    j["recommended_overrides"] = rec->overrides;
+    j["message"] = rec->message;
+    j["alternatives"] = nlohmann::ordered_json::array();
+    for (const plan::Prediction& p : rec->alternatives) j["alternatives"].push_back(ToJson(p));
     j["layouts"] = nlohmann::ordered_json::array();
-    for (const plan::Prediction& p : *all) j["layouts"].push_back(ToJson(p));
+    for (const plan::Prediction& p : rec->configured) j["layouts"].push_back(ToJson(p));
     std::ofstream out(command.json_out);
     out << j.dump(2) << "\n";
     if (!out) {

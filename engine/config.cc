@@ -277,6 +277,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"dim", &c.model.dim},
         {"n_layers", &c.model.n_layers},
         {"n_heads", &c.model.n_heads},
+        {"n_kv_heads", &c.model.n_kv_heads},
         {"seq_len", &c.model.seq_len},
         {"ffn_hidden", &c.model.ffn_hidden},
         {"norm", Enum(&c.model.norm, {{NormKind::kLayerNorm, "layernorm"}, {NormKind::kRmsNorm, "rmsnorm"}})},
@@ -605,6 +606,11 @@ absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
       v.Check(m.dim % m.n_heads == 0, "model.dim",
               StrCat("must be a multiple of model.n_heads = ", m.n_heads, ", got ", m.dim),
               {"model.n_heads"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.n_kv_heads", m.n_kv_heads, 0));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      m.n_heads % m.kv_heads() == 0, "model.n_kv_heads",
+      StrCat("must divide model.n_heads = ", m.n_heads, " (0: n_heads), got ", m.n_kv_heads),
+      {"model.n_heads"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.seq_len", m.seq_len, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.ffn_hidden", m.ffn_hidden, 0));
   int64_t head_dim = m.dim / m.n_heads;

@@ -8,7 +8,8 @@
 //     fsdp::UnitForward (sharding/unit_forward.h) and knows nothing else of the engine.
 //   - Count: parameter counts and dim-0 shapes per unit, without building anything, so that
 //     `fsdp plan` answers for 175B parameters in microseconds.
-//   - activation and head bytes per token, for the planner's memory model.
+//   - activation and head bytes per token, for the planner's memory model (per activation
+//     checkpointing mode: sharding/options.h ActivationCheckpointing).
 //
 //   const ModelFamily* family = FindModelFamily("llama");
 //   std::unique_ptr<Model> model = family->build(ModelArgs{.arch = "llama", .dim = 256});
@@ -46,6 +47,9 @@ struct ModelArgs {
   int64_t dim = 128;
   int64_t n_layers = 4;
   int64_t n_heads = 4;
+  // Key/value heads (grouped-query attention: each serves n_heads / n_kv_heads query heads);
+  // 0: n_heads (multi-head attention).
+  int64_t n_kv_heads = 0;
   int64_t seq_len = 64;
   int64_t ffn_hidden = 0;  // 0: 4 x dim (gelu) or 8/3 x dim rounded up to 64 (swiglu)
   NormKind norm = NormKind::kLayerNorm;
@@ -57,6 +61,9 @@ struct ModelArgs {
   double init_std = 0.02;
 
   int64_t head_dim() const { return dim / n_heads; }
+  int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  // Rows of wk and wv: kv_heads x head_dim (= dim without grouped-query attention).
+  int64_t kv_dim() const { return kv_heads() * head_dim(); }
   int64_t ffn() const;
 };
 
@@ -69,6 +76,17 @@ struct ModelCounts {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_shapes;
   double flops_per_token = 0;
   double block_flops_per_token = 0;  // one non-root unit's share (the planner's overlap model)
+  // The part of block_flops_per_token in the attention core (softmax(QK^T)V, no projections):
+  // what selective activation checkpointing recomputes besides elementwise ops.
+  double block_attention_flops_per_token = 0;
+};
+
+// Bytes per token one non-root unit keeps for its backward, by how it is checkpointed (Note
+// [Activation checkpointing] in sharding/checkpoint_unit.h).
+struct BlockActivationBytes {
+  double none = 0;       // everything autograd saves; also what a recompute materialises
+  double full = 0;       // the unit's input only
+  double selective = 0;  // the input and the output of every matmul
 };
 
 // A built model, as the trainer drives it.
@@ -95,8 +113,10 @@ struct ModelFamily {
   std::string description;  // one line, for `fsdp plan` and docs
   std::function<std::unique_ptr<Model>(const ModelArgs&)> build;
   std::function<ModelCounts(const ModelArgs&)> count;  // equals the built model's
-  // Elements (compute dtype) autograd keeps per token and per unit until backward.
-  std::function<double(const ModelArgs&)> activation_elements_per_token;
+  // Bytes per token one non-root unit keeps until its backward, `compute_bytes` per element of
+  // the compute dtype.
+  std::function<BlockActivationBytes(const ModelArgs&, double compute_bytes)>
+      block_activation_bytes;
   // Bytes per token of the head and loss (logits, fp32 loss copies), `compute_bytes` per element.
   std::function<double(const ModelArgs&, double compute_bytes)> head_bytes_per_token;
 };

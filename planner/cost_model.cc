@@ -18,6 +18,17 @@ constexpr double kActivationTrafficPasses = 4;
 // unfused, about eight elementwise passes over 4-byte tensors, plus clipping's read of the
 // gradient and FinishGradients' copy.
 constexpr double kOptimizerBytesPerParam = 64;
+// The same on the host with offload (Note [Offload]): ATen's fused CPU AdamW reads the fp32
+// parameter, gradient and both moments and writes three of them back (28 bytes), clipping
+// reads the gradient (4).
+constexpr double kHostOptimizerBytesPerParam = 32;
+// Bytes a recomputed activation byte moves (written again, its inputs read again).
+constexpr double kRecomputeTrafficPasses = 2;
+// Usable share of host memory for pinned offload buffers: the OS, the page cache and the
+// data loader keep the rest.
+constexpr double kUsableHostFraction = 0.8;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -66,7 +77,60 @@ double OptimizerStateBytesPerParam(const OptimizerSection& o) {
   return 8;  // adam, adamw: two fp32 moments
 }
 
+// Note [Checkpointed activations]
+// Per micro-batch and token, block i keeps kept(i): everything (BlockActivationBytes::none)
+// when it is not checkpointed, its input (full, every:k) or its input and matmul outputs
+// (selective) when it is (ActivationCheckpointing::Applies). Two moments compete for the peak:
+//   start of backward: sum_i kept(i) + the head's activations (logits, fp32 loss copies and
+//     their gradients, freed once the head's backward is done);
+//   recompute of a checkpointed block j (its backward, blocks after j already freed):
+//     sum_{i <= j} kept(i) + none, one block's whole set materialised again. kept(j) and the
+//     recomputed set overlap (selective keeps q, k, v, w1, w3 outputs that `none` holds too):
+//     counting both errs on the safe side by one block's matmul outputs.
+// Recompute per micro-batch: full re-runs each checkpointed block's forward (a third of its
+// training FLOPs); selective re-runs the attention core's forward (a third of
+// block_attention_flops_per_token) and the elementwise ops, no projection.
+struct Activations {
+  double peak = 0;            // bytes per token alive at the peak
+  double none_total = 0;      // bytes per token without checkpointing (the traffic model)
+  double recompute_flops = 0;  // per token
+  double recompute_bytes = 0;  // per token materialised again
+};
+
+Activations CheckpointedActivations(const ModelArgs& model, const ModelFamily& family,
+                                    const ModelCounts& counts, const ActivationCheckpointing& ac,
+                                    int num_blocks, double cb) {
+  const BlockActivationBytes block = family.block_activation_bytes(model, cb);
+  const double head = family.head_bytes_per_token(model, cb);
+  Activations a;
+  a.none_total = num_blocks * block.none + head;
+  double kept_before = 0, recompute_peak = 0;
+  for (int i = 0; i < num_blocks; ++i) {
+    double kept = block.none;
+    if (ac.Applies(i)) {
+      const bool selective = ac.mode == ActivationCheckpointing::Mode::kSelective;
+      kept = selective ? block.selective : block.full;
+      recompute_peak = std::max(recompute_peak, kept_before + kept + block.none);
+      a.recompute_flops += selective ? counts.block_attention_flops_per_token / 3
+                                     : counts.block_flops_per_token / 3;
+      a.recompute_bytes += std::max(0.0, block.none - kept);
+    }
+    kept_before += kept;
+  }
+  a.peak = std::max(kept_before + head, recompute_peak);
+  return a;
+}
+
 }  // namespace
+
+std::string CheckpointingName(const ActivationCheckpointing& ac) {
+  switch (ac.mode) {
+    case ActivationCheckpointing::Mode::kNone: return "none";
+    case ActivationCheckpointing::Mode::kSelective: return "selective";
+    case ActivationCheckpointing::Mode::kFull: break;
+  }
+  return ac.every == 1 ? std::string("full") : StrCat("every:", ac.every);
+}
 
 ModelCounts CountModel(const ModelArgs& model) {
   const ModelFamily* family = FindModelFamily(model.arch);
@@ -108,6 +172,26 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //   end of backward: the gradient shards, with one unit's reduced buffer still to be copied.
 // MemoryBreakdown::total is this peak; grads is shown even when (one micro-batch) the gradient
 // shards are not alive at the peak, so the components may add up to more than the total.
+// Activations with checkpointing: Note [Checkpointed activations]; what offload moves off the
+// device: Note [Offload].
+//
+// Note [Offload]
+// parallelism.offload (sharding/options.h), per rank with S the shard degree:
+//   optimizer: the optimizer state, an fp32 master copy and its gradient live in pinned host
+//     memory (16 P / S with AdamW); the device keeps the fp32 parameter shard (the all-gathers'
+//     source) and a transient gradient shard: each reduced shard is copied to the host after
+//     its reduce-scatter (every micro-batch: the host accumulates; HSDP after the replicate
+//     all-reduce of the last one), the step runs on the host, and each updated shard is copied
+//     back before the unit's next all-gather;
+//   params: the shards live only on the host too; each unit's shard is copied to the device
+//     just before each of its all-gathers (one unit ahead, as the gathers are prefetched) and
+//     freed after it, so the device holds the shards of the units in flight only.
+// Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
+// so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
+// directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
+// all-gather (exposed: the first unit's, and what a copy takes beyond its unit's compute); the
+// host step at kHostOptimizerBytesPerParam per parameter over the node's host memory bandwidth
+// shared by its ranks, not overlapped (the next forward needs its result).
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
   const RunConfig& config = request.config;
   const Hardware& hw = request.hw;
@@ -161,51 +245,106 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   Prediction p;
   p.layout = layout;
   p.runs_as = sharding.effective;
+  const ActivationCheckpointing& ac = sharding.options.activation_checkpointing;
+  const Offload offload = sharding.options.offload;
+  p.activation_checkpointing = ac;
+  p.offload = offload;
   MemoryBreakdown& mem = p.memory;
-  mem.params = real / n * 4;
-  mem.padding = (padded_total - real) / n * 4;
-  mem.grads = real / n * 4;
-  mem.optimizer = real / n * OptimizerStateBytesPerParam(config.optimizer);
+  const double state_bytes = OptimizerStateBytesPerParam(config.optimizer);
+  const double largest_unit = *std::max_element(padded.begin(), padded.end());
   const int max_units = std::max<int>(1, static_cast<int>(config.parallelism.max_unsharded_units));
   const int blocks_unsharded = reshard ? std::min(num_blocks, max_units) : num_blocks;
+  // Gradient shards live on the device across micro-batches unless offload copies each one
+  // to the host after its reduce-scatter; HSDP's partial sums wait for the last micro-batch's
+  // replicate all-reduce either way (Note [Offload]).
+  const bool grads_on_device = offload == Offload::kNone;
+  switch (offload) {
+    case Offload::kNone:
+      mem.params = real / n * 4;
+      mem.padding = (padded_total - real) / n * 4;
+      mem.grads = real / n * 4;
+      mem.optimizer = real / n * state_bytes;
+      break;
+    case Offload::kOptimizer:
+      mem.params = real / n * 4;
+      mem.padding = (padded_total - real) / n * 4;
+      mem.grads = largest_unit / n * 4;  // one unit's shard on its way to the host
+      mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
+      break;
+    case Offload::kParams:
+      // The shards of the units being gathered: the root's at the start of forward (it stays
+      // unsharded), the prefetched blocks' in backward.
+      mem.params = std::max(root, blocks_unsharded * block) / n * 4;
+      mem.grads = largest_unit / n * 4;
+      mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
+      break;
+  }
   mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
                         (num_blocks > 0 ? block * cb + block * rb : 0);
-  mem.activations = tokens_micro * (num_blocks * family.activation_elements_per_token(model) * cb +
-                                    family.head_bytes_per_token(model, cb));
+  const Activations acts =
+      CheckpointedActivations(model, family, counts, ac, num_blocks, cb);
+  mem.activations = tokens_micro * acts.peak;
   double backward_start = mem.unsharded_units + mem.activations;
   if (t.grad_accum_steps > 1) {
-    backward_start += mem.grads;
+    if (grads_on_device) backward_start += mem.grads;
     if (hybrid) backward_start += real / n * rb;  // unreduced partial sums
   }
-  const double largest_unit = *std::max_element(padded.begin(), padded.end());
-  const double backward_end = mem.grads + largest_unit / n * rb;
+  const double backward_end = (grads_on_device ? mem.grads : 0) + largest_unit / n * rb;
   mem.total = mem.params + mem.padding + mem.optimizer + std::max(backward_start, backward_end);
 
   double memory = hw.memory_bytes;
-  int ranks_on_node = per_node;
-  if (hw.cores_per_node > 0) memory /= ranks_on_node;  // CPU: the node's memory, shared
+  const int ranks_on_node = per_node;
+  const bool cpu_profile = hw.cores_per_node > 0;
+  if (cpu_profile) memory /= ranks_on_node;  // CPU: the node's memory, shared
   const double usable = memory * hw.usable_memory_fraction;
-  p.fits = mem.total <= usable;
+  // A CPU profile's host memory is the same pool as its "device" memory.
+  const double host_usable =
+      cpu_profile ? 0 : hw.host_memory_bytes / ranks_on_node * kUsableHostFraction;
+  const bool device_fits = mem.total + (cpu_profile ? mem.host : 0) <= usable;
+  const bool host_fits = cpu_profile || mem.host <= host_usable;
+  p.fits = device_fits && host_fits;
+  p.host_fits = host_fits;
 
   // --- time ---------------------------------------------------------------------------------
   TimeBreakdown& time = p.time;
   double rate = t.mixed_precision == Precision::kBf16 && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
                                                                        : hw.peak_flops_fp32;
-  if (hw.cores_per_node > 0) rate /= ranks_on_node;  // CPU: the node's cores, shared
+  if (cpu_profile) rate /= ranks_on_node;  // CPU: the node's cores, shared
   const double achieved = rate * hw.compute_efficiency;
   double mem_bw = hw.memory_bw;
-  if (hw.cores_per_node > 0) mem_bw /= ranks_on_node;
+  if (cpu_profile) mem_bw /= ranks_on_node;
+  auto seconds = [&](double flops, double traffic_bytes) {
+    return flops / achieved + (mem_bw > 0 ? traffic_bytes / mem_bw : 0);
+  };
   const double flops_micro = counts.flops_per_token * tokens_micro;
-  const double traffic_micro = kActivationTrafficPasses * mem.activations;
-  const double compute_micro = flops_micro / achieved + (mem_bw > 0 ? traffic_micro / mem_bw : 0);
+  // The elementwise traffic of forward and backward is that of every activation, checkpointed
+  // or not; the recompute adds its own.
+  const double traffic_micro = kActivationTrafficPasses * acts.none_total * tokens_micro;
+  const double recompute_micro =
+      seconds(acts.recompute_flops * tokens_micro,
+              kRecomputeTrafficPasses * acts.recompute_bytes * tokens_micro);
+  const double compute_micro = seconds(flops_micro, traffic_micro) + recompute_micro;
   time.compute_s = accum * compute_micro;
-  time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
+  time.recompute_s = accum * recompute_micro;
+  double host_bw = cpu_profile ? hw.memory_bw : hw.host_memory_bw;
+  host_bw /= ranks_on_node;
+  if (offload == Offload::kNone) {
+    time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
+  } else {
+    // The step, plus one read and one write per parameter for each extra micro-batch's
+    // gradient accumulated on the host (HSDP accumulates on the device).
+    const double accumulate = hybrid ? 0 : (accum - 1) * 8;
+    time.optimizer_s = host_bw > 0 ? real / n * (kHostOptimizerBytesPerParam + accumulate) / host_bw
+                                   : 0;
+  }
 
-  // Block compute, forward one third of the step's FLOPs and backward two thirds.
+  // Block compute, forward one third of the step's FLOPs and backward two thirds (plus the
+  // recompute, which runs at the start of each checkpointed block's backward).
   const double block_share =
       num_blocks > 0 ? counts.block_flops_per_token / counts.flops_per_token : 0;
-  const double block_fwd = compute_micro * block_share / 3;
-  const double block_bwd = compute_micro * block_share * 2 / 3;
+  const double block_fwd = (compute_micro - recompute_micro) * block_share / 3;
+  const double block_bwd = (compute_micro - recompute_micro) * block_share * 2 / 3 +
+                           (num_blocks > 0 ? recompute_micro / num_blocks : 0);
 
   // Groups: shard ranks are consecutive (inner axis), replicas stride by s.
   const Group shard_group = MakeGroup(s, std::gcd(s, per_node), hw);
@@ -247,16 +386,51 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   double exposed = (accum - 1) * exposed_micro(false) + exposed_micro(true) + clip;
   exposed = std::min(exposed, time.comm_s);
   time.exposed_comm_s = hw.comm_overlap * exposed + (1 - hw.comm_overlap) * time.comm_s;
-  time.step_s = time.compute_s + time.optimizer_s + time.exposed_comm_s;
+
+  // Host <-> device copies (See Note [Offload]); the same rules of overlap as the gathers.
+  if (offload != Offload::kNone) {
+    double link = cpu_profile ? hw.memory_bw / 2 / ranks_on_node : hw.host_link_bw;
+    if (link <= 0) link = 1;  // a profile without a host link: offload is hopeless, not free
+    const double later_blocks = std::max(0, num_blocks - 1);
+    const bool params = offload == Offload::kParams;
+    // Host to device, fp32 shards: offload params before each of a unit's gathers (every
+    // micro-batch), offload optimizer each updated shard once per step.
+    const double h2d_root = root / n * 4 / link;
+    const double h2d_block = block / n * 4 / link;
+    const double h2d_passes = params ? accum : 1;
+    const double h2d_blocks = params ? gathers_per_block : 1;
+    // Device to host, the reduced gradient shards: every micro-batch (HSDP: the last one).
+    const double d2h_root = counts.unit_params[0] / n * rb / link;
+    const double d2h_block = num_blocks > 0 ? counts.unit_params[1] / n * rb / link : 0;
+    const double d2h_passes = hybrid ? 1 : accum;
+    time.host_copy_s = h2d_passes * (h2d_root + num_blocks * h2d_blocks * h2d_block) +
+                       d2h_passes * (d2h_root + num_blocks * d2h_block);
+    auto beyond = [](double copy, double behind) { return std::max(0.0, copy - behind); };
+    const double h2d_exposed =
+        h2d_root + h2d_block + later_blocks * beyond(h2d_block, block_fwd) +
+        (params && reshard ? later_blocks * beyond(h2d_block, block_bwd) : 0);
+    const double d2h_exposed = later_blocks * beyond(d2h_block, block_bwd) + d2h_block + d2h_root;
+    const double exposed_copy =
+        std::min(time.host_copy_s, h2d_passes * h2d_exposed + d2h_passes * d2h_exposed);
+    time.exposed_copy_s =
+        hw.comm_overlap * exposed_copy + (1 - hw.comm_overlap) * time.host_copy_s;
+  }
+
+  time.step_s = time.compute_s + time.optimizer_s + time.exposed_comm_s + time.exposed_copy_s;
   const double tokens_rank = tokens_micro * accum;
   time.tokens_per_s = tokens_rank * world / time.step_s;
   time.mfu = rate > 0 ? counts.flops_per_token * tokens_rank / time.step_s / rate : 0;
 
-  if (!p.fits) {
-    p.note = fmt::format("needs {:.1f} GiB of {:.1f} GiB usable", mem.total / (1 << 30),
-                         usable / (1 << 30));
+  if (!device_fits) {
+    p.note = fmt::format("needs {:.1f} GiB of {:.1f} GiB usable",
+                         (mem.total + (cpu_profile ? mem.host : 0)) / kGiB, usable / kGiB);
+  } else if (!host_fits) {
+    p.note = fmt::format("host: needs {:.1f} GiB of {:.1f} GiB per rank", mem.host / kGiB,
+                         host_usable / kGiB);
   } else if (time.exposed_comm_s > 0.2 * time.step_s) {
     p.note = "communication-bound";
+  } else if (time.exposed_copy_s > 0.2 * time.step_s) {
+    p.note = "host-copy-bound";
   }
   return p;
 }

@@ -12,8 +12,12 @@
 //     over the replicate axis on the last micro-batch; DDP all-reduces every unit every
 //     micro-batch;
 //   - at most parallelism.max_unsharded_units blocks unsharded at once with reshard after
-//     forward (all of them without), the root unsharded for the whole step.
-// See Note [Peak memory phases] and Note [Collective time] in cost_model.cc.
+//     forward (all of them without), the root unsharded for the whole step;
+//   - activation checkpointing (none, full, every:k, selective: what each block keeps, the
+//     recompute's FLOPs) and CPU offload (optimizer: states, master copy and step on the host;
+//     params: the shards too, copied over PCIe around each collective).
+// See Note [Peak memory phases], Note [Checkpointed activations], Note [Offload] and
+// Note [Collective time] in cost_model.cc.
 //
 //   PlanRequest request{.config = *LoadRunConfig("configs/llama_1b.yaml", {}),
 //                       .world_size = 64, .gpus_per_node = 8,
@@ -22,9 +26,11 @@
 //   p->memory.total;        // bytes per rank at the step's peak
 //   p->time.tokens_per_s;   // global
 //   auto all = EnumerateLayouts(request);   // fitting first, then fastest first
+//   auto r = Recommend(request);           // also over checkpointing x offload; r->message
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,7 +58,12 @@ struct Hardware {
   // Usable share of memory_bytes (CUDA context, allocator fragmentation).
   double usable_memory_fraction = 0.92;
   int cores_per_node = 0;  // CPU profile only: ranks on a node share these cores
-  std::string source;      // where the numbers come from (data sheet, calibration)
+  // Host side, for CPU offload. Per node, shared by its ranks (a CPU profile's host memory is
+  // memory_bytes itself: one pool).
+  double host_memory_bytes = 0;
+  double host_memory_bw = 0;  // bytes/s (the host optimizer step is bound by it)
+  double host_link_bw = 0;    // bytes/s per device and direction (PCIe), effective
+  std::string source;         // where the numbers come from (data sheet, calibration)
 };
 
 // h100, h200, a100-80gb, a100-40gb, cpu. kInvalidArgument naming the valid ones otherwise.
@@ -81,28 +92,41 @@ struct Layout {
   int shard = 1;
 };
 
-// Bytes per rank. params / grads / optimizer are the real (unpadded) shards; padding is the
-// extra of the padded parameter shards; unsharded_units the gathered units, their gradients and
-// collective buffers in flight at the peak; total the modelled peak of the step.
+// Bytes per rank. params / grads / optimizer are the device's share of the real (unpadded)
+// shards (with offload: what stays or is in flight there); padding is the extra of the padded
+// parameter shards on the device; unsharded_units the gathered units, their gradients and
+// collective buffers in flight at the peak; activations those alive at the peak (Note
+// [Checkpointed activations]); total the modelled device peak of the step; host the rank's
+// share of pinned host memory with offload (shards, gradients, optimizer state).
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, unsharded_units = 0, activations = 0, padding = 0,
-         total = 0;
+         total = 0, host = 0;
 };
-// Seconds per optimizer step; tokens_per_s is global (all ranks).
+// Seconds per optimizer step; tokens_per_s is global (all ranks). compute_s includes
+// recompute_s (activation checkpointing); optimizer_s is on the host with offload; host_copy_s
+// is every PCIe copy of offload, exposed_copy_s what of it compute does not hide.
 struct TimeBreakdown {
-  double compute_s = 0, all_gather_s = 0, reduce_scatter_s = 0, all_reduce_s = 0, comm_s = 0,
-         exposed_comm_s = 0, optimizer_s = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
+  double compute_s = 0, recompute_s = 0, all_gather_s = 0, reduce_scatter_s = 0,
+         all_reduce_s = 0, comm_s = 0, exposed_comm_s = 0, host_copy_s = 0, exposed_copy_s = 0,
+         optimizer_s = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
 };
 struct Prediction {
   Layout layout;
   // What runs on this layout: the strategy's name, or what a reshard_after_forward override
   // makes of it (ShardingPlanFor's `effective`, e.g. "shard_grad_op (full_shard with ...)").
   std::string runs_as;
+  // As predicted: the configuration's, or a candidate's of the recommendation.
+  ActivationCheckpointing activation_checkpointing;
+  Offload offload = Offload::kNone;
   MemoryBreakdown memory;
   TimeBreakdown time;
-  bool fits = false;
+  bool fits = false;       // on the device and, with offload, in host memory
+  bool host_fits = true;   // memory.host within the rank's share of host memory
   std::string note;
 };
+
+// The YAML spelling: none, full, every:k, selective.
+std::string CheckpointingName(const ActivationCheckpointing& ac);
 
 struct PlanRequest {
   RunConfig config;
@@ -128,6 +152,29 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 // hybrid_shard_zero2 for every shard degree 1 < S < N dividing N. Fitting first, then by
 // tokens/s (fastest first).
 absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request);
+
+// The activation checkpointing modes the recommendation tries for a model of `num_blocks`
+// blocks: none, selective, full, and every:k for 1 < k <= num_blocks (a 1/k share of the blocks
+// checkpointed: less recompute than full, less memory than none).
+std::vector<ActivationCheckpointing> CheckpointingCandidates(int num_blocks);
+
+struct Recommendation {
+  // The configured run (its activation checkpointing and offload) on every layout, as
+  // EnumerateLayouts orders them.
+  std::vector<Prediction> configured;
+  // The fastest that fits over layouts x checkpointing x offload; unset when nothing fits.
+  std::optional<Prediction> best;
+  // best's layout (else the configured run's first) with none / selective / full (and best's
+  // every:k) x each offload: the trade-offs `fsdp plan` prints.
+  std::vector<Prediction> alternatives;
+  // What to run and how it differs from the configuration; or, when nothing fits, only the
+  // changes that make it fit (Note [No-fit advice] in cost_model.cc).
+  std::string message;
+  // --set overrides for best (empty when nothing fits).
+  std::vector<std::string> overrides;
+};
+// kInvalidArgument as EnumerateLayouts.
+absl::StatusOr<Recommendation> Recommend(const PlanRequest& request);
 
 // The textbook figures the benchmark plots draw as lines (no padding, no activations):
 // model-state bytes per rank with AdamW in fp32 (DDP 16 bytes/param; shard_grad_op 4 + 12/N;

@@ -32,12 +32,20 @@ std::vector<Hardware> BuiltIn() {
   h100.inter_node_bw = 42e9;  // 400 Gb/s InfiniBand NDR per GPU = 50 GB/s; ~85% achievable
   h100.inter_node_latency_s = 6e-6;
   h100.compute_efficiency = 0.5;
-  h100.source = "NVIDIA H100 SXM5 data sheet; NVLink 4, 8 GPUs per node, 1 NDR NIC per GPU";
+  // The host of a DGX H100 (docs/cost_model.md has the sources): 2 TiB of DDR5-4800 on two
+  // Xeon 8480C, 16 channels = 614 GB/s peak, ~65% sustained; each GPU on PCIe Gen5 x16,
+  // 63 GB/s per direction peak, ~50 GB/s measured alone; 8 x 40 GB/s = 320 GB/s fits in the
+  // host's sustained bandwidth when all GPUs copy at once.
+  h100.host_memory_bytes = 2048 * kGiB;
+  h100.host_memory_bw = 400e9;
+  h100.host_link_bw = 40e9;
+  h100.source = "NVIDIA H100 SXM5 data sheet; NVLink 4, 8 GPUs per node, 1 NDR NIC per GPU; "
+                "DGX H100 host (2 TiB, PCIe Gen5)";
   Hardware h200 = h100;
   h200.name = "h200";
   h200.memory_bytes = 141 * kGiB;
   h200.memory_bw = 4.8e12;
-  h200.source = "NVIDIA H200 SXM data sheet (H100 compute, 141 GB HBM3e)";
+  h200.source = "NVIDIA H200 SXM data sheet (H100 compute, 141 GB HBM3e); DGX H200 host";
   Hardware a100 = h100;
   a100.name = "a100-80gb";
   a100.peak_flops_bf16 = 312e12;
@@ -48,11 +56,18 @@ std::vector<Hardware> BuiltIn() {
   a100.intra_node_latency_s = 3e-6;
   a100.inter_node_bw = 22e9;  // 200 Gb/s InfiniBand HDR per GPU = 25 GB/s
   a100.inter_node_latency_s = 7e-6;
-  a100.source = "NVIDIA A100 SXM4 data sheet; NVLink 3, 8 GPUs per node, 1 HDR NIC per GPU";
+  // DGX A100 (640 GB): 2 TiB of DDR4-3200 on two EPYC 7742, 16 channels = 410 GB/s peak,
+  // ~65% sustained; PCIe Gen4 x16, 31.5 GB/s per direction peak, ~25 GB/s measured alone.
+  a100.host_memory_bytes = 2048 * kGiB;
+  a100.host_memory_bw = 260e9;
+  a100.host_link_bw = 20e9;
+  a100.source = "NVIDIA A100 SXM4 data sheet; NVLink 3, 8 GPUs per node, 1 HDR NIC per GPU; "
+                "DGX A100 host (2 TiB, PCIe Gen4)";
   Hardware a100_40 = a100;
   a100_40.name = "a100-40gb";
   a100_40.memory_bytes = 40 * kGiB;
   a100_40.memory_bw = 1.555e12;
+  a100_40.host_memory_bytes = 1024 * kGiB;  // DGX A100 320 GB: 1 TiB
   // This machine (2 cores), from `fsdp plan --calibrate` and the validation runs in
   // docs/cost_model.md; node-wide figures shared by the ranks on it.
   Hardware cpu;
@@ -70,6 +85,10 @@ std::vector<Hardware> BuiltIn() {
   cpu.comm_overlap = 0;
   cpu.usable_memory_fraction = 0.8;
   cpu.cores_per_node = 2;
+  // No device: "host" buffers are the same memory, a copy reads and writes it.
+  cpu.host_memory_bytes = cpu.memory_bytes;
+  cpu.host_memory_bw = cpu.memory_bw;
+  cpu.host_link_bw = cpu.memory_bw / 2;
   cpu.source = "calibrated on the development machine (fsdp plan --calibrate)";
   return {h100, h200, a100, a100_40, cpu};
 }
@@ -176,6 +195,9 @@ std::string HardwareToJson(const Hardware& hw) {
   j["comm_overlap"] = hw.comm_overlap;
   j["usable_memory_fraction"] = hw.usable_memory_fraction;
   j["cores_per_node"] = hw.cores_per_node;
+  j["host_memory_bytes"] = hw.host_memory_bytes;
+  j["host_memory_bw"] = hw.host_memory_bw;
+  j["host_link_bw"] = hw.host_link_bw;
   j["source"] = hw.source;
   return j.dump(2);
 }
@@ -206,7 +228,10 @@ absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::s
                            {"inter_node_latency_s", &hw.inter_node_latency_s},
                            {"compute_efficiency", &hw.compute_efficiency},
                            {"comm_overlap", &hw.comm_overlap},
-                           {"usable_memory_fraction", &hw.usable_memory_fraction}};
+                           {"usable_memory_fraction", &hw.usable_memory_fraction},
+                           {"host_memory_bytes", &hw.host_memory_bytes},
+                           {"host_memory_bw", &hw.host_memory_bw},
+                           {"host_link_bw", &hw.host_link_bw}};
   std::vector<std::string> valid = {"name", "base", "cores_per_node", "source"};
   for (const Field& f : numbers) valid.push_back(f.key);
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -264,10 +289,13 @@ absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::strin
   double one = TimeGemm(1, 512);
   hw.peak_flops_fp32 = std::max(all, one * cores);
   hw.memory_bw = TimeCopy(cores);
+  hw.host_memory_bw = hw.memory_bw;
+  hw.host_link_bw = hw.memory_bw / 2;
   *log += fmt::format("gemm 512^3 fp32: {:.3g} FLOP/s on {} thread(s), {:.3g} on 1; "
                       "copy {:.3g} B/s\n", all, cores, one, hw.memory_bw);
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   if (pages > 0 && page > 0) hw.memory_bytes = static_cast<double>(pages) * page;
+  hw.host_memory_bytes = hw.memory_bytes;
 
   std::string command = StrCat(fsdp_binary, " launch --no-prefix --nproc-per-node 2 -- ",
                                fsdp_binary, " doctor --device cpu --min-bytes 4K --max-bytes 64M 2>&1");

@@ -25,8 +25,8 @@ using ::testing::StartsWith;
 constexpr char kSections[] =
     "run, model, data, training, optimizer, lr_scheduler, parallelism, metrics, checkpoint";
 constexpr char kModelKeys[] =
-    "arch, vocab_size, dim, n_layers, n_heads, seq_len, ffn_hidden, norm, activation, positions, "
-    "tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from";
+    "arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, seq_len, ffn_hidden, norm, activation, "
+    "positions, tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from";
 constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, max_grad_norm, mixed_precision, reduce_dtype, "
     "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval, "
@@ -52,6 +52,7 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.model.dim, b.model.dim);
   EXPECT_EQ(a.model.n_layers, b.model.n_layers);
   EXPECT_EQ(a.model.n_heads, b.model.n_heads);
+  EXPECT_EQ(a.model.n_kv_heads, b.model.n_kv_heads);
   EXPECT_EQ(a.model.seq_len, b.model.seq_len);
   EXPECT_EQ(a.model.ffn_hidden, b.model.ffn_hidden);
   EXPECT_EQ(a.model.norm, b.model.norm);
@@ -139,6 +140,16 @@ TEST(RunConfigParseTest, ReadsEveryType) {
   EXPECT_EQ(config->Value("parallelism.reshard_after_forward"), "false");
   EXPECT_EQ(config->Value("parallelism.wrap_policy"), "params:1000");
   EXPECT_EQ(config->model.n_heads, 4);  // untouched keys keep their defaults
+  EXPECT_EQ(config->model.n_kv_heads, 0);
+  EXPECT_EQ(config->model.kv_dim(), 256);
+}
+
+TEST(RunConfigParseTest, GroupedQueryAttention) {
+  absl::StatusOr<RunConfig> config = Parse("model:\n  dim: 256\n  n_heads: 8\n  n_kv_heads: 2\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->model.kv_heads(), 2);
+  EXPECT_EQ(config->model.kv_dim(), 64);  // 2 heads of 256 / 8
+  EXPECT_EQ(config->Value("model.n_kv_heads"), "2");
 }
 
 TEST(RunConfigParseTest, UnknownKeyWithSuggestion) {
@@ -242,6 +253,9 @@ TEST(RunConfigParseTest, EveryValueRule) {
       {"model.n_layers=0", "model.n_layers: must be >= 1, got 0"},
       {"model.n_heads=0", "model.n_heads: must be >= 1, got 0"},
       {"model.dim=130", "model.dim: must be a multiple of model.n_heads = 4, got 130"},
+      {"model.n_kv_heads=-1", "model.n_kv_heads: must be >= 0, got -1"},
+      {"model.n_kv_heads=3", "model.n_kv_heads: must divide model.n_heads = 4 (0: n_heads), got 3"},
+      {"model.n_kv_heads=8", "model.n_kv_heads: must divide model.n_heads = 4 (0: n_heads), got 8"},
       {"model.seq_len=0", "model.seq_len: must be >= 1, got 0"},
       {"model.ffn_hidden=-1", "model.ffn_hidden: must be >= 0, got -1"},
       {"model.norm=batchnorm", "model.norm: 'batchnorm' is not valid; valid: layernorm, rmsnorm"},
@@ -333,6 +347,10 @@ TEST(RunConfigParseTest, CrossKeyErrorsPointAtWhereEitherKeyWasSet) {
   EXPECT_THAT(ParseError("model:\n  positions: rope\n", {"model.dim=12"}),
               InvalidArgumentWith("t.yaml:2: model.positions: rope needs an even head dimension, "
                                   "got model.dim / model.n_heads = 12 / 4 = 3"));
+  // n_kv_heads set in the file, n_heads changed by --set: the error points at the file's line.
+  EXPECT_THAT(ParseError("model:\n  n_heads: 8\n  n_kv_heads: 4\n", {"model.n_heads=2"}),
+              InvalidArgumentWith("t.yaml:3: model.n_kv_heads: must divide model.n_heads = 2 "
+                                  "(0: n_heads), got 4"));
   EXPECT_THAT(ParseError("", {"optimizer.lr=1e-4"}),
               InvalidArgumentWith("--set optimizer.lr=1e-4: lr_scheduler.min_lr: must be <= "
                                   "optimizer.lr = 0.0001, got 0.0003"));

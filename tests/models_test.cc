@@ -98,5 +98,122 @@ TEST(GptTest, FlopsPerTokenFollowsTheEstimate) {
   EXPECT_EQ((GptConfig{.dim = 2048, .activation = Activation::kSwiglu}).ffn(), 5504);
 }
 
+// A grouped-query model equals the multi-head model whose wk / wv (and bk / bv) rows are the
+// grouped ones repeated for each query head of their group (Llama's repeat_kv), forward and
+// backward (the gradient of a shared key/value row is the sum over its group).
+class GroupedQueryTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GroupedQueryTest, EqualsMultiHeadWithRepeatedKeyValueWeights) {
+  GptConfig gqa_config = Small(GetParam());
+  gqa_config.n_kv_heads = 2;  // 4 query heads, 2 per key/value head
+  GptConfig mha_config = gqa_config;
+  mha_config.n_kv_heads = 0;
+  const int64_t group = gqa_config.n_heads / gqa_config.kv_heads();
+  const int64_t head_dim = gqa_config.head_dim();
+  Gpt gqa(gqa_config);
+  gqa->MaterializeSeeded(3);
+  Gpt mha(mha_config);
+  // [kv_heads * head_dim, ...] -> [heads * head_dim, ...]
+  auto repeat = [&](const torch::Tensor& w) {
+    std::vector<int64_t> grouped = {gqa_config.kv_heads(), head_dim};
+    for (int64_t i = 1; i < w.dim(); ++i) grouped.push_back(w.size(i));
+    std::vector<int64_t> full = {gqa_config.n_heads * head_dim};
+    for (int64_t i = 1; i < w.dim(); ++i) full.push_back(w.size(i));
+    return w.reshape(grouped).repeat_interleave(group, 0).reshape(full);
+  };
+  auto is_kv = [](const std::string& name) {
+    return name.ends_with(".wk") || name.ends_with(".wv") || name.ends_with(".bk") ||
+           name.ends_with(".bv");
+  };
+  {
+    torch::NoGradGuard no_grad;
+    auto source = gqa->named_parameters();
+    for (auto& item : mha->named_parameters()) {
+      const torch::Tensor& from = source[item.key()];
+      item.value().set_data(is_kv(item.key()) ? repeat(from).clone() : from.clone());
+    }
+  }
+  EXPECT_EQ(gqa->layers[0]->as<TransformerBlockImpl>()->attention->wk.sizes(),
+            (std::vector<int64_t>{gqa_config.kv_dim(), gqa_config.dim}));
+  torch::Tensor tokens = torch::randint(50, {3, 12});
+  torch::Tensor out_gqa = gqa->forward(tokens), out_mha = mha->forward(tokens);
+  EXPECT_TRUE(torch::allclose(out_gqa, out_mha, 1e-5, 1e-5))
+      << (out_gqa - out_mha).abs().max().item<float>();
+  (out_gqa * out_gqa).sum().backward();
+  (out_mha * out_mha).sum().backward();
+  auto mha_params = mha->named_parameters();
+  for (const auto& item : gqa->named_parameters()) {
+    torch::Tensor expected = mha_params[item.key()].grad();
+    if (is_kv(item.key())) {  // sum the repeated rows back into their group's row
+      std::vector<int64_t> grouped = {gqa_config.kv_heads(), group, head_dim};
+      for (int64_t i = 1; i < expected.dim(); ++i) grouped.push_back(expected.size(i));
+      expected = expected.reshape(grouped).sum(1).reshape(item.value().sizes());
+    }
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected, 1e-4, 1e-5)) << item.key();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, GroupedQueryTest, ::testing::Values("gpt", "llama"));
+
+TEST(GroupedQueryTest, CountsEqualTheBuiltModel) {
+  for (int64_t kv_heads : {1, 2, 4}) {
+    GptConfig c = Small("llama");
+    c.n_kv_heads = kv_heads;
+    Gpt model(c);
+    ModelCounts counts = CountGpt(c);
+    EXPECT_EQ(counts.params, model->NumParameters()) << kv_heads;
+    EXPECT_DOUBLE_EQ(counts.flops_per_token, model->FlopsPerToken()) << kv_heads;
+    int64_t block = 0;
+    for (const auto& p : model->layers[0]->parameters()) block += p.numel();
+    EXPECT_EQ(counts.unit_params[1], block);
+    GptConfig biased = Small("gpt");
+    biased.n_kv_heads = kv_heads;
+    EXPECT_EQ(CountGpt(biased).params, Gpt(biased)->NumParameters()) << kv_heads;
+  }
+}
+
+TEST(GroupedQueryTest, Llama3_8bHasItsPublishedParameterCount) {
+  // Meta's Llama 3 / 3.1 8B: 8.03B parameters. Per block 4096^2 x 2 (wq, wo) + 1024 x 4096 x 2
+  // (wk, wv: 8 key/value heads of 128) + 14336 x 4096 x 3 (SwiGLU) + 2 x 4096 (norms) =
+  // 218,112,000; x 32, plus the untied embedding and output (128256 x 4096 each) and the norm.
+  GptConfig c{.arch = "llama",
+              .vocab_size = 128256,
+              .dim = 4096,
+              .n_layers = 32,
+              .n_heads = 32,
+              .n_kv_heads = 8,
+              .seq_len = 8192,
+              .ffn_hidden = 14336,
+              .norm = NormKind::kRmsNorm,
+              .activation = Activation::kSwiglu,
+              .positions = Positions::kRope,
+              .tie_embeddings = false};
+  ModelCounts counts = CountGpt(c);
+  EXPECT_EQ(counts.params, 8'030'261'248);
+  EXPECT_EQ(counts.unit_params[1], 218'112'000);
+  EXPECT_EQ(c.kv_dim(), 1024);
+  // Grouped-query attention shrinks k and v in what a block keeps (Note [Activation bytes]).
+  GptConfig mha = c;
+  mha.n_kv_heads = 0;
+  EXPECT_DOUBLE_EQ(GptBlockActivationBytes(mha, 2).none - GptBlockActivationBytes(c, 2).none,
+                   2 * (4096 - 1024) * 2.0);
+}
+
+TEST(ActivationBytesTest, CheckpointingKeepsLess) {
+  for (const std::string arch : {"gpt", "llama", "mlp"}) {
+    GptConfig c = Small(arch);
+    for (double cb : {2.0, 4.0}) {
+      BlockActivationBytes b = GptBlockActivationBytes(c, cb);
+      EXPECT_DOUBLE_EQ(b.full, c.dim * cb) << arch;  // the block's input
+      EXPECT_LT(b.full, b.selective) << arch;
+      EXPECT_LT(b.selective, b.none) << arch;
+    }
+  }
+  // GPT-2 keeps 16 dim per token (Korthikanti et al. without dropout) plus the LayerNorm
+  // statistics and the attention's log-sum-exp.
+  GptConfig gpt2 = Small("gpt");
+  EXPECT_NEAR(GptBlockActivationBytes(gpt2, 2).none, 16 * 32 * 2 + 2 * 2 * 4 + 4 * 4, 1e-9);
+}
+
 }  // namespace
 }  // namespace fsdp

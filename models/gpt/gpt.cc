@@ -1,6 +1,7 @@
 #include "models/gpt/gpt.h"
 
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -46,15 +47,16 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   return y.to(x.scalar_type()) * weight;
 }
 
-AttentionImpl::AttentionImpl(const GptConfig& c) : n_heads(c.n_heads), head_dim(c.head_dim()) {
+AttentionImpl::AttentionImpl(const GptConfig& c)
+    : n_heads(c.n_heads), n_kv_heads(c.kv_heads()), head_dim(c.head_dim()) {
   wq = Param(*this, "wq", {c.dim, c.dim});
-  wk = Param(*this, "wk", {c.dim, c.dim});
-  wv = Param(*this, "wv", {c.dim, c.dim});
+  wk = Param(*this, "wk", {c.kv_dim(), c.dim});
+  wv = Param(*this, "wv", {c.kv_dim(), c.dim});
   wo = Param(*this, "wo", {c.dim, c.dim});
   if (HasBiases(c)) {
     bq = Param(*this, "bq", {c.dim});
-    bk = Param(*this, "bk", {c.dim});
-    bv = Param(*this, "bv", {c.dim});
+    bk = Param(*this, "bk", {c.kv_dim()});
+    bv = Param(*this, "bv", {c.kv_dim()});
     bo = Param(*this, "bo", {c.dim});
   }
 }
@@ -63,14 +65,21 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& sin) {
   int64_t b = x.size(0), t = x.size(1);
   auto q = Linear(x, wq, bq).view({b, t, n_heads, head_dim});
-  auto k = Linear(x, wk, bk).view({b, t, n_heads, head_dim});
-  auto v = Linear(x, wv, bv).view({b, t, n_heads, head_dim});
+  auto k = Linear(x, wk, bk).view({b, t, n_kv_heads, head_dim});
+  auto v = Linear(x, wv, bv).view({b, t, n_kv_heads, head_dim});
   if (cos.defined()) {
     q = Rotate(q, cos, sin);
     k = Rotate(k, cos, sin);
   }
-  auto y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                            v.transpose(1, 2), {}, 0.0, /*is_causal=*/true);
+  // Grouped-query: SDPA maps query head h to key/value head h / (n_heads / n_kv_heads) itself
+  // (enable_gqa), so autograd keeps k and v at kv_dim, not repeated to dim. The CPU flash
+  // kernel does this natively (tests/models_test.cc checks it against repeated K/V); where a
+  // CUDA kernel cannot, SDPA picks one that can or its math path, which repeats internally.
+  // The flag only matters when the head counts differ.
+  auto y = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            {}, 0.0, /*is_causal=*/true,
+                                            /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/n_kv_heads != n_heads);
   return Linear(y.transpose(1, 2).reshape({b, t, n_heads * head_dim}), wo, bo);
 }
 
@@ -223,7 +232,7 @@ ModelFamily GptFamily(std::string arch, std::string description) {
             return std::make_unique<GptModel>(args);
           },
           .count = CountGpt,
-          .activation_elements_per_token = GptBlockActivationElements,
+          .block_activation_bytes = GptBlockActivationBytes,
           .head_bytes_per_token = GptHeadBytesPerToken};
 }
 

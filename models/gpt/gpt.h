@@ -47,11 +47,14 @@ struct NormImpl : torch::nn::Module {
 };
 TORCH_MODULE(Norm);
 
+// Causal self-attention, multi-head or grouped-query: wq and wo are [dim, dim], wk and wv
+// [kv_dim, dim] (n_kv_heads heads, each shared by n_heads / n_kv_heads consecutive query heads,
+// as Llama's repeat_kv), biases likewise.
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const GptConfig& c);
   // x: [batch, seq, dim]; rope: [seq_max, head_dim / 2] cos and sin tables, or undefined.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  int64_t n_heads, head_dim;
+  int64_t n_heads, n_kv_heads, head_dim;
   torch::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
 };
 TORCH_MODULE(Attention);
@@ -105,7 +108,7 @@ ModelFamily GptFamily(std::string arch, std::string description);
 // Analytic counts (gpt_counts.cc); equal to Gpt(c)->NumParameters() and FlopsPerToken().
 ModelCounts CountGpt(const ModelArgs& c);
 // See Note [Activation bytes] (gpt_counts.cc).
-double GptBlockActivationElements(const ModelArgs& c);
+BlockActivationBytes GptBlockActivationBytes(const ModelArgs& c, double compute_bytes);
 double GptHeadBytesPerToken(const ModelArgs& c, double compute_bytes);
 
 }  // namespace fsdp

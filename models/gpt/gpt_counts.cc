@@ -6,32 +6,64 @@ namespace fsdp {
 
 // Note [Activation bytes]
 // What autograd keeps per token and per block until backward, counted from the model's forward
-// (models/gpt/gpt.cc) in elements of the compute dtype (flash-style attention on CPU and CUDA keeps
-// no seq x seq matrix):
-//   norm: its input (LayerNorm) or its input and the normalised value (RMSNorm) -> 1 or 2 x dim
-//   attention: norm output (shared by wq/wk/wv), q, k, v, the attention output and its
-//              contiguous copy that wo reads -> 6 x dim; rope adds the rotated q and k: + 2 x dim
-//   MLP: norm output + w1 output and the GELU output (2 x ffn), or for SwiGLU w1 out, silu out,
-//        w3 out and the product (4 x ffn)
-// GPT-2 (layernorm, gelu, ffn = 4 dim) gives 17 x dim, the no-dropout, flash-attention case of
-// Korthikanti et al. (2022), "Reducing activation recomputation in large transformer models".
-// The head keeps the final norm's input and output and the logits; the loss computes in fp32
-// (a copy when the logits are bf16), log_softmax keeps its fp32 output, and the start of
-// backward adds two fp32 vocab-sized gradients: see GptHeadBytesPerToken.
-double GptBlockActivationElements(const ModelArgs& m) {
+// (models/gpt/gpt.cc) with `cb` bytes per element of the compute dtype. Flash-style attention
+// (the CPU and CUDA kernels behind scaled_dot_product_attention) keeps no seq x seq matrix.
+//   norm: LayerNorm keeps its input (cb) and two fp32 statistics; RMSNorm computes in fp32 and
+//         keeps the fp32 input (4 bytes: a copy when cb = 2) and the normalised value (cb)
+//   attention: the norm output (shared by wq/wk/wv), q, k, v (k and v at kv_dim: grouped-query
+//         attention does not repeat them, see AttentionImpl) and the attention output (its
+//         [batch, seq, heads, head_dim] layout makes wo's input a view): 3 dim + 2 kv_dim, and
+//         the fp32 log-sum-exp per head. RoPE adds nothing: the rotated q and k replace the
+//         projections' outputs (the cos/sin tables need no gradient, so the products keep
+//         only the tables)
+//   MLP: the norm output + for GELU the w1 output and the GELU output (2 ffn), for SwiGLU the
+//        w1 output, silu's output, the w3 output and the product (4 ffn)
+// GPT-2 (layernorm, gelu, ffn = 4 dim) gives 16 dim, as Korthikanti et al. (2022), "Reducing
+// activation recomputation in large transformer models": 34 sbh bytes per layer in 16 bits
+// with flash attention, of which 2 sbh are dropout masks. Checked against
+// torch.autograd.graph.saved_tensors_hooks on the same ops (dim 64, where the small terms
+// show): GPT-2 16.1 dim; Llama (RMSNorm, SwiGLU with ffn 2.75 dim, RoPE) 21.2 dim in fp32 and
+// 23.4 dim-equivalents in bf16; with 4, 2, 1 key/value heads of 4 query heads 21.2, 20.2,
+// 19.7 dim (k and v shrink with kv_dim).
+//
+// With activation checkpointing (sharding/options.h) a checkpointed block keeps only its input
+// (dim, cb); selective keeps the input and the output of every matmul: q (dim), k and v
+// (kv_dim each), wo (dim), w1 and w3 (ffn each), w2 (dim). Their recompute materialises the
+// `none` set again, one block at a time.
+//
+// The head keeps the final norm's input and output; the logits reach the loss in fp32 (FSDP
+// casts the root's output, MixedPrecision::output_dtype; the trainer holds them through
+// backward), log_softmax keeps its fp32 output, and its backward adds two fp32 vocab-sized
+// gradients (nll's and its own): 16 bytes per vocabulary entry at the start of backward, in
+// bf16 as in fp32. See GptHeadBytesPerToken.
+namespace {
+
+double NormBytes(const ModelArgs& m, double cb) {
+  const double d = static_cast<double>(m.dim);
+  return m.norm == NormKind::kRmsNorm ? d * 4 + d * cb + 4 : d * cb + 2 * 4;
+}
+
+}  // namespace
+
+BlockActivationBytes GptBlockActivationBytes(const ModelArgs& m, double cb) {
   const double d = static_cast<double>(m.dim), f = static_cast<double>(m.ffn());
-  const double norm = m.norm == NormKind::kRmsNorm ? 2 * d : d;
-  double e = norm + d + (m.activation == Activation::kSwiglu ? 4 * f : 2 * f);
-  if (HasAttention(m)) e += norm + 6 * d + (m.positions == Positions::kRope ? 2 * d : 0);
-  return e;
+  const double kv = static_cast<double>(m.kv_dim());
+  const bool swiglu = m.activation == Activation::kSwiglu;
+  BlockActivationBytes b;
+  b.none = NormBytes(m, cb) + (d + (swiglu ? 4 : 2) * f) * cb;
+  b.selective = (d /*input*/ + (swiglu ? 2 : 1) * f /*w1, w3*/ + d /*w2*/) * cb;
+  if (HasAttention(m)) {
+    b.none += NormBytes(m, cb) + (3 * d + 2 * kv) * cb + 4.0 * m.n_heads;
+    b.selective += (2 * d /*wq, wo*/ + 2 * kv /*wk, wv*/) * cb;
+  }
+  b.full = d * cb;
+  return b;
 }
 
 double GptHeadBytesPerToken(const ModelArgs& m, double cb) {
   const double d = static_cast<double>(m.dim), v = static_cast<double>(m.vocab_size);
-  const double norm = m.norm == NormKind::kRmsNorm ? 2 * d : d;
-  const double fp32_copy = cb < 4 ? 4 * v : 0;
-  return (norm + d + v) * cb + fp32_copy + 4 * v /*log_softmax*/ + 2 * 4 * v /*bwd grads*/ +
-         16 /*int64 inputs and targets*/;
+  return NormBytes(m, cb) + d * cb + 4 * v /*fp32 logits*/ + 4 * v /*log_softmax*/ +
+         2 * 4 * v /*bwd grads*/ + 16 /*int64 inputs and targets*/;
 }
 
 ModelCounts CountGpt(const ModelArgs& m) {
@@ -50,9 +82,10 @@ ModelCounts CountGpt(const ModelArgs& m) {
   std::vector<std::pair<int64_t, int64_t>> block;
   if (HasAttention(m)) {
     add_norm(block);
-    for (int i = 0; i < 4; ++i) block.push_back({d, d});
+    const int64_t kv = m.kv_dim();
+    for (int64_t rows : {d, kv, kv, d}) block.push_back({rows, d});  // wq, wk, wv, wo
     if (HasBiases(m)) {
-      for (int i = 0; i < 4; ++i) block.push_back({d, 1});
+      for (int64_t rows : {d, kv, kv, d}) block.push_back({rows, 1});
     }
   }
   add_norm(block);
@@ -74,10 +107,14 @@ ModelCounts CountGpt(const ModelArgs& m) {
   double matmul = static_cast<double>(c.params);
   if (!m.tie_embeddings) matmul -= static_cast<double>(v * d);
   if (learned) matmul -= static_cast<double>(m.seq_len * d);
+  // QK^T and AV: 2 x 2 x seq_len x dim per layer forward (query heads x head_dim = dim whatever
+  // the key/value heads), times 3 with backward.
   double attention = HasAttention(m) ? 12.0 * m.n_layers * m.dim * m.seq_len : 0.0;
   c.flops_per_token = 6.0 * matmul + attention;
   if (m.n_layers > 0) {
-    c.block_flops_per_token = 6.0 * static_cast<double>(c.unit_params[1]) + attention / m.n_layers;
+    c.block_attention_flops_per_token = attention / m.n_layers;
+    c.block_flops_per_token =
+        6.0 * static_cast<double>(c.unit_params[1]) + c.block_attention_flops_per_token;
   }
   return c;
 }
