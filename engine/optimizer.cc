@@ -71,10 +71,10 @@ class FusedAdam final : public Base {
   }
 };
 
-using FusedAdamW = FusedAdam<torch::optim::AdamW, torch::optim::AdamWParamState,
-                             torch::optim::AdamWOptions, true>;
-using FusedAdamL2 = FusedAdam<torch::optim::Adam, torch::optim::AdamParamState,
-                              torch::optim::AdamOptions, false>;
+using FusedAdamW =
+    FusedAdam<torch::optim::AdamW, torch::optim::AdamWParamState, torch::optim::AdamWOptions, true>;
+using FusedAdamL2 =
+    FusedAdam<torch::optim::Adam, torch::optim::AdamParamState, torch::optim::AdamOptions, false>;
 
 }  // namespace
 
@@ -107,18 +107,20 @@ std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& 
           std::move(params),
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
     case OptimizerKind::kAdam: {
-      auto adam =
-          torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(
-              o.weight_decay);
+      auto adam = torch::optim::AdamOptions(o.lr)
+                      .betas({o.beta1, o.beta2})
+                      .eps(o.eps)
+                      .weight_decay(o.weight_decay);
       if (fused) return std::make_unique<FusedAdamL2>(std::move(params), adam);
       return std::make_unique<torch::optim::Adam>(std::move(params), adam);
     }
     case OptimizerKind::kAdamW:
       break;
   }
-  auto adamw =
-      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(
-          o.weight_decay);
+  auto adamw = torch::optim::AdamWOptions(o.lr)
+                   .betas({o.beta1, o.beta2})
+                   .eps(o.eps)
+                   .weight_decay(o.weight_decay);
   if (fused) return std::make_unique<FusedAdamW>(std::move(params), adamw);
   return std::make_unique<torch::optim::AdamW>(std::move(params), adamw);
 }

@@ -19,7 +19,7 @@ class FsdpTrainable final : public TrainableModel {
   }
   at::Tensor ClipGradNorm(double max_norm) override { return model_->ClipGradNorm(max_norm); }
   void AfterStep() override {
-    model_->CopyShardsToDevice();  // offload optimizer: See Note [CPU offload]
+    model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
     state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
   }
   ModelStateBytes model_state_bytes() const override { return state_bytes_; }

@@ -78,10 +78,10 @@ double Evaluate(Model& model, const DataLoader& loader, int64_t batches, Process
 // issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
 // token and the device (its name and peak FLOP/s) behind the MFU figures. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
-void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps,
-                    int64_t peak_rss, int64_t peak_tensor, int64_t state_bytes,
-                    const ModelStateBytes& model_state, Offload offload, const CommStats& comm,
-                    double flops_per_token, double peak_flops, const std::string& device) {
+void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps, int64_t peak_rss,
+                    int64_t peak_tensor, int64_t state_bytes, const ModelStateBytes& model_state,
+                    Offload offload, const CommStats& comm, double flops_per_token,
+                    double peak_flops, const std::string& device) {
   nlohmann::json stats = {{"rank", rank},
                           {"steps", steps},
                           {"peak_rss_bytes", peak_rss},
@@ -346,7 +346,8 @@ absl::Status Train(const RunConfig& config) {
 
   // ===== the end: last checkpoint, statistics ===================================================
   FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
-  const ModelStateBytes model_state = ModelStateOf(*trained, *optimizer, config.parallelism.offload);
+  const ModelStateBytes model_state =
+      ModelStateOf(*trained, *optimizer, config.parallelism.offload);
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,
                  trained->comm_stats(), model->FlopsPerToken(), metrics.peak_flops(),

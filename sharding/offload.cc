@@ -58,14 +58,14 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   for (const auto& [dtype, n] : numel) {
     const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(dtype));
     try {
-      offload->arenas_[dtype] = at::empty(
-          {n}, at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(pinned));
+      offload->arenas_[dtype] =
+          at::empty({n}, at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(pinned));
     } catch (const c10::Error& e) {
-      return absl::ResourceExhaustedError(StrCat(
-          "parallelism.offload=", OffloadName(mode), ": cannot allocate ", GiB(bytes), " GiB of ",
-          pinned ? "pinned " : "", "host memory for the ", c10::toString(dtype),
-          " shards and gradients of this rank (", e.what_without_backtrace(),
-          "); use more ranks, more host memory, or parallelism.offload: none"));
+      return absl::ResourceExhaustedError(
+          StrCat("parallelism.offload=", OffloadName(mode), ": cannot allocate ", GiB(bytes),
+                 " GiB of ", pinned ? "pinned " : "", "host memory for the ", c10::toString(dtype),
+                 " shards and gradients of this rank (", e.what_without_backtrace(),
+                 "); use more ranks, more host memory, or parallelism.offload: none"));
     }
   }
   for (size_t i = 0; i < params.size(); ++i) {
@@ -208,7 +208,9 @@ void HostOffload::WaitForCopies() {
 }
 
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
-  auto size = [](const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  auto size = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  };
   bytes.device += size(p.padded_shard);
   if (p.host_shard.defined()) {
     bytes.host += size(p.host_shard) + size(p.host_grad);

@@ -82,10 +82,10 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank) {
       if (c.replicate > 1) fsdp.set_requires_all_reduce(last);
       int64_t begin = (rank * kMicroBatches + m) * micro;
       torch::Tensor logits = model->forward(x.narrow(0, begin, micro));
-      torch::Tensor loss = torch::nn::functional::cross_entropy(
-                               logits.reshape({-1, config.vocab}),
-                               y.narrow(0, begin, micro).reshape({-1})) /
-                           kMicroBatches;
+      torch::Tensor loss =
+          torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}),
+                                               y.narrow(0, begin, micro).reshape({-1})) /
+          kMicroBatches;
       loss.backward();
       loss_sum += loss.item<double>();
     }
@@ -133,11 +133,14 @@ void ExpectSame(const RunResult& base, const RunResult& run, const std::string& 
 std::vector<Case> CasesFor(int world) {
   if (world == 1) return {{"full_shard"}, {"shard_grad_op"}, {"full_shard", 1, true}};
   if (world == 2) {
-    return {{"full_shard"}, {"shard_grad_op"}, {"no_shard"}, {"full_shard", 1, false, true},
+    return {{"full_shard"},
+            {"shard_grad_op"},
+            {"no_shard"},
+            {"full_shard", 1, false, true},
             {"full_shard", 1, true}};
   }
-  return {{"full_shard"},           {"shard_grad_op"}, {"no_shard"}, {"hybrid_shard", 2},
-          {"hybrid_shard", 2, true}, {"full_shard", 1, false, false, 2}};
+  return {{"full_shard"},      {"shard_grad_op"},         {"no_shard"},
+          {"hybrid_shard", 2}, {"hybrid_shard", 2, true}, {"full_shard", 1, false, false, 2}};
 }
 
 class OffloadParityTest : public ::testing::TestWithParam<int> {};
@@ -173,9 +176,9 @@ TEST_P(OffloadParityTest, EqualsTheRunWithoutOffloadBitwise) {
         std::cout << "[offload] world " << world << " " << c.Name() << ": losses "
                   << base.losses.front() << " .. " << base.losses.back()
                   << " equal; model state bytes device/host: none " << base.bytes.device << "/"
-                  << base.bytes.host << ", optimizer " << opt.bytes.device << "/"
-                  << opt.bytes.host << ", params " << params.bytes.device << "/"
-                  << params.bytes.host << " (peak device shards " << params.peak_loaded << ")\n";
+                  << base.bytes.host << ", optimizer " << opt.bytes.device << "/" << opt.bytes.host
+                  << ", params " << params.bytes.device << "/" << params.bytes.host
+                  << " (peak device shards " << params.peak_loaded << ")\n";
       }
       if (::testing::Test::HasFailure()) break;
     }
@@ -204,8 +207,13 @@ struct TrainRun {
 
 // configs/default.yaml on 2 ranks, 6 steps, 2 micro-batches per step.
 TrainRun FsdpTrain(const std::string& dir, std::vector<std::string> sets) {
-  std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml",
-                                   "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off"};
+  std::vector<std::string> argv = {FsdpBinary(),
+                                   "train",
+                                   SourceDir() + "/configs/default.yaml",
+                                   "--set",
+                                   "run.dir=" + dir,
+                                   "--set",
+                                   "metrics.progress_bar=off"};
   for (const char* s : {"training.steps=6", "training.log_interval=1", "training.eval_interval=0",
                         "parallelism.nproc=2", "training.micro_batch_size=2",
                         "training.grad_accum_steps=2", "model.n_layers=2"}) {
@@ -240,8 +248,8 @@ TEST(OffloadTrainTest, TrainsCheckpointsAndResumesAcrossModes) {
   std::string none_dir = FreshTempDir("off-none"), dir = FreshTempDir("off-params");
   TrainRun none = FsdpTrain(none_dir, {"checkpoint.enabled=true", "checkpoint.interval=3"});
   ASSERT_TRUE(none.result.exit.ok()) << none.result.Output();
-  TrainRun params = FsdpTrain(dir, {"parallelism.offload=params", "checkpoint.enabled=true",
-                                    "checkpoint.interval=3"});
+  TrainRun params = FsdpTrain(
+      dir, {"parallelism.offload=params", "checkpoint.enabled=true", "checkpoint.interval=3"});
   ASSERT_TRUE(params.result.exit.ok()) << params.result.Output();
   ASSERT_EQ(params.losses.size(), 6u) << params.result.Output();
   ASSERT_EQ(none.losses.size(), 6u) << none.result.Output();
@@ -271,8 +279,8 @@ TEST(OffloadTrainTest, TrainsCheckpointsAndResumesAcrossModes) {
     ASSERT_EQ(resumed.losses.size(), 3u) << resumed.result.Output();
     for (int64_t step = 4; step <= 6; ++step) {
       if (std::string(mode) == "none") {  // libtorch's unfused AdamW from step 4 on
-        EXPECT_NEAR(resumed.losses.at(step), params.losses.at(step),
-                    1e-5 * params.losses.at(step)) << "step " << step;
+        EXPECT_NEAR(resumed.losses.at(step), params.losses.at(step), 1e-5 * params.losses.at(step))
+            << "step " << step;
       } else {  // the same fused host step: exact
         EXPECT_EQ(resumed.losses.at(step), params.losses.at(step)) << "step " << step;
       }
@@ -285,8 +293,8 @@ TEST(OffloadTrainTest, TrainsCheckpointsAndResumesAcrossModes) {
 
 TEST(OffloadTrainTest, RefusedWithoutTheFsdpWrapper) {
   std::string dir = FreshTempDir("off-none-strategy");
-  TrainRun run = FsdpTrain(dir, {"parallelism.strategy=none", "parallelism.nproc=1",
-                                 "parallelism.offload=optimizer"});
+  TrainRun run = FsdpTrain(
+      dir, {"parallelism.strategy=none", "parallelism.nproc=1", "parallelism.offload=optimizer"});
   EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
   EXPECT_TRUE(run.result.StderrHas("parallelism.offload")) << run.result.Output();
   fs::remove_all(dir);

@@ -112,8 +112,8 @@ TEST(OptimizerStateTest, NamesRoundTrip) {
 TEST(FusedOptimizerTest, MatchesLibtorchsStepToRounding) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
     SCOPED_TRACE(std::string(OptimizerKindName(kind)));
-    OptimizerOptions o{.kind = kind, .lr = 1e-2, .weight_decay = 0.1, .beta1 = 0.9,
-                       .beta2 = 0.95, .eps = 1e-8};
+    OptimizerOptions o{
+        .kind = kind, .lr = 1e-2, .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
     at::manual_seed(0);
     at::Tensor init = at::randn({64, 33});
     at::Tensor plain_p = init.clone().requires_grad_(true);
