@@ -7,6 +7,7 @@
 #include <c10/util/strides.h>
 
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 
 namespace fsdp {
 namespace {
@@ -26,6 +27,26 @@ at::Tensor Carve(const at::Tensor& arena, int64_t offset, at::IntArrayRef sizes)
 }
 
 double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
+absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool pinned) {
+  at::TensorOptions opts = at::TensorOptions().dtype(dtype).device(c10::kCPU);
+  if (!pinned) {
+    try {
+      return at::empty({numel}, opts);
+    } catch (const c10::Error& e) {
+      return absl::ResourceExhaustedError(e.what_without_backtrace());
+    }
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  absl::StatusOr<c10::DataPtr> memory = AllocatePinnedHost(bytes);
+  if (!memory.ok()) return memory.status();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, *std::move(memory),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  at::Tensor arena = at::empty({0}, opts);
+  arena.set_(std::move(storage), 0, {numel}, {1});
+  return arena;
+}
 
 }  // namespace
 
@@ -57,16 +78,15 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   const bool pinned = device.is_cuda();
   for (const auto& [dtype, n] : numel) {
     const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(dtype));
-    try {
-      offload->arenas_[dtype] =
-          at::empty({n}, at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(pinned));
-    } catch (const c10::Error& e) {
+    absl::StatusOr<at::Tensor> arena = HostArena(n, dtype, pinned);
+    if (!arena.ok()) {
       return absl::ResourceExhaustedError(
           StrCat("parallelism.offload=", OffloadName(mode), ": cannot allocate ", GiB(bytes),
                  " GiB of ", pinned ? "pinned " : "", "host memory for the ", c10::toString(dtype),
-                 " shards and gradients of this rank (", e.what_without_backtrace(),
+                 " shards and gradients of this rank (", std::string(arena.status().message()),
                  "); use more ranks, more host memory, or parallelism.offload: none"));
     }
+    offload->arenas_[dtype] = *std::move(arena);
   }
   for (size_t i = 0; i < params.size(); ++i) {
     FsdpParam& p = *params[i];

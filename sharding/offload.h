@@ -10,11 +10,12 @@
 // Note [CPU offload]
 // With offload the optimizer's tensors (FsdpParam::sharded, what FsdpModel::parameters() and
 // named_parameters() return, what checkpoints read and write) are fp32 *host* masters: views
-// of one host arena per dtype (pinned memory when the device is a GPU), allocated once at wrap
-// time with each parameter's padded shard (host_shard; `sharded` is its real rows) and, for a
-// trainable one, its gradient buffer (host_grad). Their .grad are host tensors, so gradient
-// clipping and the optimizer step run on the host (engine/optimizer.h steps Adam/AdamW there
-// with ATen's fused CPU kernel).
+// of one host arena per dtype, allocated once at wrap time with each parameter's padded shard
+// (host_shard; `sharded` is its real rows) and, for a trainable one, its gradient buffer
+// (host_grad). When the device is a GPU the arena is page-locked (cudaHostAlloc, exactly its
+// size: libtorch's pinned allocator would round it up to a power of two). The masters' .grad
+// are host tensors, so gradient clipping and the optimizer step run on the host
+// (engine/optimizer.h steps Adam/AdamW there with ATen's fused CPU kernel).
 //   optimizer  The device keeps the fp32 padded shard (padded_shard: the all-gather's source).
 //              Once a unit's gradient shard is final (FsdpUnit::FinishGradients, or at once
 //              with one rank) it is copied into host_grad, which becomes sharded.grad (added
