@@ -253,7 +253,7 @@ void FsdpModel::FinishBackward() {
     }
   }
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) (*it)->FinishGradients();
-  if (ctx_.offload) ctx_.offload->WaitForCopies();  // host .grads final: Note [CPU offload]
+  if (ctx_.offload) ctx_.offload->WaitForCopies(*ctx_.streams);  // See Note [CPU offload]
   last_reducing_ = nullptr;
   for (auto& u : units_) u->ResetIteration();
   backward_started_ = false;

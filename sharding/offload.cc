@@ -193,7 +193,7 @@ void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g) {
     return;
   }
   for (FsdpParam* pending : pending_adds_) {
-    if (pending == &p) WaitForCopies();  // its staging buffer is still to be added
+    if (pending == &p) Drain();  // its staging buffer is still to be added
   }
   ReapFinished();
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
@@ -218,7 +218,15 @@ void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g) {
   in_flight_.push_back(std::move(f));
 }
 
-void HostOffload::WaitForCopies() {
+void HostOffload::WaitForCopies(DeviceStreams& streams) {
+  Drain();
+  // The copy-in stream waits for the compute stream, so the stash may go (Note [Copy-in
+  // stream]): otherwise the last units' device shards would stay allocated until the next
+  // forward's first all-gather.
+  if (mode_ == Offload::kParams) streams.BeginCopyIn();
+}
+
+void HostOffload::Drain() {
   for (InFlight& f : in_flight_) f.done.synchronize();
   in_flight_.clear();
   if (to_device_done_) to_device_done_->synchronize();

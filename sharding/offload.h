@@ -107,9 +107,10 @@ class HostOffload {
   // copies it into p.host_grad, which becomes p.sharded's .grad, or adds it into the .grad
   // already there.
   void AccumulateGrad(FsdpParam& p, const at::Tensor& g);
-  // Waits for every copy in flight, both ways, and does the additions that waited for them:
-  // afterwards the host .grads are final and the masters may be written.
-  void WaitForCopies();
+  // End of backward: waits for every copy in flight, both ways, and does the additions that
+  // waited for them (afterwards the host .grads are final and the masters may be written), and
+  // gives back the device shards that this backward's reshards stashed in `streams`.
+  void WaitForCopies(DeviceStreams& streams);
 
   // Most bytes of device shards loaded at once (kParams), since wrapping.
   int64_t peak_loaded_bytes() const { return peak_loaded_bytes_; }
@@ -120,6 +121,8 @@ class HostOffload {
   void RecordHostToDevice();
   // Forgets device->host copies that have finished (their device tensors are freed).
   void ReapFinished();
+  // Waits for the copies in flight and does the pending additions (WaitForCopies' first part).
+  void Drain();
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
