@@ -10,6 +10,7 @@
 #include <chrono>
 #include <string>
 
+#include <c10/core/Allocator.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include "absl/status/statusor.h"
@@ -40,6 +41,13 @@ int64_t CudaAllocatedBytes(int index);  // currently allocated
 void CudaResetPeakMemory(int index);
 // Makes `index` this thread's current CUDA device.
 absl::Status SetCudaDevice(int index);
+
+// `bytes` of page-locked host memory (cudaHostAlloc), which non_blocking copies to and from a
+// GPU move by DMA, freed with the returned DataPtr. Exactly the size asked: libtorch's pinned
+// allocator (TensorOptions::pinned_memory) rounds every block up to a power of two, up to
+// twice the host memory for the large buffers CPU offload keeps. kResourceExhausted with
+// CUDA's reason; kUnimplemented in a CPU-only build.
+absl::StatusOr<c10::DataPtr> AllocatePinnedHost(size_t bytes);
 
 // A ProcessGroupNCCL over `store` for CUDA tensors on device `device_index`. Communicators are
 // created lazily by libtorch on the first collective.

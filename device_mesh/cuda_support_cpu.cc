@@ -22,6 +22,10 @@ absl::Status SetCudaDevice(int index) {
       "configure time); CUDA devices cannot be used");
 }
 
+absl::StatusOr<c10::DataPtr> AllocatePinnedHost(size_t) {
+  return absl::UnimplementedError("pinned host memory needs CUDA: this fsdp.cpp build is CPU-only");
+}
+
 absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> CreateNcclBackend(
     const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds, int) {
   return absl::UnimplementedError(

@@ -56,6 +56,18 @@ void CudaResetPeakMemory(int index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
 }
 
+absl::StatusOr<c10::DataPtr> AllocatePinnedHost(size_t bytes) {
+  void* ptr = nullptr;
+  cudaError_t err = cudaHostAlloc(&ptr, std::max<size_t>(bytes, 1), cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it: the failure is reported here, not by a later call
+    return absl::ResourceExhaustedError(
+        fmt::format("cudaHostAlloc of {} bytes failed: {}", bytes, cudaGetErrorString(err)));
+  }
+  return c10::DataPtr(
+      ptr, ptr, [](void* p) { cudaFreeHost(p); }, c10::Device(c10::kCPU));
+}
+
 absl::Status SetCudaDevice(int index) {
   int count = CudaDeviceCount();
   if (index < 0 || index >= count) {

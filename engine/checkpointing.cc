@@ -357,6 +357,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
           "): saved from another model (e.g. more layers)? checkpoint.strict: false ignores them"));
     }
   }
+  model_.CopyShardsToDevice();  // offload: the shards read are host masters (Note [CPU offload])
   ResumePoint point;
   point.step = reader.metadata().step;
   point.dir = dir;
@@ -418,7 +419,9 @@ absl::Status InitFromSafetensors(const std::string& path, FsdpModel& model) {
     const FsdpParam* p = model.FindParam(name);
     targets.push_back({name, p->sharding.shape, model.FirstLocalRow(*p), shard});
   }
-  return FillFromSafetensors(path, targets);
+  FSDP_RETURN_IF_ERROR(FillFromSafetensors(path, targets));
+  model.CopyShardsToDevice();  // offload: the shards filled are host masters (Note [CPU offload])
+  return absl::OkStatus();
 }
 
 bool Checkpointer::Due(int64_t step, bool last) const {

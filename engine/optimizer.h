@@ -40,8 +40,14 @@ struct OptimizerOptions {  // the YAML `optimizer` section, typed
 
 // torch::optim::AdamW / Adam / SGD over `params` with the options' hyper-parameters (Adam's
 // weight decay is L2 added to the gradient, AdamW's is decoupled, as in torch).
+// `fused`: Adam and AdamW step with ATen's fused kernel (at::_fused_adamw_ / _fused_adam_),
+// one vectorized, multi-threaded pass per tensor instead of libtorch's eight elementwise ops:
+// the host optimizer of parallelism.offload. Still a torch::optim::AdamW / Adam with the same
+// state, so KindOf, StateTensors and checkpoints do not change; the update agrees with the
+// unfused one to rounding (~1e-7 relative per step), not bitwise. SGD ignores it.
 std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& options,
-                                                        std::vector<at::Tensor> params);
+                                                        std::vector<at::Tensor> params,
+                                                        bool fused = false);
 
 // Sets the learning rate of every parameter group.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);
@@ -62,6 +68,9 @@ struct OptimizerStateTensor {
 // The state tensors of one parameter's state, by checkpoint name, in StateTensorNames order;
 // empty for a state of another optimizer.
 std::vector<OptimizerStateTensor> StateTensors(torch::optim::OptimizerParamState& state);
+
+// Bytes of every state tensor the optimizer holds (exp_avg, exp_avg_sq, momentum_buffer...).
+int64_t OptimizerStateBytes(torch::optim::Optimizer& optimizer);
 
 // The state's step counter (adam, adamw), or nullptr (sgd has none).
 int64_t* StepCounter(torch::optim::OptimizerParamState& state);

@@ -18,6 +18,11 @@ class FsdpTrainable final : public TrainableModel {
     }
   }
   at::Tensor ClipGradNorm(double max_norm) override { return model_->ClipGradNorm(max_norm); }
+  void AfterStep() override {
+    model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
+    state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
+  }
+  ModelStateBytes model_state_bytes() const override { return state_bytes_; }
   absl::Status InitFromSafetensors(const std::string& path) override {
     return fsdp::InitFromSafetensors(path, *model_);
   }
@@ -26,6 +31,7 @@ class FsdpTrainable final : public TrainableModel {
 
  private:
   std::unique_ptr<FsdpModel> model_;
+  ModelStateBytes state_bytes_;
 };
 
 }  // namespace

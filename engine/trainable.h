@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "sharding/comm_stats.h"
+#include "sharding/offload.h"
 
 namespace fsdp {
 
@@ -39,6 +40,10 @@ class TrainableModel {
   virtual void AfterStep() {}
   // The parameters from a safetensors file with the state-dict names (model.init_from).
   virtual absl::Status InitFromSafetensors(const std::string& path) = 0;
+  // Parameter and gradient bytes on the device and in host memory (parallelism.offload) as
+  // they were right after the last optimizer step; zeros before the first, and for the
+  // unwrapped baseline (not counted). The optimizer's state is the caller's to add.
+  virtual ModelStateBytes model_state_bytes() const { return {}; }
   // Collectives issued so far (all zero without a wrapper).
   virtual CommStats& comm_stats() = 0;
   // The sharded model, for sharded checkpoints; null for the unwrapped baseline.

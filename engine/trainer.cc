@@ -71,19 +71,26 @@ double Evaluate(Model& model, const DataLoader& loader, int64_t batches, Process
 // At the end of a run every rank writes <run.dir>/rank_stats/rank<r>.json: its peak resident
 // set (VmHWM), its peak tensor bytes (CPU tracker or CUDA allocator), the tensor bytes right
 // after the last optimizer step (parameters, gradients and optimizer state, plus whatever
-// the step keeps alive: the model states the ZeRO formulas count), and the collectives it
+// the step keeps alive: the model states the ZeRO formulas count), the same model states
+// counted tensor by tensor and split into device and host memory (model_state: what
+// parallelism.offload moves; on a CPU both are host RAM, the split says which would be on a
+// GPU), and the collectives it
 // issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
 // token and the device (its name and peak FLOP/s) behind the MFU figures. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
-void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps,
-                    int64_t peak_rss, int64_t peak_tensor, int64_t state_bytes,
-                    const CommStats& comm, double flops_per_token, double peak_flops,
-                    const std::string& device) {
+void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps, int64_t peak_rss,
+                    int64_t peak_tensor, int64_t state_bytes, const ModelStateBytes& model_state,
+                    Offload offload, const CommStats& comm, double flops_per_token,
+                    double peak_flops, const std::string& device) {
   nlohmann::json stats = {{"rank", rank},
                           {"steps", steps},
                           {"peak_rss_bytes", peak_rss},
                           {"peak_tensor_bytes", peak_tensor},
                           {"state_bytes", state_bytes},
+                          {"model_state",
+                           {{"device_bytes", model_state.device},
+                            {"host_bytes", model_state.host},
+                            {"offload", OffloadName(offload)}}},
                           {"flops_per_token", flops_per_token},
                           {"peak_flops_per_device", peak_flops},
                           {"device", device}};
@@ -121,6 +128,15 @@ absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step,
   }
   return absl::AbortedError(StrCat("stopped by SIGTERM after step ", step,
                                    " (checkpoint.enabled is false: nothing saved)"));
+}
+
+// Parameters, gradients and optimizer state after the last step, by where they live: the
+// optimizer's state lives with the tensors it steps (host masters with offload).
+ModelStateBytes ModelStateOf(const TrainableModel& trained, torch::optim::Optimizer& optimizer,
+                             Offload offload) {
+  ModelStateBytes bytes = trained.model_state_bytes();
+  (offload == Offload::kNone ? bytes.device : bytes.host) += OptimizerStateBytes(optimizer);
+  return bytes;
 }
 
 // One training step: grad_accum_steps micro-batches, then clip and update. Returns the mean
@@ -241,8 +257,10 @@ absl::Status Train(const RunConfig& config) {
     model->module()->to(device);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
+  // With offload the optimizer steps host tensors: ATen's fused CPU kernel (Note [CPU offload]).
   std::unique_ptr<torch::optim::Optimizer> optimizer =
-      BuildOptimizer(config.optimizer, trained->parameters());
+      BuildOptimizer(config.optimizer, trained->parameters(),
+                     /*fused=*/config.parallelism.offload != Offload::kNone);
 
   // ===== data ===================================================================================
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset,
@@ -356,10 +374,19 @@ absl::Status Train(const RunConfig& config) {
 
   // ===== the end: last checkpoint, statistics ===================================================
   FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
+  const ModelStateBytes model_state =
+      ModelStateOf(*trained, *optimizer, config.parallelism.offload);
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
-                 DevicePeakBytes(device), state_bytes, trained->comm_stats(),
-                 model->FlopsPerToken(), metrics.peak_flops(),
+                 DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,
+                 trained->comm_stats(), model->FlopsPerToken(), metrics.peak_flops(),
                  device.is_cuda() ? CudaDeviceDescription(device.index()) : "cpu");
+  if (rank == 0 && trained->fsdp() != nullptr) {
+    std::cout << fmt::format(
+        "fsdp train: model state on rank 0 (parameters, gradients, optimizer): {:.2f} MiB on the "
+        "device, {:.2f} MiB in host memory (parallelism.offload: {})\n",
+        model_state.device / 1048576.0, model_state.host / 1048576.0,
+        OffloadName(config.parallelism.offload));
+  }
   FSDP_RETURN_IF_ERROR(metrics.Finish(t.steps));
   ctx->world().Barrier()->wait();
   return absl::OkStatus();

@@ -121,7 +121,11 @@ namespace {
 // Adds `g` (the shard's shape and dtype) into the sharded parameter's .grad. Without a .grad
 // yet, `g` becomes it: as is when the caller owns it and it is a plain contiguous tensor (a
 // view cannot be an optimizer's .grad: zero_grad detaches it in place), else a copy.
-void AccumulateShardGrad(FsdpParam& p, const at::Tensor& g, bool owned) {
+void AccumulateShardGrad(FsdpParam& p, const at::Tensor& g, bool owned, HostOffload* offload) {
+  if (offload != nullptr) {
+    offload->AccumulateGrad(p, g);  // See Note [CPU offload]
+    return;
+  }
   at::Tensor& dst = p.sharded.mutable_grad();
   if (dst.defined()) {
     dst.add_(g);
@@ -213,7 +217,7 @@ Reduce ReduceScatterFlat(std::vector<FsdpParam>& params, const std::vector<int>&
 
 // See Note [One shard].
 void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
-                    c10::ScalarType reduce_dtype) {
+                    c10::ScalarType reduce_dtype, HostOffload* offload) {
   // Moved rather than copied when nothing needs converting.
   for (int index : grad_params) {
     FsdpParam& p = params[index];
@@ -222,7 +226,7 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
                                   : at::zeros_like(p.sharded);
     grad.reset();
     if (g.sizes() != p.sharded.sizes()) g = g.reshape(p.sharded.sizes());  // e.g. a 0-dim P
-    AccumulateShardGrad(p, g, /*owned=*/true);
+    AccumulateShardGrad(p, g, /*owned=*/true, offload);
   }
 }
 
@@ -234,7 +238,8 @@ c10::intrusive_ptr<c10d::Work> AllReduceReplicas(at::Tensor& sums, ProcessGroup&
 }
 
 void AccumulateShardGrads(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
-                          const UnitLayout& grad_layout, const at::Tensor& grads, int shard_rank) {
+                          const UnitLayout& grad_layout, const at::Tensor& grads, int shard_rank,
+                          HostOffload* offload) {
   for (size_t j = 0; j < grad_params.size(); ++j) {
     FsdpParam& p = params[grad_params[j]];
     const ParamSharding& s = p.sharding;
@@ -242,7 +247,7 @@ void AccumulateShardGrads(std::vector<FsdpParam>& params, const std::vector<int>
     at::Tensor g = grads.narrow(0, grad_layout.offsets[j], local)
                        .view(p.sharded.sizes())
                        .to(p.sharded.scalar_type());
-    AccumulateShardGrad(p, g, /*owned=*/false);
+    AccumulateShardGrad(p, g, /*owned=*/false, offload);
   }
 }
 

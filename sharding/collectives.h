@@ -15,7 +15,8 @@
 //   // backward: the gradients of P become this rank's summed gradient shard
 //   Reduce r = ReduceScatterPieces(params, grad_params, grad_layout, group, opts, stats);
 //   WaitFor(r.work, CommKind::kReduceScatter, stats);
-//   AccumulateShardGrads(params, grad_params, grad_layout, r.output.div_(dp), shard_rank);
+//   AccumulateShardGrads(params, grad_params, grad_layout, r.output.div_(dp), shard_rank,
+//                        /*offload=*/nullptr);
 //
 // Note [Gathering into the parameters]: on CPU with the p2p collectives (device_mesh/
 // p2p_collectives.h), the all-gather over the whole shard axis receives each rank's piece of
@@ -49,6 +50,7 @@
 #include "device_mesh/process_group.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_param.h"
+#include "sharding/offload.h"
 #include "sharding/shard_layout.h"
 #include "sharding/streams.h"
 
@@ -127,16 +129,18 @@ Reduce ReduceScatterFlat(std::vector<FsdpParam>& params, const std::vector<int>&
 
 // Note [One shard], one rank: each gradient (in `reduce_dtype`, then the shard's dtype, as the
 // collective path rounds it) is added into the sharded parameter's .grad; no communication.
+// With `offload` the gradient goes to the host master's .grad instead (Note [CPU offload]).
 void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
-                    c10::ScalarType reduce_dtype);
+                    c10::ScalarType reduce_dtype, HostOffload* offload);
 
 // HSDP / DDP: issues the all-reduce (sum) of a gradient chunk over the replicate axis.
 c10::intrusive_ptr<c10d::Work> AllReduceReplicas(at::Tensor& sums, ProcessGroup& group,
                                                  CommStats& stats);
 
 // Adds this rank's rows of `grads` (1-D, grad chunk, already averaged) into each trainable
-// sharded parameter's .grad.
+// sharded parameter's .grad (on the host through `offload` when given: Note [CPU offload]).
 void AccumulateShardGrads(std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
-                          const UnitLayout& grad_layout, const at::Tensor& grads, int shard_rank);
+                          const UnitLayout& grad_layout, const at::Tensor& grads, int shard_rank,
+                          HostOffload* offload);
 
 }  // namespace fsdp

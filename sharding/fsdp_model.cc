@@ -72,7 +72,9 @@ int64_t FsdpModel::FirstLocalRow(const FsdpParam& param) const {
 at::Tensor FsdpModel::GatherFullParameter(const FsdpParam& param) {
   at::NoGradGuard no_grad;
   const ParamSharding& s = param.sharding;
-  at::Tensor shard = param.padded_shard.contiguous().view(-1);
+  // See Note [CPU offload]: the host master is always there, the device shard may not be.
+  const at::Tensor& source = param.host_shard.defined() ? param.host_shard : param.padded_shard;
+  at::Tensor shard = source.to(ctx_.device).contiguous().view(-1);
   at::Tensor full = at::empty({s.padded_numel()}, shard.options());
   if (ctx_.num_shards == 1) {
     full.copy_(shard);
@@ -148,6 +150,10 @@ FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
 void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   const bool limited = ctx_.options.reshard_after_forward;
   const int depth = limited ? ctx_.options.max_unsharded_units - 1 : 1;
+  // Offloaded shards (Note [CPU offload]): their host->device copies run one unit ahead.
+  for (int step = 1; ctx_.offload && step <= depth + 1; ++step) {
+    if (FsdpUnit* unit = Neighbour(current, direction * step)) unit->LoadDeviceShards();
+  }
   for (int step = 1; step <= depth; ++step) {
     FsdpUnit* unit = Neighbour(current, direction * step);
     if (unit == nullptr) return;
@@ -308,6 +314,7 @@ void FsdpModel::FinishBackward() {
     }
   }
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) (*it)->FinishGradients();
+  if (ctx_.offload) ctx_.offload->WaitForCopies(*ctx_.streams);  // See Note [CPU offload]
   last_reducing_ = nullptr;
   for (auto& u : units_) u->ResetIteration();
   backward_started_ = false;
@@ -332,8 +339,24 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   // Replicas hold identical gradient shards: summing over the shard axis counts each once.
-  return ClipGradientsByNorm(grads, max_norm, ctx_.device,
-                             ctx_.num_shards > 1 ? ctx_.shard_group : nullptr);
+  // Offloaded gradients are clipped on the host (Note [CPU offload]); the norm is returned on
+  // the device either way.
+  const c10::Device where = ctx_.offload ? c10::Device(c10::kCPU) : ctx_.device;
+  return ClipGradientsByNorm(grads, max_norm, where,
+                             ctx_.num_shards > 1 ? ctx_.shard_group : nullptr)
+      .to(ctx_.device, /*non_blocking=*/true);
+}
+
+void FsdpModel::CopyShardsToDevice() {
+  if (ctx_.offload) ctx_.offload->PushShards(*ctx_.streams);
+}
+
+ModelStateBytes FsdpModel::model_state_bytes() const {
+  ModelStateBytes bytes;
+  for (const auto& unit : units_) {
+    for (const FsdpParam& p : unit->params()) AddModelStateBytes(p, bytes);
+  }
+  return bytes;
 }
 
 }  // namespace fsdp

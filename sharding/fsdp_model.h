@@ -104,6 +104,13 @@ class FsdpModel {
   // with true (FSDP2's set_requires_all_reduce).
   void set_requires_all_reduce(bool all_reduce) { ctx_.requires_all_reduce = all_reduce; }
 
+  // Offload (Note [CPU offload] in offload.h): copies the host masters (the optimizer's
+  // tensors) into the device shards. Call after the optimizer step and after writing the
+  // masters otherwise (checkpoint load); a no-op without offload or with offloaded parameters.
+  void CopyShardsToDevice();
+  // Bytes of parameter shards and gradient shards on the device and (offload) in host memory.
+  ModelStateBytes model_state_bytes() const;
+
   CommStats& comm_stats() { return ctx_.stats; }
   const MemoryStats& memory_stats() const { return memory_; }
   void ResetMemoryStats() { memory_ = {}; }

@@ -27,8 +27,12 @@ struct FsdpParam {
   std::vector<std::string> names;  // every name of this tensor (tied parameters have several)
   at::Tensor param;                // P: the module's tensor; full shape, compute dtype
   ParamSharding sharding;
-  at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero
+  at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero;
+                            // offload params: allocated only around the unit's all-gather
   at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
+                            // (offload: host_shard's real rows, Note [CPU offload])
+  at::Tensor host_shard;    // offload only: padded_shard's layout in host memory
+  at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
   bool requires_grad = false;
   c10::ScalarType compute_dtype = c10::kFloat;
 

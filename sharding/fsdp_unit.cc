@@ -88,6 +88,10 @@ void FsdpUnit::Unshard() {
   }
   if (ctx_->num_shards == 1) {
     // See Note [One shard]: no collective, so no kGathering either.
+    if (ctx_->offload) {
+      LoadDeviceShards();  // See Note [CPU offload]
+      ctx_->offload->WaitForShardsOnCurrentStream();
+    }
     UnshardOneShard(params_, compute_dtype_);
     state_ = ShardedState::kUnsharded;
     return;
@@ -104,11 +108,15 @@ void FsdpUnit::Unshard() {
     // See Note [Reshard to a sub-group]: gather the kept pieces over the sub-group only.
     gather_ = GatherFlat(std::move(post_forward_shard_), *ctx_->reshard_group, ctx_->stats);
     post_forward_shard_.reset();
-  } else if (shard_group.SupportsPieces(ctx_->device)) {
-    // See Note [Gathering into the parameters].
-    gather_ = GatherIntoParams(params_, layout_, shard_group, compute_dtype_, opts, ctx_->stats);
   } else {
-    gather_ = GatherFlat(CopyInShards(params_, layout_, opts), shard_group, ctx_->stats);
+    // See Note [CPU offload]: with offloaded shards their copy precedes the gather here.
+    if (ctx_->offload) ctx_->offload->LoadShards(params_);
+    if (shard_group.SupportsPieces(ctx_->device)) {
+      // See Note [Gathering into the parameters].
+      gather_ = GatherIntoParams(params_, layout_, shard_group, compute_dtype_, opts, ctx_->stats);
+    } else {
+      gather_ = GatherFlat(CopyInShards(params_, layout_, opts), shard_group, ctx_->stats);
+    }
   }
   state_ = ShardedState::kGathering;
 }
@@ -124,6 +132,7 @@ void FsdpUnit::WaitForUnshard() {
 void FsdpUnit::Reshard() {
   CheckState("Reshard", ShardedState::kUnsharded);
   for (FsdpParam& p : params_) p.FreeUnsharded();
+  ReleaseDeviceShards();
   state_ = ShardedState::kSharded;
 }
 
@@ -136,6 +145,7 @@ void FsdpUnit::ReshardAfterForward() {
       CutSubGroupShard(params_, sub_layout_, ctx_->reshard_group->rank(),
                        at::TensorOptions().dtype(compute_dtype_).device(ctx_->device));
   for (FsdpParam& p : params_) p.FreeUnsharded();
+  ReleaseDeviceShards();
   state_ = ShardedState::kShardedPostForward;
 }
 
@@ -145,10 +155,23 @@ void FsdpUnit::DropPostForwardShard() {
   state_ = ShardedState::kSharded;
 }
 
+void FsdpUnit::LoadDeviceShards() {
+  if (!ctx_->offload || state_ != ShardedState::kSharded) return;
+  DeviceStreams& streams = *ctx_->streams;
+  std::optional<c10::StreamGuard> on_copy_in;
+  if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
+  ctx_->offload->LoadShards(params_);
+}
+
+void FsdpUnit::ReleaseDeviceShards() {
+  if (ctx_->offload) ctx_->offload->ReleaseShards(params_, *ctx_->streams);
+}
+
 void ReshardFully(FsdpUnit& unit) {
   using S = FsdpUnit::ShardedState;
   switch (unit.state()) {
     case S::kSharded:
+      unit.ReleaseDeviceShards();  // loaded ahead for an all-gather that will not come
       return;
     case S::kGathering:
       unit.WaitForUnshard();
@@ -203,7 +226,7 @@ void FsdpUnit::PostBackward() {
     return;
   }
   if (n == 1 && !ctx_->replicate_group) {
-    ReduceOneShard(params_, grad_params_, reduce_dtype_);  // See Note [One shard]
+    ReduceOneShard(params_, grad_params_, reduce_dtype_, ctx_->offload.get());  // Note [One shard]
     return;
   }
   reduce_ = ReduceScatterFlat(params_, grad_params_, grad_layout_, group, opts, ctx_->stats);
@@ -246,7 +269,8 @@ void FsdpUnit::FinishGradients() {
   at::Tensor sums = std::move(reduce_.output);
   reduce_ = Reduce{};
   sums.div_(ctx_->dp_size);
-  AccumulateShardGrads(params_, grad_params_, grad_layout_, sums, ctx_->shard_rank);
+  AccumulateShardGrads(params_, grad_params_, grad_layout_, sums, ctx_->shard_rank,
+                       ctx_->offload.get());
 }
 
 }  // namespace fsdp

@@ -34,6 +34,9 @@
 //                         with one shard and no cast it is the shard's own memory, counted)
 //   kShardedPostForward   post_forward_shard_ (1-D, chunk of the sub-group layout), counted in
 //                         UnshardedBytes but not by HoldsUnsharded (no full parameter is held)
+// With parallelism.offload=params the padded shards themselves are on the device only from
+// their load (in Unshard, or earlier by prefetch) until the unit leaves kUnsharded (Note [CPU
+// offload] in offload.h).
 //
 // TrainingState: where the unit is in the iteration (driven by FsdpModel).
 //   kIdle --BeginForward()--> kForward --EndForward()--> kIdle
@@ -60,6 +63,7 @@
 #include "sharding/collectives.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_param.h"
+#include "sharding/offload.h"
 #include "sharding/options.h"
 #include "sharding/shard_layout.h"
 #include "sharding/streams.h"
@@ -84,6 +88,7 @@ struct EngineContext {
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
   std::unique_ptr<DeviceStreams> streams;  // copy-in stream on CUDA; no-op on CPU
+  std::unique_ptr<HostOffload> offload;    // Note [CPU offload] (offload.h); null without
 };
 
 class FsdpUnit {
@@ -126,6 +131,10 @@ class FsdpUnit {
   void ReshardAfterForward();
   // kShardedPostForward -> kSharded: frees the post-forward shard (no backward will use it).
   void DropPostForwardShard();
+  // Offload params (Note [CPU offload]): in kSharded, starts the host->device copy of the
+  // shards ahead of the all-gather (prefetch); ReleaseDeviceShards frees them. No-ops otherwise.
+  void LoadDeviceShards();
+  void ReleaseDeviceShards();
 
   // ---- TrainingState transitions ----
   // Any -> kIdle, every trainable parameter pending again.

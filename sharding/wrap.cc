@@ -301,6 +301,18 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     }
   });
   FSDP_RETURN_IF_ERROR(status);
+  if (options.offload != Offload::kNone) {
+    // See Note [CPU offload] (offload.h): the masters move to host memory, allocated once here.
+    std::vector<FsdpParam*> params;
+    for (auto& unit : model->units_) {
+      for (FsdpParam& p : unit->params()) params.push_back(&p);
+    }
+    absl::StatusOr<std::unique_ptr<HostOffload>> offload;
+    FSDP_RETURN_IF_ERROR(CallTorch("offloading the shards", [&] {
+      offload = HostOffload::Create(options.offload, ctx.device, std::move(params));
+    }));
+    FSDP_ASSIGN_OR_RETURN(ctx.offload, std::move(offload));
+  }
 
   for (auto& unit : model->units_) {
     RegisterUnit(unit->module(), UnitEntry{model.get(), unit.get()});

@@ -1,0 +1,250 @@
+#include "sharding/offload.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
+
+#include "common/strings.h"
+#include "device_mesh/cuda_support.h"
+
+namespace fsdp {
+namespace {
+
+// Host buffers start on 64-byte boundaries (a cache line; the fused optimizer's vectors).
+constexpr int64_t kAlignBytes = 64;
+
+int64_t RoundUp(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// A tensor of `sizes` over `arena`'s memory from element `offset`: a fresh TensorImpl, not a
+// view, so that it can be an optimizer's parameter or a .grad (zero_grad detaches .grad in
+// place, which a view refuses).
+at::Tensor Carve(const at::Tensor& arena, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, arena.options());
+  t.set_(arena.storage(), offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
+absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool pinned) {
+  at::TensorOptions opts = at::TensorOptions().dtype(dtype).device(c10::kCPU);
+  if (!pinned) {
+    try {
+      return at::empty({numel}, opts);
+    } catch (const c10::Error& e) {
+      return absl::ResourceExhaustedError(e.what_without_backtrace());
+    }
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  absl::StatusOr<c10::DataPtr> memory = AllocatePinnedHost(bytes);
+  if (!memory.ok()) return memory.status();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, *std::move(memory),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  at::Tensor arena = at::empty({0}, opts);
+  arena.set_(std::move(storage), 0, {numel}, {1});
+  return arena;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c10::Device device,
+                                                                 std::vector<FsdpParam*> params) {
+  TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
+  std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
+  at::NoGradGuard no_grad;
+  // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer.
+  struct Slot {
+    int64_t shard = 0, grad = -1;
+  };
+  std::map<c10::ScalarType, int64_t> numel;
+  std::vector<Slot> slots;
+  for (FsdpParam* p : params) {
+    const c10::ScalarType dtype = p->padded_shard.scalar_type();
+    const int64_t align = std::max<int64_t>(1, kAlignBytes / c10::elementSize(dtype));
+    auto place = [&](int64_t n) {
+      int64_t offset = RoundUp(numel[dtype], align);
+      numel[dtype] = offset + n;
+      return offset;
+    };
+    Slot slot;
+    slot.shard = place(p->padded_shard.numel());
+    if (p->requires_grad) slot.grad = place(p->sharded.numel());
+    slots.push_back(slot);
+  }
+  // Pinned on a GPU: non_blocking copies from and to it are DMA transfers that overlap compute.
+  const bool pinned = device.is_cuda();
+  for (const auto& [dtype, n] : numel) {
+    const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(dtype));
+    absl::StatusOr<at::Tensor> arena = HostArena(n, dtype, pinned);
+    if (!arena.ok()) {
+      return absl::ResourceExhaustedError(
+          StrCat("parallelism.offload=", OffloadName(mode), ": cannot allocate ", GiB(bytes),
+                 " GiB of ", pinned ? "pinned " : "", "host memory for the ", c10::toString(dtype),
+                 " shards and gradients of this rank (", std::string(arena.status().message()),
+                 "); use more ranks, more host memory, or parallelism.offload: none"));
+    }
+    offload->arenas_[dtype] = *std::move(arena);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    FsdpParam& p = *params[i];
+    const at::Tensor& arena = offload->arenas_.at(p.padded_shard.scalar_type());
+    p.host_shard = Carve(arena, slots[i].shard, p.padded_shard.sizes());
+    p.host_shard.copy_(p.padded_shard);
+    // The master: the real rows, at the start of the padded shard (padding rows stay zero).
+    at::Tensor master = Carve(arena, slots[i].shard, p.sharded.sizes());
+    master.set_requires_grad(p.requires_grad);
+    p.sharded = master;
+    if (p.requires_grad) p.host_grad = Carve(arena, slots[i].grad, p.sharded.sizes());
+    if (mode == Offload::kParams) p.padded_shard.reset();  // loaded before each all-gather
+  }
+  offload->params_ = std::move(params);
+  if (device.is_cuda()) {
+    const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+    offload->to_host_ = impl->getStreamFromGlobalPool(device);
+  }
+  return offload;
+}
+
+HostOffload::~HostOffload() {
+  // Copies may still read or write the host buffers (a run that stopped mid-backward).
+  for (InFlight& f : in_flight_) f.done.synchronize();
+  if (to_device_done_) to_device_done_->synchronize();
+}
+
+// ---- parameters -------------------------------------------------------------------------------
+
+void HostOffload::RecordHostToDevice() {
+  if (!device_.is_cuda()) return;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
+  to_device_done_.emplace(device_.type());
+  to_device_done_->record(impl->getStream(device_));
+}
+
+void HostOffload::PushShards(DeviceStreams& streams) {
+  if (mode_ != Offload::kOptimizer) return;
+  at::NoGradGuard no_grad;
+  // The copy-in stream waits for the compute stream first: with one rank the unsharded
+  // parameters alias the device shards, which a backward still queued there may read.
+  streams.BeginCopyIn();
+  std::optional<c10::StreamGuard> on_copy_in;
+  if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
+  for (FsdpParam* p : params_) p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
+  RecordHostToDevice();
+}
+
+void HostOffload::LoadShards(std::vector<FsdpParam>& params) {
+  if (mode_ != Offload::kParams) return;
+  at::NoGradGuard no_grad;
+  bool issued = false;
+  for (FsdpParam& p : params) {
+    if (p.padded_shard.defined()) continue;  // loaded ahead (prefetch)
+    p.padded_shard = at::empty(p.host_shard.sizes(), p.host_shard.options().device(device_));
+    p.padded_shard.copy_(p.host_shard, /*non_blocking=*/true);
+    loaded_bytes_ += p.padded_shard.nbytes();
+    issued = true;
+  }
+  peak_loaded_bytes_ = std::max(peak_loaded_bytes_, loaded_bytes_);
+  if (issued) RecordHostToDevice();
+}
+
+void HostOffload::ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams) {
+  if (mode_ != Offload::kParams) return;
+  std::vector<at::Tensor> freed;
+  for (FsdpParam& p : params) {
+    if (!p.padded_shard.defined()) continue;
+    loaded_bytes_ -= p.padded_shard.nbytes();
+    freed.push_back(std::move(p.padded_shard));
+    p.padded_shard.reset();
+  }
+  // The compute stream (one rank: aliased parameters) or an all-gather may still read them.
+  if (!freed.empty()) streams.Stash(std::move(freed));
+}
+
+void HostOffload::WaitForShardsOnCurrentStream() {
+  if (!to_device_done_) return;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
+  to_device_done_->block(impl->getStream(device_));
+}
+
+// ---- gradients --------------------------------------------------------------------------------
+
+void HostOffload::ReapFinished() {
+  std::vector<InFlight> still;
+  for (InFlight& f : in_flight_) {
+    if (!f.done.query()) still.push_back(std::move(f));
+  }
+  in_flight_ = std::move(still);
+}
+
+void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g) {
+  at::NoGradGuard no_grad;
+  at::Tensor& grad = p.sharded.mutable_grad();
+  if (!device_.is_cuda()) {
+    // Synchronous copies; the same additions as without offload (collectives.cc).
+    if (grad.defined()) {
+      grad.add_(g);
+    } else {
+      p.host_grad.copy_(g);
+      grad = p.host_grad;
+    }
+    return;
+  }
+  for (FsdpParam* pending : pending_adds_) {
+    if (pending == &p) Drain();  // its staging buffer is still to be added
+  }
+  ReapFinished();
+  const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
+  c10::Event produced(device_.type());
+  produced.record(impl->getStream(device_));  // the compute stream made `g`
+  produced.block(*to_host_);
+  c10::StreamGuard on_to_host(*to_host_);
+  if (grad.defined()) {
+    at::Tensor& staging = staging_[&p];
+    if (!staging.defined()) {
+      staging = at::empty(p.sharded.sizes(),
+                          p.sharded.options().requires_grad(false).pinned_memory(true));
+    }
+    staging.copy_(g, /*non_blocking=*/true);
+    pending_adds_.push_back(&p);
+  } else {
+    p.host_grad.copy_(g, /*non_blocking=*/true);
+    grad = p.host_grad;  // not to be read before WaitForCopies
+  }
+  InFlight f{g, c10::Event(device_.type())};
+  f.done.record(*to_host_);
+  in_flight_.push_back(std::move(f));
+}
+
+void HostOffload::WaitForCopies(DeviceStreams& streams) {
+  Drain();
+  // The copy-in stream waits for the compute stream, so the stash may go (Note [Copy-in
+  // stream]): otherwise the last units' device shards would stay allocated until the next
+  // forward's first all-gather.
+  if (mode_ == Offload::kParams) streams.BeginCopyIn();
+}
+
+void HostOffload::Drain() {
+  for (InFlight& f : in_flight_) f.done.synchronize();
+  in_flight_.clear();
+  if (to_device_done_) to_device_done_->synchronize();
+  at::NoGradGuard no_grad;
+  for (FsdpParam* p : pending_adds_) p->sharded.mutable_grad().add_(staging_.at(p));
+  pending_adds_.clear();
+}
+
+void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
+  auto size = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  };
+  bytes.device += size(p.padded_shard);
+  if (p.host_shard.defined()) {
+    bytes.host += size(p.host_shard) + size(p.host_grad);
+  } else {
+    bytes.device += size(p.sharded.grad());
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,148 @@
+// Internal to sharding/: CPU offload of the fp32 shards' optimizer (FsdpOptions::offload,
+// parallelism.offload). HostOffload owns the host side of every sharded parameter and the
+// copies between the host and the device; FsdpUnit and FsdpModel call it at the points below.
+// Users see only the option and two calls on FsdpModel (CopyShardsToDevice after they write the
+// shards, model_state_bytes).
+//
+// Cross-rank contract: none. Every copy is local to the rank; the collectives and their order
+// are those of the run without offload.
+//
+// Note [CPU offload]
+// With offload the optimizer's tensors (FsdpParam::sharded, what FsdpModel::parameters() and
+// named_parameters() return, what checkpoints read and write) are fp32 *host* masters: views
+// of one host arena per dtype, allocated once at wrap time with each parameter's padded shard
+// (host_shard; `sharded` is its real rows) and, for a trainable one, its gradient buffer
+// (host_grad). When the device is a GPU the arena is page-locked (cudaHostAlloc, exactly its
+// size: libtorch's pinned allocator would round it up to a power of two). The masters' .grad
+// are host tensors, so gradient clipping and the optimizer step run on the host
+// (engine/optimizer.h steps Adam/AdamW there with ATen's fused CPU kernel).
+//   optimizer  The device keeps the fp32 padded shard (padded_shard: the all-gather's source).
+//              Once a unit's gradient shard is final (FsdpUnit::FinishGradients, or at once
+//              with one rank) it is copied into host_grad, which becomes sharded.grad (added
+//              into it when a .grad is already there: gradient accumulation). After the
+//              optimizer step the masters are copied into the device shards:
+//              FsdpModel::CopyShardsToDevice (TrainableModel::AfterStep, after a checkpoint
+//              load or a safetensors init; a caller that writes the masters itself must call
+//              it before the next forward).
+//   params     The device keeps nothing between iterations: padded_shard is allocated and
+//              filled from host_shard just before the unit's all-gather (FsdpUnit::Unshard, or
+//              ahead of it: FsdpModel's prefetch starts the copy of the unit after the one it
+//              gathers, so each copy overlaps the previous unit's compute) and freed when the
+//              unit reshards (with one rank the unsharded parameters alias it until then).
+//              Gradients go to the host as above; no copy after the step.
+// Where the device is the CPU (tests, CI) the host buffers are distinct tensors: every copy
+// really happens and the arithmetic is the one without offload, bit for bit.
+//
+// On CUDA: host->device copies run on the copy-in stream (Note [Copy-in stream], streams.h),
+// so each all-gather, issued from that stream, follows its shard's copy; with one rank (no
+// all-gather) the compute stream waits for the copies' event instead. Device->host copies of
+// gradient shards run on a stream of their own after an event on the compute stream, into the
+// pinned buffers, non_blocking; the device gradient is kept alive until its copy is done. The
+// host waits only at the end of backward (FsdpModel's final callback: WaitForCopies), where
+// it must anyway before it clips and steps, and which also guarantees that no copy still reads
+// a master the host optimizer is about to write. Nothing pinned is allocated after wrapping,
+// except each parameter's staging buffer, once, the first time accumulation needs it on CUDA.
+//
+//   FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+//   options.offload = Offload::kParams;
+//   auto sharded = FsdpModel::Wrap(model, mesh, units, options).value();
+//   torch::optim::AdamW opt(sharded->parameters(), ...);   // host tensors
+//   loss.backward();                                        // .grad on the host when it returns
+//   sharded->ClipGradNorm(1.0); opt.step(); sharded->CopyShardsToDevice(); opt.zero_grad();
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include "absl/status/statusor.h"
+#include "sharding/fsdp_param.h"
+#include "sharding/options.h"
+#include "sharding/streams.h"
+
+namespace fsdp {
+
+// Bytes of model state (parameter shards and their gradients) by where they live. The
+// optimizer's state is its owner's to count (it lives with the parameters it steps).
+struct ModelStateBytes {
+  int64_t device = 0;  // padded shards and gradient shards resident on the device
+  int64_t host = 0;    // offload: host shards and gradient buffers
+};
+
+class HostOffload {
+ public:
+  // Moves `params`' masters to host memory as Note [CPU offload] says (mode kOptimizer or
+  // kParams): allocates the host arenas (pinned on CUDA), copies the shards in, points each
+  // `sharded` at its master and, with kParams, frees the device shards. kResourceExhausted
+  // naming parallelism.offload when the host memory cannot be allocated.
+  static absl::StatusOr<std::unique_ptr<HostOffload>> Create(Offload mode, c10::Device device,
+                                                             std::vector<FsdpParam*> params);
+  ~HostOffload();
+
+  Offload mode() const { return mode_; }
+
+  // ---- parameters -----------------------------------------------------------------------------
+  // kOptimizer: every master into its device shard (copy-in stream, after it waited for the
+  // compute stream). Nothing with kParams.
+  void PushShards(DeviceStreams& streams);
+  // kParams: allocates the device shards of `params` that are not loaded and issues their copy
+  // from the host on the current stream (the caller makes it the copy-in stream).
+  void LoadShards(std::vector<FsdpParam>& params);
+  // kParams: frees the device shards of `params` (through `streams`' stash: Note [Copy-in
+  // stream]).
+  void ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams);
+  // Makes the current stream wait for the host->device copies issued so far (one rank: the
+  // unsharded parameters alias the device shards, no all-gather orders them). No-op on CPU.
+  void WaitForShardsOnCurrentStream();
+
+  // ---- gradients ------------------------------------------------------------------------------
+  // `g` is p's final gradient shard for this backward (device, the shard's shape and dtype):
+  // copies it into p.host_grad, which becomes p.sharded's .grad, or adds it into the .grad
+  // already there.
+  void AccumulateGrad(FsdpParam& p, const at::Tensor& g);
+  // End of backward: waits for every copy in flight, both ways, and does the additions that
+  // waited for them (afterwards the host .grads are final and the masters may be written), and
+  // gives back the device shards that this backward's reshards stashed in `streams`.
+  void WaitForCopies(DeviceStreams& streams);
+
+  // Most bytes of device shards loaded at once (kParams), since wrapping.
+  int64_t peak_loaded_bytes() const { return peak_loaded_bytes_; }
+
+ private:
+  HostOffload(Offload mode, c10::Device device) : mode_(mode), device_(device) {}
+  // Records that the current stream's host->device copies so far are to be waited for.
+  void RecordHostToDevice();
+  // Forgets device->host copies that have finished (their device tensors are freed).
+  void ReapFinished();
+  // Waits for the copies in flight and does the pending additions (WaitForCopies' first part).
+  void Drain();
+
+  struct InFlight {
+    at::Tensor device_source;  // kept alive until the copy reading it is done
+    c10::Event done;
+  };
+
+  Offload mode_;
+  c10::Device device_;
+  std::vector<FsdpParam*> params_;
+  std::map<c10::ScalarType, at::Tensor> arenas_;  // 1-D each: shards and gradient buffers
+  std::optional<c10::Stream> to_host_;            // CUDA only: device->host copies
+  std::optional<c10::Event> to_device_done_;      // CUDA only: the last host->device copies
+  std::vector<InFlight> in_flight_;               // CUDA only
+  std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
+  std::vector<FsdpParam*> pending_adds_;          // CUDA only: staging_ to add after the wait
+  int64_t loaded_bytes_ = 0;
+  int64_t peak_loaded_bytes_ = 0;
+};
+
+// Adds p's shard and gradient bytes to `bytes` (the shards' gradients as they are now).
+void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes);
+
+}  // namespace fsdp

@@ -1,0 +1,304 @@
+// CPU offload (parallelism.offload, Note [CPU offload] in sharding/offload.h) on real ranks.
+// On a CPU the "device" shards and the host masters are distinct tensors and every copy
+// happens, so the offloaded runs must equal the run without offload bit for bit (same
+// arithmetic: libtorch's AdamW on both sides here); the device must hold fewer bytes of model
+// state; and `fsdp train` must run, checkpoint and resume with offload, across offload modes.
+#include <filesystem>
+#include <fstream>
+
+#include <torch/torch.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/format.h"
+#include "common/strings.h"
+#include "sharding/fsdp_model.h"
+#include "tests/multirank.h"
+#include "tests/tiny_gpt.h"
+
+namespace fsdp {
+namespace {
+
+using testing::TinyGpt;
+using testing::TinyGptConfig;
+
+constexpr int kSteps = 3;
+constexpr int kMicroBatches = 2;
+constexpr int64_t kGlobalBatch = 8;  // divisible by every data-parallel size x micro-batches
+
+struct Case {
+  std::string strategy;
+  int replicate = 1;
+  bool bf16 = false;
+  bool no_sync = false;   // first micro-batch without gradient sync
+  int reshard_group = 0;  // reshard_after_forward = k
+  std::string Name() const {
+    return StrCat(strategy, replicate > 1 ? StrCat("_r", replicate) : "", bf16 ? "_bf16" : "",
+                  no_sync ? "_nosync" : "", reshard_group ? StrCat("_k", reshard_group) : "");
+  }
+};
+
+struct RunResult {
+  std::vector<double> losses, norms;
+  std::map<std::string, torch::Tensor> shards;  // final masters, by name
+  ModelStateBytes bytes;                        // after the last step, before zero_grad
+  int64_t peak_loaded = 0;                      // offload params: device shards at once
+};
+
+RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank) {
+  TinyGptConfig config;
+  config.layers = 6;  // more units than the prefetch reaches
+  torch::manual_seed(1234);
+  TinyGpt model(config);
+  Strategy strategy = *ParseStrategy(c.strategy);
+  FsdpOptions options = OptionsForStrategy(strategy);
+  options.offload = offload;
+  options.reshard_group_size = c.reshard_group;
+  if (c.bf16) {
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
+    options.mixed_precision.output_dtype = at::kFloat;
+  }
+  auto units = SelectUnits(*model, {.module_types = {"fsdp::testing::BlockImpl"}});
+  absl::StatusOr<std::unique_ptr<FsdpModel>> wrapped =
+      FsdpModel::Wrap(model.ptr(), mesh, units, options);
+  if (!wrapped.ok()) throw std::runtime_error(std::string(wrapped.status().message()));
+  FsdpModel& fsdp = **wrapped;
+  torch::optim::AdamW opt(fsdp.parameters(),
+                          torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6));
+  const int dp = mesh.shape().num_ranks();
+  const int64_t micro = kGlobalBatch / dp / kMicroBatches;
+  RunResult run;
+  for (int step = 0; step < kSteps; ++step) {
+    torch::manual_seed(100 + step);
+    torch::Tensor x = torch::randint(config.vocab, {kGlobalBatch, config.seq});
+    torch::Tensor y = torch::randint(config.vocab, {kGlobalBatch, config.seq});
+    double loss_sum = 0;
+    for (int m = 0; m < kMicroBatches; ++m) {
+      const bool last = m == kMicroBatches - 1;
+      if (c.no_sync) fsdp.set_requires_gradient_sync(last);
+      if (c.replicate > 1) fsdp.set_requires_all_reduce(last);
+      int64_t begin = (rank * kMicroBatches + m) * micro;
+      torch::Tensor logits = model->forward(x.narrow(0, begin, micro));
+      torch::Tensor loss =
+          torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}),
+                                               y.narrow(0, begin, micro).reshape({-1})) /
+          kMicroBatches;
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    if (offload != Offload::kNone) {
+      // The gradients are the host buffers allocated at wrap time, not device tensors.
+      for (const auto& [name, shard] : fsdp.named_parameters()) {
+        const FsdpParam* p = fsdp.FindParam(name);
+        if (!p->requires_grad) continue;
+        EXPECT_EQ(shard.grad().data_ptr(), p->host_grad.data_ptr()) << name;
+      }
+    }
+    run.norms.push_back(fsdp.ClipGradNorm(0.5).item<double>());
+    opt.step();
+    fsdp.CopyShardsToDevice();
+    run.bytes = fsdp.model_state_bytes();
+    opt.zero_grad();
+    run.losses.push_back(loss_sum);
+  }
+  for (const auto& [name, shard] : fsdp.named_parameters()) {
+    run.shards[name] = shard.detach().clone();
+    const FsdpParam* p = fsdp.FindParam(name);
+    if (offload == Offload::kOptimizer) {
+      // Distinct memory: the device shard is a copy of the master, padding rows zero.
+      EXPECT_NE(p->padded_shard.data_ptr(), shard.data_ptr()) << name;
+      EXPECT_TRUE(torch::equal(p->padded_shard, p->host_shard)) << name;
+    }
+    if (offload == Offload::kParams) {
+      EXPECT_FALSE(p->padded_shard.defined()) << name;
+    }
+  }
+  if (offload == Offload::kParams) run.peak_loaded = fsdp.context().offload->peak_loaded_bytes();
+  return run;
+}
+
+void ExpectSame(const RunResult& base, const RunResult& run, const std::string& what) {
+  SCOPED_TRACE(what);
+  // Bitwise: the same operations on the same values, only in other memory.
+  EXPECT_EQ(run.losses, base.losses);
+  EXPECT_EQ(run.norms, base.norms);
+  for (const auto& [name, shard] : base.shards) {
+    EXPECT_TRUE(torch::equal(run.shards.at(name), shard)) << name;
+  }
+}
+
+std::vector<Case> CasesFor(int world) {
+  if (world == 1) return {{"full_shard"}, {"shard_grad_op"}, {"full_shard", 1, true}};
+  if (world == 2) {
+    return {{"full_shard"},
+            {"shard_grad_op"},
+            {"no_shard"},
+            {"full_shard", 1, false, true},
+            {"full_shard", 1, true}};
+  }
+  return {{"full_shard"},      {"shard_grad_op"},         {"no_shard"},
+          {"hybrid_shard", 2}, {"hybrid_shard", 2, true}, {"full_shard", 1, false, false, 2}};
+}
+
+class OffloadParityTest : public ::testing::TestWithParam<int> {};
+
+// For each case: the run without offload, then with optimizer and with params offload.
+TEST_P(OffloadParityTest, EqualsTheRunWithoutOffloadBitwise) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [&](int rank) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    for (const Case& c : CasesFor(world)) {
+      Strategy strategy = *ParseStrategy(c.strategy);
+      DeviceMesh mesh =
+          *DeviceMesh::Create(ctx, *MeshShapeForStrategy(strategy, world, c.replicate));
+      RunResult base = Train(c, Offload::kNone, mesh, rank);
+      RunResult opt = Train(c, Offload::kOptimizer, mesh, rank);
+      RunResult params = Train(c, Offload::kParams, mesh, rank);
+      ExpectSame(base, opt, c.Name() + " offload optimizer");
+      ExpectSame(base, params, c.Name() + " offload params");
+      // Model state on the device: shards and gradients; shards only; nothing between steps.
+      EXPECT_EQ(base.bytes.host, 0);
+      EXPECT_GT(base.bytes.device, 0);
+      EXPECT_LT(opt.bytes.device, base.bytes.device);
+      EXPECT_GT(opt.bytes.host, opt.bytes.device);
+      EXPECT_EQ(params.bytes.device, 0);
+      EXPECT_EQ(params.bytes.host, opt.bytes.host);
+      EXPECT_GT(params.peak_loaded, 0);
+      EXPECT_LE(params.peak_loaded, opt.bytes.device);
+      if (c.strategy == "full_shard" && c.reshard_group == 0) {
+        // The root, the current unit and the two the prefetch copies ahead: 4 of 7 units.
+        EXPECT_LT(params.peak_loaded, opt.bytes.device);
+      }
+      if (rank == 0) {
+        std::cout << "[offload] world " << world << " " << c.Name() << ": losses "
+                  << base.losses.front() << " .. " << base.losses.back()
+                  << " equal; model state bytes device/host: none " << base.bytes.device << "/"
+                  << base.bytes.host << ", optimizer " << opt.bytes.device << "/" << opt.bytes.host
+                  << ", params " << params.bytes.device << "/" << params.bytes.host
+                  << " (peak device shards " << params.peak_loaded << ")\n";
+      }
+      if (::testing::Test::HasFailure()) break;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, OffloadParityTest, ::testing::Values(1, 2, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return StrCat("w", info.param);
+                         });
+
+// ---- `fsdp train` ---------------------------------------------------------------------------
+
+using testing::CommandResult;
+using testing::FreshTempDir;
+using testing::FsdpBinary;
+using testing::RunCommand;
+using testing::SourceDir;
+namespace fs = std::filesystem;
+
+struct TrainRun {
+  CommandResult result;
+  std::map<int64_t, double> losses;  // by step
+  nlohmann::json rank0_stats;
+};
+
+// configs/default.yaml on 2 ranks, 6 steps, 2 micro-batches per step.
+TrainRun FsdpTrain(const std::string& dir, std::vector<std::string> sets) {
+  std::vector<std::string> argv = {FsdpBinary(),
+                                   "train",
+                                   SourceDir() + "/configs/default.yaml",
+                                   "--set",
+                                   "run.dir=" + dir,
+                                   "--set",
+                                   "metrics.progress_bar=off"};
+  for (const char* s : {"training.steps=6", "training.log_interval=1", "training.eval_interval=0",
+                        "parallelism.nproc=2", "training.micro_batch_size=2",
+                        "training.grad_accum_steps=2", "model.n_layers=2"}) {
+    argv.insert(argv.end(), {"--set", s});
+  }
+  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
+  TrainRun run;
+  run.result = RunCommand(argv, {}, std::chrono::seconds(180));
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json r = nlohmann::json::parse(line);
+    if (r.contains("loss") && !r["loss"].is_null()) run.losses[r["step"]] = r["loss"].get<double>();
+  }
+  std::ifstream stats(dir + "/rank_stats/rank0.json");
+  if (stats) run.rank0_stats = nlohmann::json::parse(stats);
+  return run;
+}
+
+std::set<std::string> CheckpointKeys(const std::string& dir) {
+  std::ifstream in(dir + "/metadata.json");
+  nlohmann::json metadata = nlohmann::json::parse(in);
+  std::set<std::string> keys;
+  for (const auto& t : metadata["tensors"]) keys.insert(t["name"].get<std::string>());
+  return keys;
+}
+
+// `fsdp train configs/default.yaml --set parallelism.offload=params` end to end: losses equal
+// to the run without offload up to the fused host AdamW's rounding; a checkpoint saved with
+// offload holds the same keys and resumes exactly with offload, and without it to rounding.
+TEST(OffloadTrainTest, TrainsCheckpointsAndResumesAcrossModes) {
+  std::string none_dir = FreshTempDir("off-none"), dir = FreshTempDir("off-params");
+  TrainRun none = FsdpTrain(none_dir, {"checkpoint.enabled=true", "checkpoint.interval=3"});
+  ASSERT_TRUE(none.result.exit.ok()) << none.result.Output();
+  TrainRun params = FsdpTrain(
+      dir, {"parallelism.offload=params", "checkpoint.enabled=true", "checkpoint.interval=3"});
+  ASSERT_TRUE(params.result.exit.ok()) << params.result.Output();
+  ASSERT_EQ(params.losses.size(), 6u) << params.result.Output();
+  ASSERT_EQ(none.losses.size(), 6u) << none.result.Output();
+  for (int64_t step = 1; step <= 6; ++step) {
+    // The offloaded run steps with ATen's fused AdamW: the same update, other roundings.
+    EXPECT_NEAR(params.losses.at(step), none.losses.at(step), 1e-5 * none.losses.at(step))
+        << "step " << step;
+  }
+  EXPECT_TRUE(params.result.StdoutHas("parallelism.offload: params")) << params.result.Output();
+  // The trainer's rank statistics split the model state: nothing on the device after a step.
+  const nlohmann::json& state = params.rank0_stats["model_state"];
+  EXPECT_EQ(state["offload"], "params");
+  EXPECT_EQ(state["device_bytes"], 0) << state.dump();
+  EXPECT_EQ(state["host_bytes"].get<int64_t>(),
+            none.rank0_stats["model_state"]["device_bytes"].get<int64_t>())
+      << state.dump() << " vs " << none.rank0_stats["model_state"].dump();
+
+  std::string step3 = dir + "/checkpoints/" + ckpt::StepDirName(3);
+  EXPECT_EQ(CheckpointKeys(step3),
+            CheckpointKeys(none_dir + "/checkpoints/" + ckpt::StepDirName(3)));
+  for (const char* mode : {"params", "optimizer", "none"}) {
+    SCOPED_TRACE(mode);
+    std::string resume_dir = FreshTempDir(StrCat("off-resume-", mode));
+    TrainRun resumed =
+        FsdpTrain(resume_dir, {StrCat("parallelism.offload=", mode), "checkpoint.load=" + step3});
+    ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+    ASSERT_EQ(resumed.losses.size(), 3u) << resumed.result.Output();
+    for (int64_t step = 4; step <= 6; ++step) {
+      if (std::string(mode) == "none") {  // libtorch's unfused AdamW from step 4 on
+        EXPECT_NEAR(resumed.losses.at(step), params.losses.at(step), 1e-5 * params.losses.at(step))
+            << "step " << step;
+      } else {  // the same fused host step: exact
+        EXPECT_EQ(resumed.losses.at(step), params.losses.at(step)) << "step " << step;
+      }
+    }
+    fs::remove_all(resume_dir);
+  }
+  fs::remove_all(none_dir);
+  fs::remove_all(dir);
+}
+
+TEST(OffloadTrainTest, RefusedWithoutTheFsdpWrapper) {
+  std::string dir = FreshTempDir("off-none-strategy");
+  TrainRun run = FsdpTrain(
+      dir, {"parallelism.strategy=none", "parallelism.nproc=1", "parallelism.offload=optimizer"});
+  EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("parallelism.offload")) << run.result.Output();
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp
