@@ -205,7 +205,7 @@ absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
     std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
     FSDP_ASSIGN_OR_RETURN(int64_t nbytes, ByteSize(name, shape, tensor.scalar_type()));
     items.emplace(name, WriteItem{tensor.scalar_type(), shape, nbytes,
-                                  [tensor]() -> absl::StatusOr<at::Tensor> { return tensor; }});
+                                  [tensor = tensor]() -> absl::StatusOr<at::Tensor> { return tensor; }});
   }
   return WriteFile(items, out_path);
 }
@@ -275,6 +275,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   } catch (const nlohmann::json::parse_error& e) {
     return absl::DataLossError(
         StrCat(path, ": safetensors header is not valid JSON (parse error at byte ", e.byte, ")"));
+  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range: a number such as 1e400
+    return absl::DataLossError(
+        StrCat(path, ": safetensors header is not valid JSON (", e.what(), ")"));
   }
   if (!header.is_object()) {
     return absl::DataLossError(StrCat(path, ": safetensors header is not a JSON object"));
