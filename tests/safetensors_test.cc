@@ -315,6 +315,17 @@ TEST_F(SafetensorsTest, OpenRejectsCorruptFiles) {
   expect_error("number_overflow", SafetensorsBytes(R"({"a": 1e400})", ""), kDataLoss,
                ": safetensors header is not valid JSON ([json.exception.out_of_range.406] number "
                "overflow parsing '1e400')");
+  // Also found by fuzzing: 0 bytes, but at::empty throws on the strides; and a deep header
+  // overflowed the stack.
+  expect_error("beyond_a_tensor",
+               SafetensorsBytes(R"({"a": {"dtype": "F32", "shape": [0, 4611686018427387904, )"
+                                R"(4611686018427387904], "data_offsets": [0, 0]}})",
+                                ""),
+               kDataLoss,
+               ": safetensors tensor 'a': shape [0, 4611686018427387904, 4611686018427387904] is "
+               "too large for a tensor");
+  expect_error("deep", SafetensorsBytes(std::string(100000, '[') + std::string(100000, ']'), ""),
+               kDataLoss, ": safetensors header is nested deeper than 128 levels");
   expect_error("not_object", SafetensorsBytes("[1, 2]", ""), kDataLoss,
                ": safetensors header is not a JSON object");
   expect_error("offsets_beyond",
