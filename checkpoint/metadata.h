@@ -26,6 +26,10 @@ namespace fsdp::ckpt {
 constexpr int kFormatVersion = 1;
 constexpr const char* kMetadataFile = "metadata.json";
 constexpr int64_t kMaxMetadataBytes = 256 << 20;
+// Deepest nesting of arrays and objects a JSON reader accepts (metadata.json, manifests, the
+// safetensors header): nlohmann's copy, compare and dump recurse per level, so a file of
+// `[[[[...` would overflow the stack.
+constexpr int kMaxJsonDepth = 128;
 
 struct Chunk {
   std::string file;       // file name inside the checkpoint folder, e.g. "rank00001.bin"
@@ -72,7 +76,8 @@ struct Metadata {
 // tile its rows exactly once (kInternal naming the tensor otherwise).
 absl::StatusOr<std::vector<TensorEntry>> MergeManifests(const std::vector<RankManifest>& ranks);
 
-// Parses JSON text; kDataLoss "SOURCE: not valid JSON: ..." instead of an exception.
+// Parses JSON text; kDataLoss "SOURCE: not valid JSON: ..." instead of an exception, also for
+// nesting deeper than kMaxJsonDepth.
 absl::StatusOr<nlohmann::json> ParseJson(std::string_view text, const std::string& source);
 
 nlohmann::json ToJson(const Metadata& metadata);

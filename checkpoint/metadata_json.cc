@@ -113,8 +113,9 @@ absl::StatusOr<TensorEntry> TensorFromJson(const JsonReader& in, const nlohmann:
   }
   std::optional<int64_t> row_numel = RowNumel(t.shape);
   int64_t row_bytes = 0;
-  if (!row_numel || __builtin_mul_overflow(
-                        *row_numel, static_cast<int64_t>(c10::elementSize(*dtype)), &row_bytes)) {
+  if (!row_numel || !ShapeFitsInTensor(t.shape, c10::elementSize(*dtype)) ||
+      __builtin_mul_overflow(*row_numel, static_cast<int64_t>(c10::elementSize(*dtype)),
+                             &row_bytes)) {
     return in.Error(p + "shape", StrCat(ShapeString(t.shape), " is too large"));
   }
   FSDP_ASSIGN_OR_RETURN(const nlohmann::json* chunks,
@@ -171,11 +172,29 @@ absl::StatusOr<std::vector<TensorEntry>> TensorsFromJson(
 }  // namespace
 
 absl::StatusOr<nlohmann::json> ParseJson(std::string_view text, const std::string& source) {
+  bool too_deep = false;
+  nlohmann::json json;
   try {
-    return nlohmann::json::parse(text);
+    // Containers deeper than the limit are dropped while parsing (the parser itself does not
+    // recurse), then refused.
+    json = nlohmann::json::parse(
+        text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+          if ((event == nlohmann::json::parse_event_t::object_start ||
+               event == nlohmann::json::parse_event_t::array_start) &&
+              depth >= kMaxJsonDepth) {
+            too_deep = true;
+            return false;
+          }
+          return true;
+        });
   } catch (const nlohmann::json::exception& e) {
     return absl::DataLossError(StrCat(source, ": not valid JSON: ", e.what()));
   }
+  if (too_deep) {
+    return absl::DataLossError(
+        StrCat(source, ": not valid JSON: nested deeper than ", kMaxJsonDepth, " levels"));
+  }
+  return json;
 }
 
 nlohmann::json ToJson(const Metadata& metadata) {

@@ -1,6 +1,7 @@
 #include "checkpoint/safetensors.h"
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/tensor_layout.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -29,10 +30,6 @@ static_assert(std::endian::native == std::endian::little,
 
 constexpr int64_t kMaxHeaderBytes = int64_t{100} << 20;
 constexpr const char* kMetadataKey = "__metadata__";
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return StrCat("[", StrJoin(shape, ", "), "]");
-}
 
 // Product of `shape` from dimension `first` on; false on overflow.
 bool CheckedNumel(const std::vector<int64_t>& shape, size_t first, int64_t& numel) {
@@ -205,7 +202,7 @@ absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
     std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
     FSDP_ASSIGN_OR_RETURN(int64_t nbytes, ByteSize(name, shape, tensor.scalar_type()));
     items.emplace(name, WriteItem{tensor.scalar_type(), shape, nbytes,
-                                  [tensor]() -> absl::StatusOr<at::Tensor> { return tensor; }});
+                                  [tensor = tensor]() -> absl::StatusOr<at::Tensor> { return tensor; }});
   }
   return WriteFile(items, out_path);
 }
@@ -262,6 +259,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   nlohmann::json header;
   std::set<std::string> top_keys;
   std::string duplicate;
+  bool too_deep = false;
   try {
     // nlohmann keeps the last of duplicate keys; the reference library refuses them.
     header = nlohmann::json::parse(
@@ -270,11 +268,24 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
               !top_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
             duplicate = parsed.get<std::string>();
           }
+          if ((event == nlohmann::json::parse_event_t::object_start ||
+               event == nlohmann::json::parse_event_t::array_start) &&
+              depth >= kMaxJsonDepth) {
+            too_deep = true;  // dropped, then refused (see kMaxJsonDepth)
+            return false;
+          }
           return true;
         });
   } catch (const nlohmann::json::parse_error& e) {
     return absl::DataLossError(
         StrCat(path, ": safetensors header is not valid JSON (parse error at byte ", e.byte, ")"));
+  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range: a number such as 1e400
+    return absl::DataLossError(
+        StrCat(path, ": safetensors header is not valid JSON (", e.what(), ")"));
+  }
+  if (too_deep) {
+    return absl::DataLossError(StrCat(path, ": safetensors header is nested deeper than ",
+                                      kMaxJsonDepth, " levels"));
   }
   if (!header.is_object()) {
     return absl::DataLossError(StrCat(path, ": safetensors header is not a JSON object"));
@@ -336,6 +347,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     const bool overflow = !CheckedNumel(entry.shape, 0, numel) ||
                           __builtin_mul_overflow(
                               numel, static_cast<int64_t>(c10::elementSize(*scalar_type)), &nbytes);
+    if (!ShapeFitsInTensor(entry.shape, static_cast<int64_t>(c10::elementSize(*scalar_type)))) {
+      return bad(name, StrCat("shape ", ShapeString(entry.shape), " is too large for a tensor"));
+    }
     if (overflow || nbytes != entry.end - entry.begin) {
       return bad(name, StrCat("data_offsets [", entry.begin, ", ", entry.end, ") hold ",
                               entry.end - entry.begin, " bytes but shape ",

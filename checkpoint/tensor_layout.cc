@@ -31,6 +31,14 @@ std::optional<int64_t> RowNumel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+bool ShapeFitsInTensor(const std::vector<int64_t>& shape, int64_t element_size) {
+  int64_t n = element_size;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, std::max<int64_t>(d, 1), &n)) return false;
+  }
+  return true;
+}
+
 std::optional<std::string> TilingError(const TensorEntry& t) {
   int64_t rows = NumRows(t.shape);
   int64_t next = 0;

@@ -2,7 +2,8 @@
 # Installs what fsdp.cpp needs to build, non-interactively and idempotently.
 #
 #   - Debian packages: compiler tool chain, CMake, Ninja, ccache, Abseil, fmt, spdlog, CLI11,
-#     nlohmann-json, yaml-cpp, GoogleTest/GoogleMock and gloo's headers (libgloo-dev).
+#     nlohmann-json, yaml-cpp, GoogleTest/GoogleMock, gloo's headers (libgloo-dev) and clang-14
+#     with its libFuzzer/sanitizer runtimes (libclang-rt-14-dev; for fuzz/ only).
 # FSDP_SKIP_APT=1 skips the Debian part; FSDP_TORCH_DIR=<site-packages/torch> skips the wheel.
 #   - libtorch: the PyPI wheel torch==$FSDP_TORCH_VERSION in a virtualenv OUTSIDE the clone
 #     ($FSDP_CACHE_DIR, default ~/.cache/fsdp.cpp), shared by every clone and CI run on the
@@ -29,6 +30,7 @@ die() { echo "[bootstrap] error: $*" >&2; exit 1; }
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3-venv
   libabsl-dev libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libgloo-dev
+  clang-14 libclang-rt-14-dev  # fuzz/: clang's libFuzzer, ASan and UBSan runtimes
   openmpi-bin)  # only for the test that runs our programs under a real mpirun
 
 if [ "${FSDP_SKIP_APT:-0}" = 1 ]; then DEB_PACKAGES=(); fi

@@ -517,6 +517,35 @@ TEST_F(CheckpointFormatTest, RankManifestJson) {
               StatusIs(absl::StatusCode::kDataLoss, StartsWith("rank 3's manifest: not valid JSON")));
 }
 
+// Found by fuzz/metadata_fuzzer.cc and inputs crafted from its reports: a shape whose zero last
+// dim hides an overflow let at::empty throw out of ReadRows; deep nesting overflowed the stack
+// (nlohmann copies and compares recursively).
+TEST_F(CheckpointFormatTest, MetadataRefusesShapesBeyondATensorAndDeepNesting) {
+  const std::string dir = Dir(1);
+  Save(1, TestModel());
+  nlohmann::json json = nlohmann::json::parse(ReadFile(dir + "/metadata.json"));
+  const int64_t big = int64_t{1} << 62;
+  json["tensors"].push_back({{"name", "z"},
+                             {"dtype", "F32"},
+                             {"shape", {big, big, 0}},
+                             {"chunks", {{{"file", "rank00000.bin"},
+                                          {"offset", 0},
+                                          {"nbytes", 0},
+                                          {"rows", {0, big}},
+                                          {"crc32", 0}}}}});
+  EXPECT_THAT(MetadataFromJson(json, "src"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat("src: tensors[", json["tensors"].size() - 1, "].shape: [", big, ", ",
+                              big, ", 0] is too large")));
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_THAT(ParseJson(deep, "src"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       "src: not valid JSON: nested deeper than 128 levels"));
+  const std::string ok = std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']');
+  EXPECT_TRUE(ParseJson(ok, "src").ok());
+  EXPECT_FALSE(ParseJson("[" + ok + "]", "src").ok());
+}
+
 TEST_F(CheckpointFormatTest, MergeRejectsNonTilingRows) {
   auto manifest = [](int rank, std::vector<std::pair<int64_t, int64_t>> rows,
                      std::string dtype = "F32") {

@@ -310,6 +310,22 @@ TEST_F(SafetensorsTest, OpenRejectsCorruptFiles) {
                ": safetensors header length 1099511627776 exceeds the limit of 104857600 bytes");
   expect_error("bad_json", SafetensorsBytes("{\"a\": ", ""), kDataLoss,
                ": safetensors header is not valid JSON (parse error at byte 7)");
+  // Found by fuzz/safetensors_fuzzer.cc: nlohmann throws out_of_range, not parse_error, for a
+  // number beyond double's range; it escaped Open as an exception.
+  expect_error("number_overflow", SafetensorsBytes(R"({"a": 1e400})", ""), kDataLoss,
+               ": safetensors header is not valid JSON ([json.exception.out_of_range.406] number "
+               "overflow parsing '1e400')");
+  // Also found by fuzzing: 0 bytes, but at::empty throws on the strides; and a deep header
+  // overflowed the stack.
+  expect_error("beyond_a_tensor",
+               SafetensorsBytes(R"({"a": {"dtype": "F32", "shape": [0, 4611686018427387904, )"
+                                R"(4611686018427387904], "data_offsets": [0, 0]}})",
+                                ""),
+               kDataLoss,
+               ": safetensors tensor 'a': shape [0, 4611686018427387904, 4611686018427387904] is "
+               "too large for a tensor");
+  expect_error("deep", SafetensorsBytes(std::string(100000, '[') + std::string(100000, ']'), ""),
+               kDataLoss, ": safetensors header is nested deeper than 128 levels");
   expect_error("not_object", SafetensorsBytes("[1, 2]", ""), kDataLoss,
                ": safetensors header is not a JSON object");
   expect_error("offsets_beyond",
