@@ -25,6 +25,7 @@
 #include "engine/data.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
+#include "engine/run_lock.h"
 #include "engine/schedule.h"
 #include "engine/train_metrics.h"
 #include "engine/trainable.h"
@@ -240,13 +241,37 @@ absl::Status Train(const RunConfig& config) {
   const c10::Device device = ctx->device();
   CpuMemoryTracker::Install();
   std::filesystem::path run_dir(config.run.dir);
+  // Rank 0 sets up the run folder and holds its lock (engine/run_lock.h); every rank learns
+  // whether that worked (one small all-reduce), so that a bad run.dir is one clear error
+  // rather than rank 0's error and the others waiting in the first collective until it times
+  // out.
+  std::unique_ptr<RunDirLock> run_lock;
+  absl::Status setup = absl::OkStatus();
   if (rank == 0) {
-    std::error_code ec;
-    std::filesystem::create_directories(run_dir, ec);
-    if (ec) return absl::FailedPreconditionError(StrCat("run.dir '", run_dir.string(), "': ", ec.message()));
-    std::string yaml = config.ToYaml();
-    std::cout << "fsdp train: resolved configuration (" << config.source_file << ")\n" << yaml << "\n";
-    std::ofstream(run_dir / "config.yaml") << yaml;
+    setup = [&]() -> absl::Status {
+      std::error_code ec;
+      std::filesystem::create_directories(run_dir, ec);
+      if (ec) {
+        return absl::FailedPreconditionError(StrCat("run.dir '", run_dir.string(), "': ", ec.message()));
+      }
+      FSDP_ASSIGN_OR_RETURN(run_lock, RunDirLock::Acquire(run_dir.string()));
+      std::string yaml = config.ToYaml();
+      std::cout << "fsdp train: resolved configuration (" << config.source_file << ")\n" << yaml << "\n";
+      std::ofstream out(run_dir / "config.yaml");
+      if (!(out << yaml).flush()) {
+        return absl::FailedPreconditionError(
+            StrCat("run.dir '", run_dir.string(), "': cannot write config.yaml"));
+      }
+      return absl::OkStatus();
+    }();
+  }
+  at::Tensor setup_failed = at::full({1}, setup.ok() ? 0.0 : 1.0,
+                                     at::TensorOptions().dtype(at::kDouble).device(device));
+  ctx->world().AllReduce(setup_failed)->wait();
+  FSDP_RETURN_IF_ERROR(setup);
+  if (setup_failed.item<double>() > 0) {
+    return absl::FailedPreconditionError(StrCat(
+        "rank 0 could not set up run.dir '", run_dir.string(), "' (rank 0's error says why)"));
   }
 
   // ===== model (from the registry), wrapped, and its optimizer ==================================

@@ -234,6 +234,41 @@ TEST(TrainTest, MultiDocumentYamlAndAbsurdNprocAreRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// Issue: two runs in one run.dir clobbered each other. The second now refuses, naming the
+// first; a lock left by a killed run is taken over; an unusable run.dir is one error, not rank
+// 0's error and the other ranks timing out.
+TEST(TrainTest, OneRunPerRunDir) {
+  std::string dir = FreshTempDir("run-lock");
+  auto train = [&](const std::string& run_dir) {
+    return RunCommand({FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set",
+                       "run.dir=" + run_dir, "--set", "metrics.progress_bar=off", "--set",
+                       "training.steps=2", "--set", "training.eval_interval=0"},
+                      {}, std::chrono::seconds(120));
+  };
+  // A live owner: this test process.
+  std::ofstream(dir + "/.fsdp.lock") << "pid " << ::getpid() << " on host "
+                                     << [] { char h[256] = {}; gethostname(h, 255); return std::string(h); }()
+                                     << " since now\n";
+  CommandResult busy = train(dir);
+  EXPECT_NE(busy.exit.code, 0) << busy.Output();
+  EXPECT_TRUE(busy.StderrHas("is in use by another fsdp train (pid " + std::to_string(::getpid())))
+      << busy.Output();
+  EXPECT_FALSE(busy.StderrHas("timed out")) << busy.Output();
+  // A dead owner (pid 0x7ffffff0 does not exist): taken over; the lock is gone after the run.
+  std::ofstream(dir + "/.fsdp.lock", std::ios::trunc) << "pid 2147483632 on host "
+      << [] { char h[256] = {}; gethostname(h, 255); return std::string(h); }() << " since then\n";
+  CommandResult taken = train(dir);
+  EXPECT_EQ(taken.exit.code, 0) << taken.Output();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/.fsdp.lock"));
+  // A run.dir that cannot be created: every rank stops at once with the reason.
+  std::ofstream(dir + "/file") << "x";
+  CommandResult bad = train(dir + "/file/sub");
+  EXPECT_NE(bad.exit.code, 0) << bad.Output();
+  EXPECT_TRUE(bad.StderrHas("run.dir '" + dir + "/file/sub'")) << bad.Output();
+  EXPECT_TRUE(bad.StderrHas("rank 0 could not set up run.dir")) << bad.Output();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ExampleTest, CustomModelTrainsOnTwoRanks) {
   std::string example =
       (std::filesystem::path(FsdpBinary()).parent_path() / "train_custom_model").string();
