@@ -1,6 +1,8 @@
 #include "common/env.h"
 #include "common/strings.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 
 
@@ -49,6 +51,12 @@ absl::StatusOr<int> GetIntEnv(const EnvLookup& env, std::string_view name, int m
     return absl::InvalidArgumentError(StrCat("environment variable ", name, " is not set"));
   }
   return **value;
+}
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
 }
 
 }  // namespace fsdp

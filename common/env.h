@@ -23,6 +23,9 @@ using EnvLookup = std::function<std::optional<std::string>(std::string_view name
 
 // The real process environment (getenv).
 EnvLookup ProcessEnv();
+
+// This machine's host name (gethostname), or "unknown-host".
+std::string HostName();
 // A fixed map, for tests.
 EnvLookup MapEnv(std::map<std::string, std::string> vars);
 

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/env_knobs.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "device_mesh/cuda_support.h"
@@ -21,12 +22,6 @@ namespace fsdp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string HostName() {
-  char buf[256] = {0};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
-  return buf;
-}
 
 std::string Seconds(std::chrono::milliseconds ms) {
   return fmt::format("{:g} s", static_cast<double>(ms.count()) / 1000.0);

@@ -307,10 +307,10 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     bool any = false;
     for (auto& [state_name, tensor] : StateTensors(*state)) {
       std::string key = StrCat("optim/", name, "/", state_name);
-      const bool listed = saved_state ? saved_state->count(std::string(state_name)) > 0
-                                      : reader.Find(key) != nullptr;
+      const bool stored = reader.Find(key) != nullptr;
+      const bool listed = saved_state ? saved_state->count(std::string(state_name)) > 0 : stored;
       if (!listed) continue;
-      if (reader.Find(key) == nullptr) {
+      if (!stored) {
         return absl::FailedPreconditionError(
             StrCat(dir, ": no tensor '", key, "', which the saved optimizer's state lists (",
                    StrJoin(*saved_state, ", "), "); the checkpoint is incomplete"));

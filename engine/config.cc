@@ -233,6 +233,14 @@ ChoiceField UnitPolicyField(UnitPolicy* field) {
           }};
 }
 
+NameTable<Offload> OffloadNames() {
+  NameTable<Offload> table;
+  for (Offload o : {Offload::kNone, Offload::kOptimizer, Offload::kParams}) {
+    table.emplace_back(o, OffloadName(o));  // sharding/options.cc holds the names
+  }
+  return table;
+}
+
 ChoiceField CheckpointingField(ActivationCheckpointing* field) {
   using Mode = ActivationCheckpointing::Mode;
   return {[field](const std::string& text) -> std::optional<std::string> {
@@ -331,7 +339,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"max_unsharded_units", &c.parallelism.max_unsharded_units},
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
-        {"offload", Enum(&c.parallelism.offload, {{Offload::kNone, "none"}, {Offload::kOptimizer, "optimizer"}, {Offload::kParams, "params"}})}}},
+        {"offload", Enum(&c.parallelism.offload, OffloadNames())}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},

@@ -14,24 +14,19 @@
 
 #include <fmt/format.h>
 
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/strings.h"
 
 namespace fsdp {
 namespace {
 
-std::string ThisHost() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
-  return buf;
-}
-
 // "pid 1234 on host h since 2026-11-23 14:00:00 UTC", as the file's one line.
 std::string OwnerLine() {
   std::time_t now = std::time(nullptr);
   char when[64];
   std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
-  return fmt::format("pid {} on host {} since {}", getpid(), ThisHost(), when);
+  return fmt::format("pid {} on host {} since {}", getpid(), HostName(), when);
 }
 
 // Creates `path` exclusively with the owner line; false with errno EEXIST if it exists.
@@ -64,7 +59,7 @@ absl::StatusOr<std::unique_ptr<RunDirLock>> RunDirLock::Acquire(const std::strin
     long pid = 0;
     char host[256] = {};
     const bool parsed = std::sscanf(owner.c_str(), "pid %ld on host %255s", &pid, host) == 2;
-    const bool same_host = parsed && ThisHost() == host;
+    const bool same_host = parsed && HostName() == host;
     if (same_host && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
       FSDP_LOG_WARN("run.dir '{}': taking over the lock of a run that is gone ({})", run_dir, owner);
       std::filesystem::remove(path);

@@ -143,9 +143,13 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   const int64_t n = static_cast<int64_t>(losses_.size());
   // One host synchronisation per log interval: the losses (averaged over data-parallel ranks),
   // the norms and the non-finite flag of every step since the last log, and SIGTERM.
+  // Flags summed over ranks with the losses: SIGTERM, a failed metrics write (rank 0), and a
+  // non-finite step seen (the first such step over all ranks costs a second all-reduce, only
+  // then).
   const bool write_failed = jsonl_ && !jsonl_->status().ok();
-  at::Tensor flags = at::tensor({term_requested ? 1.0 : 0.0, write_failed ? 1.0 : 0.0},
-                                at::TensorOptions().dtype(at::kDouble)).to(device_);
+  at::Tensor flags = at::cat({at::tensor({term_requested ? 1.0 : 0.0, write_failed ? 1.0 : 0.0},
+                                         at::TensorOptions().dtype(at::kDouble)).to(device_),
+                              first_bad_.ge(0).to(at::kDouble).reshape({1})});
   at::Tensor stacked = at::cat({at::stack(losses_).to(at::kDouble), flags});
   ctx_->world().AllReduce(stacked)->wait();
   stacked = stacked.cpu();
@@ -153,7 +157,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   IntervalEnd end;
   end.terminate = stacked[n].item<double>() > 0;
   // Any rank's flag counts: every rank must stop at the same interval.
-  end.first_nonfinite = FirstNonFiniteOnAnyRank();
+  if (stacked[n + 2].item<double>() > 0) end.first_nonfinite = FirstNonFiniteOnAnyRank();
   stacked = stacked.narrow(0, 0, n) / world;
   at::Tensor norm_values = at::stack(norms_).to(at::kDouble).cpu();
 

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/env.h"
 #include "common/strings.h"
 #include "tests/multirank.h"
 
@@ -247,7 +248,7 @@ TEST(TrainTest, OneRunPerRunDir) {
   };
   // A live owner: this test process.
   std::ofstream(dir + "/.fsdp.lock") << "pid " << ::getpid() << " on host "
-                                     << [] { char h[256] = {}; gethostname(h, 255); return std::string(h); }()
+                                     << HostName()
                                      << " since now\n";
   CommandResult busy = train(dir);
   EXPECT_NE(busy.exit.code, 0) << busy.Output();
@@ -256,7 +257,7 @@ TEST(TrainTest, OneRunPerRunDir) {
   EXPECT_FALSE(busy.StderrHas("timed out")) << busy.Output();
   // A dead owner (pid 0x7ffffff0 does not exist): taken over; the lock is gone after the run.
   std::ofstream(dir + "/.fsdp.lock", std::ios::trunc) << "pid 2147483632 on host "
-      << [] { char h[256] = {}; gethostname(h, 255); return std::string(h); }() << " since then\n";
+      << HostName() << " since then\n";
   CommandResult taken = train(dir);
   EXPECT_EQ(taken.exit.code, 0) << taken.Output();
   EXPECT_FALSE(std::filesystem::exists(dir + "/.fsdp.lock"));
