@@ -275,6 +275,16 @@ ChoiceField OptimizerField(OptimizerKind* field) {
   return Enum(field, std::move(table));
 }
 
+ChoiceField OptimizerImplementationField(OptimizerImplementation* field) {
+  NameTable<OptimizerImplementation> table;
+  for (OptimizerImplementation i : {OptimizerImplementation::kFused,
+                                    OptimizerImplementation::kForeach,
+                                    OptimizerImplementation::kPerTensor}) {
+    table.emplace_back(i, OptimizerImplementationName(i).data());  // literals (engine/optimizer.cc)
+  }
+  return Enum(field, std::move(table));
+}
+
 // The schema: every section and key, in the order ToYaml writes them, pointing into `c`.
 std::vector<Section> Sections(RunConfig& c) {
   return {
@@ -324,7 +334,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"beta1", &c.optimizer.beta1},
         {"beta2", &c.optimizer.beta2},
         {"eps", &c.optimizer.eps},
-        {"momentum", &c.optimizer.momentum}}},
+        {"momentum", &c.optimizer.momentum},
+        {"implementation", OptimizerImplementationField(&c.optimizer.implementation)}}},
       {"lr_scheduler",
        {{"warmup_steps", &c.lr_scheduler.warmup_steps},
         {"decay", Enum(&c.lr_scheduler.decay, {{LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}, {LrDecay::kConstant, "constant"}})},

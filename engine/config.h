@@ -107,7 +107,8 @@ struct TrainingSection {
   ActivationCheckpointing activation_checkpointing;
 };
 
-// name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum (engine/optimizer.h).
+// name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum, implementation
+// (fused | foreach | per_tensor) (engine/optimizer.h).
 using OptimizerSection = OptimizerOptions;
 
 struct LrSchedulerSection {

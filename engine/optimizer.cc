@@ -1,9 +1,12 @@
 #include "engine/optimizer.h"
 
 #include <array>
+#include <cmath>
+#include <unordered_map>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -17,13 +20,112 @@ constexpr std::array<std::pair<OptimizerKind, std::string_view>, 3> kKinds = {{
     {OptimizerKind::kSgd, "sgd"},
 }};
 
-// Adam / AdamW stepped by ATen's fused kernel: see BuildOptimizer. The kernel reads the step
-// count from a float tensor and computes the bias corrections from it itself; libtorch's
-// int64 counter stays the state (and what checkpoints save).
+// Note [Fused optimizer steps]
+// libtorch's torch::optim classes step one parameter at a time with several elementwise ops
+// each: on a GPU ~8 kernel launches per parameter, the largest class of launches in a
+// llama_1b step (../shared/GPU.md). Here Adam, AdamW and SGD keep libtorch's classes and state
+// (exp_avg, exp_avg_sq, momentum_buffer, the int64 step counter: what KindOf, StateTensors and
+// checkpoints read) and override step():
+//   - the parameters of a group are batched by (device, dtype), what one multi-tensor kernel
+//     accepts; a sharded model's parameters are usually one batch;
+//   - fused: at::_fused_adamw_ / _fused_adam_ / _fused_sgd_, one launch per batch on CUDA (ATen's
+//     multi_tensor_apply), one vectorized pass per tensor on CPU;
+//   - foreach: the same arithmetic in at::_foreach_* ops, ~8 multi-tensor launches per batch.
+// The fused Adam kernels read the step count from a float tensor on the parameter's device
+// (bias corrections computed on the device: no host sync). That tensor is a cache of the state's
+// int64 counter: it is re-made whenever the counter is not the value it last held (a load
+// from a checkpoint, a state another optimizer made), and incremented by one _foreach_add_ per
+// batch otherwise, so the steady state allocates nothing and the checkpoint needs no new key.
+// On CPU ATen's fused kernels open one parallel region per tensor, however small (grain 0):
+// dozens of fork/joins per step, which cost more than the arithmetic when threads are shared
+// (1-rank runs next to others) and made a step several times slower. So on CPU the small tensors
+// of a batch step one per task inside one parallel region (where the kernel's own parallel_for
+// runs inline), and only tensors of kLargeCpuTensor elements or more use the kernel's own
+// parallelism.
+// Weight decay follows libtorch: AdamW's decoupled (p *= 1 - lr * wd), Adam's and SGD's L2
+// (grad + wd * p). Results equal the per-tensor step to rounding, not bitwise (other operation
+// orders and fused multiply-adds).
+
+// The parameters of one param group with one (device, dtype): one multi-tensor call.
+struct Batch {
+  at::Device device;
+  at::ScalarType dtype;
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, momentum_buffers, steps;
+  std::vector<int64_t> step_values;  // foreach Adam: the states' steps after this update
+  std::vector<bool> first_step;      // SGD: the momentum buffer is new this step
+};
+
+Batch& BatchOf(std::vector<Batch>& batches, const at::Tensor& p) {
+  for (Batch& b : batches) {
+    if (b.device == p.device() && b.dtype == p.scalar_type()) return b;
+  }
+  return batches.emplace_back(Batch{.device = p.device(), .dtype = p.scalar_type()});
+}
+
+constexpr int64_t kLargeCpuTensor = int64_t{1} << 18;
+
+// The tensor at `i` as a one-element list; an empty list stays empty.
+at::TensorList One(const std::vector<at::Tensor>& list, size_t i) {
+  return list.empty() ? at::TensorList() : at::TensorList(&list[i], 1);
+}
+
+// Calls `call(list_of_one)` for each tensor of a CPU batch (see Note [Fused optimizer steps]):
+// large tensors one after another, the small ones spread over one parallel region.
+template <typename Call>
+void ForEachCpuTensor(const Batch& b, const Call& call) {
+  std::vector<size_t> small;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    if (b.params[i].numel() >= kLargeCpuTensor) {
+      call(i);
+    } else {
+      small.push_back(i);
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(small.size()), 1, [&](int64_t begin, int64_t end) {
+    at::NoGradGuard no_grad;  // worker threads do not inherit the caller's grad mode
+    for (int64_t k = begin; k < end; ++k) call(small[k]);
+  });
+}
+
+std::vector<at::Scalar> Scalars(const std::vector<double>& values) {
+  return {values.begin(), values.end()};
+}
+
+// One step of Adam (kDecoupledDecay false) or AdamW over a batch with _foreach_ ops, the same
+// arithmetic as libtorch's per-tensor step.
+template <bool kDecoupledDecay, typename Options>
+void ForeachAdamStep(Batch& b, const Options& o) {
+  const auto [beta1, beta2] = o.betas();
+  std::vector<at::Tensor> grads = b.grads;
+  if (o.weight_decay() != 0) {
+    if constexpr (kDecoupledDecay) {
+      at::_foreach_mul_(b.params, 1 - o.lr() * o.weight_decay());
+    } else {
+      grads = at::_foreach_add(b.grads, b.params, o.weight_decay());
+    }
+  }
+  at::_foreach_mul_(b.exp_avgs, beta1);
+  at::_foreach_add_(b.exp_avgs, grads, 1 - beta1);
+  at::_foreach_mul_(b.exp_avg_sqs, beta2);
+  at::_foreach_addcmul_(b.exp_avg_sqs, grads, grads, 1 - beta2);
+  std::vector<double> bias2_sqrt, neg_step_size;
+  for (int64_t step : b.step_values) {
+    const double bias1 = 1 - std::pow(beta1, static_cast<double>(step));
+    bias2_sqrt.push_back(std::sqrt(1 - std::pow(beta2, static_cast<double>(step))));
+    neg_step_size.push_back(-o.lr() / bias1);
+  }
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(b.exp_avg_sqs);
+  at::_foreach_div_(denom, Scalars(bias2_sqrt));
+  at::_foreach_add_(denom, o.eps());
+  at::_foreach_addcdiv_(b.params, b.exp_avgs, denom, Scalars(neg_step_size));
+}
+
+// Adam / AdamW stepped by ATen's fused or foreach kernels: Note [Fused optimizer steps].
 template <typename Base, typename State, typename Options, bool kDecoupledDecay>
-class FusedAdam final : public Base {
+class MultiTensorAdam final : public Base {
  public:
-  using Base::Base;
+  MultiTensorAdam(std::vector<at::Tensor> params, const Options& options, bool fused)
+      : Base(std::move(params), options), fused_(fused) {}
 
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
     at::NoGradGuard no_grad;
@@ -34,7 +136,8 @@ class FusedAdam final : public Base {
     }
     for (auto& group : this->param_groups()) {
       const auto& o = static_cast<const Options&>(group.options());
-      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+      TORCH_CHECK(!o.amsgrad(), "fsdp: the fused and foreach Adam steps do not implement amsgrad");
+      std::vector<Batch> batches;
       for (const at::Tensor& p : group.params()) {
         if (!p.grad().defined()) continue;
         auto& slot = this->state_[p.unsafeGetTensorImpl()];
@@ -42,39 +145,167 @@ class FusedAdam final : public Base {
           auto fresh = std::make_unique<State>();
           fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
           fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-          if (o.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
           slot = std::move(fresh);
         }
         auto& state = static_cast<State&>(*slot);
+        Batch& b = BatchOf(batches, p);
+        b.params.push_back(p);
+        b.grads.push_back(p.grad());
+        b.exp_avgs.push_back(state.exp_avg());
+        b.exp_avg_sqs.push_back(state.exp_avg_sq());
+        if (fused_) b.steps.push_back(StepTensor(p, state.step()));
         state.step(state.step() + 1);
-        params.push_back(p);
-        grads.push_back(p.grad());
-        exp_avgs.push_back(state.exp_avg());
-        exp_avg_sqs.push_back(state.exp_avg_sq());
-        if (o.amsgrad()) max_exp_avg_sqs.push_back(state.max_exp_avg_sq());
-        steps.push_back(at::scalar_tensor(static_cast<double>(state.step()),
-                                          at::TensorOptions().dtype(at::kFloat)));
+        b.step_values.push_back(state.step());
       }
-      if (params.empty()) continue;
-      const auto [beta1, beta2] = o.betas();
-      if constexpr (kDecoupledDecay) {
-        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(),
-                          beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
-                          /*maximize=*/false);
-      } else {
-        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(),
-                         beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
-                         /*maximize=*/false);
+      for (Batch& b : batches) {
+        if (!fused_) {
+          ForeachAdamStep<kDecoupledDecay>(b, o);
+          continue;
+        }
+        at::_foreach_add_(b.steps, 1.0);
+        const auto [beta1, beta2] = o.betas();
+        auto fused = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList steps) {
+          if constexpr (kDecoupledDecay) {
+            at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1,
+                              beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                              /*maximize=*/false);
+          } else {
+            at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1,
+                             beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                             /*maximize=*/false);
+          }
+        };
+        if (b.device.is_cpu()) {
+          ForEachCpuTensor(b, [&](size_t i) {
+            fused(One(b.params, i), One(b.grads, i), One(b.exp_avgs, i), One(b.exp_avg_sqs, i),
+                  One(b.steps, i));
+          });
+        } else {
+          fused(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps);
+        }
+        for (size_t i = 0; i < b.params.size(); ++i) {
+          step_cache_[b.params[i].unsafeGetTensorImpl()].value = b.step_values[i];
+        }
       }
     }
     return loss;
   }
+
+ private:
+  struct CachedStep {
+    at::Tensor tensor;  // 0-dim float32 on the parameter's device
+    int64_t value = -1;  // the count it holds
+  };
+
+  // `p`'s step tensor holding `count` (the state's counter before this update).
+  at::Tensor StepTensor(const at::Tensor& p, int64_t count) {
+    CachedStep& cached = step_cache_[p.unsafeGetTensorImpl()];
+    if (!cached.tensor.defined() || cached.value != count) {
+      cached.tensor = at::full({}, static_cast<double>(count),
+                               at::TensorOptions().dtype(at::kFloat).device(p.device()));
+      cached.value = count;
+    }
+    return cached.tensor;
+  }
+
+  bool fused_;
+  std::unordered_map<c10::TensorImpl*, CachedStep> step_cache_;
 };
 
-using FusedAdamW =
-    FusedAdam<torch::optim::AdamW, torch::optim::AdamWParamState, torch::optim::AdamWOptions, true>;
-using FusedAdamL2 =
-    FusedAdam<torch::optim::Adam, torch::optim::AdamParamState, torch::optim::AdamOptions, false>;
+using FastAdamW = MultiTensorAdam<torch::optim::AdamW, torch::optim::AdamWParamState,
+                                  torch::optim::AdamWOptions, true>;
+using FastAdam = MultiTensorAdam<torch::optim::Adam, torch::optim::AdamParamState,
+                                 torch::optim::AdamOptions, false>;
+
+// SGD with momentum, weight decay and dampening stepped by ATen's fused or foreach kernels
+// (Note [Fused optimizer steps]); nesterov as libtorch.
+class MultiTensorSgd final : public torch::optim::SGD {
+ public:
+  MultiTensorSgd(std::vector<at::Tensor> params, const torch::optim::SGDOptions& options,
+                 bool fused)
+      : SGD(std::move(params), options), fused_(fused) {}
+
+  at::Tensor step(LossClosure closure = nullptr) override {
+    at::NoGradGuard no_grad;
+    at::Tensor loss;
+    if (closure != nullptr) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : param_groups()) {
+      const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+      const bool momentum = o.momentum() != 0;
+      // Two batch lists: a fused call takes one is_first_step for all of its tensors.
+      std::vector<Batch> first, later;
+      for (const at::Tensor& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        bool is_first = false;
+        at::Tensor buffer;
+        if (momentum) {
+          auto& slot = state_[p.unsafeGetTensorImpl()];
+          if (!slot) {
+            auto fresh = std::make_unique<torch::optim::SGDParamState>();
+            fresh->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+            slot = std::move(fresh);
+            is_first = true;
+          }
+          buffer = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer();
+        }
+        Batch& b = BatchOf(is_first ? first : later, p);
+        b.params.push_back(p);
+        b.grads.push_back(p.grad());
+        if (momentum) b.momentum_buffers.push_back(buffer);
+      }
+      for (bool is_first : {true, false}) {
+        for (Batch& b : is_first ? first : later) {
+          auto fused = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
+            at::_fused_sgd_(params, grads, buffers, o.weight_decay(), o.momentum(), o.lr(),
+                            o.dampening(), o.nesterov(), /*maximize=*/false, is_first);
+          };
+          if (fused_ && b.device.is_cpu()) {
+            ForEachCpuTensor(b, [&](size_t i) {
+              fused(One(b.params, i), One(b.grads, i), One(b.momentum_buffers, i));
+            });
+          } else if (fused_) {
+            fused(b.params, b.grads, b.momentum_buffers);
+          } else {
+            ForeachStep(b, o, is_first);
+          }
+        }
+      }
+    }
+    return loss;
+  }
+
+ private:
+  static void ForeachStep(Batch& b, const torch::optim::SGDOptions& o, bool is_first) {
+    std::vector<at::Tensor> update = b.grads;
+    if (o.weight_decay() != 0) update = at::_foreach_add(b.grads, b.params, o.weight_decay());
+    if (o.momentum() != 0) {
+      if (is_first) {
+        at::_foreach_copy_(b.momentum_buffers, update);
+      } else {
+        at::_foreach_mul_(b.momentum_buffers, o.momentum());
+        at::_foreach_add_(b.momentum_buffers, update, 1 - o.dampening());
+      }
+      if (o.nesterov()) {
+        update = at::_foreach_add(update, b.momentum_buffers, o.momentum());
+      } else {
+        update = b.momentum_buffers;
+      }
+    }
+    at::_foreach_add_(b.params, update, -o.lr());
+  }
+
+  bool fused_;
+};
+
+constexpr std::array<std::pair<OptimizerImplementation, std::string_view>, 3> kImplementations = {{
+    {OptimizerImplementation::kFused, "fused"},
+    {OptimizerImplementation::kForeach, "foreach"},
+    {OptimizerImplementation::kPerTensor, "per_tensor"},
+}};
 
 }  // namespace
 
@@ -98,31 +329,63 @@ std::vector<std::string> OptimizerKindNames() {
   return names;
 }
 
+std::string_view OptimizerImplementationName(OptimizerImplementation implementation) {
+  for (const auto& [i, name] : kImplementations) {
+    if (i == implementation) return name;
+  }
+  return "unknown";
+}
+
+std::optional<OptimizerImplementation> ParseOptimizerImplementation(std::string_view name) {
+  for (const auto& [i, i_name] : kImplementations) {
+    if (i_name == name) return i;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> OptimizerImplementationNames() {
+  std::vector<std::string> names;
+  for (const auto& entry : kImplementations) names.emplace_back(entry.second);
+  return names;
+}
+
+namespace {
+
+// libtorch's class (per_tensor) or our multi-tensor subclass of it (fused, foreach).
+template <typename Libtorch, typename MultiTensor, typename Options>
+std::unique_ptr<torch::optim::Optimizer> Make(OptimizerImplementation implementation,
+                                              std::vector<at::Tensor> params,
+                                              const Options& options) {
+  if (implementation == OptimizerImplementation::kPerTensor) {
+    return std::make_unique<Libtorch>(std::move(params), options);
+  }
+  return std::make_unique<MultiTensor>(std::move(params), options,
+                                       implementation == OptimizerImplementation::kFused);
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& o,
-                                                        std::vector<at::Tensor> params,
-                                                        bool fused) {
+                                                        std::vector<at::Tensor> params) {
   switch (o.kind) {
     case OptimizerKind::kSgd:
-      return std::make_unique<torch::optim::SGD>(
-          std::move(params),
+      return Make<torch::optim::SGD, MultiTensorSgd>(
+          o.implementation, std::move(params),
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
-    case OptimizerKind::kAdam: {
-      auto adam = torch::optim::AdamOptions(o.lr)
-                      .betas({o.beta1, o.beta2})
-                      .eps(o.eps)
-                      .weight_decay(o.weight_decay);
-      if (fused) return std::make_unique<FusedAdamL2>(std::move(params), adam);
-      return std::make_unique<torch::optim::Adam>(std::move(params), adam);
-    }
+    case OptimizerKind::kAdam:
+      return Make<torch::optim::Adam, FastAdam>(o.implementation, std::move(params),
+                                                torch::optim::AdamOptions(o.lr)
+                                                    .betas({o.beta1, o.beta2})
+                                                    .eps(o.eps)
+                                                    .weight_decay(o.weight_decay));
     case OptimizerKind::kAdamW:
       break;
   }
-  auto adamw = torch::optim::AdamWOptions(o.lr)
-                   .betas({o.beta1, o.beta2})
-                   .eps(o.eps)
-                   .weight_decay(o.weight_decay);
-  if (fused) return std::make_unique<FusedAdamW>(std::move(params), adamw);
-  return std::make_unique<torch::optim::AdamW>(std::move(params), adamw);
+  return Make<torch::optim::AdamW, FastAdamW>(o.implementation, std::move(params),
+                                              torch::optim::AdamWOptions(o.lr)
+                                                  .betas({o.beta1, o.beta2})
+                                                  .eps(o.eps)
+                                                  .weight_decay(o.weight_decay));
 }
 
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr) {

@@ -2,7 +2,7 @@
 // their per-parameter state is saved under in a checkpoint ("optim/<param>/exp_avg", ...).
 // Not collective: each rank builds its optimizer over its own shards.
 //
-//   OptimizerOptions options{.kind = *ParseOptimizerKind("adamw"), .lr = 1e-3};
+//   OptimizerOptions options{.kind = *ParseOptimizerKind("adamw"), .lr = 1e-3};  // fused
 //   std::unique_ptr<torch::optim::Optimizer> opt = BuildOptimizer(options, model.parameters());
 //   SetLearningRate(*opt, 5e-4);                                 // every param group
 //   for (const OptimizerStateTensor& s : StateTensors(*opt->state().begin()->second))
@@ -22,6 +22,21 @@ namespace fsdp {
 
 enum class OptimizerKind { kAdamW, kAdam, kSgd };
 
+// How a step runs (YAML `optimizer.implementation`); every one keeps the same state under the
+// same names, so a checkpoint saved with one resumes with another (to rounding).
+enum class OptimizerImplementation {
+  // ATen's fused multi-tensor kernels (at::_fused_adamw_ / _fused_adam_ / _fused_sgd_): one
+  // launch per (device, dtype) group on CUDA, one vectorized pass on CPU. The default.
+  kFused,
+  // ATen's _foreach_ ops: a handful of multi-tensor launches per group (PyTorch's foreach=True).
+  kForeach,
+  // libtorch's torch::optim classes: several elementwise ops per parameter.
+  kPerTensor,
+};
+std::string_view OptimizerImplementationName(OptimizerImplementation implementation);
+std::optional<OptimizerImplementation> ParseOptimizerImplementation(std::string_view name);
+std::vector<std::string> OptimizerImplementationNames();
+
 std::string_view OptimizerKindName(OptimizerKind kind);  // "adamw" | "adam" | "sgd"
 // The kind named `name` (exact, lower case), or nullopt.
 std::optional<OptimizerKind> ParseOptimizerKind(std::string_view name);
@@ -36,18 +51,17 @@ struct OptimizerOptions {  // the YAML `optimizer` section, typed
   double beta2 = 0.95;  // adam, adamw
   double eps = 1e-8;    // adam, adamw
   double momentum = 0.9;  // sgd
+  OptimizerImplementation implementation = OptimizerImplementation::kFused;
 };
 
 // torch::optim::AdamW / Adam / SGD over `params` with the options' hyper-parameters (Adam's
-// weight decay is L2 added to the gradient, AdamW's is decoupled, as in torch).
-// `fused`: Adam and AdamW step with ATen's fused kernel (at::_fused_adamw_ / _fused_adam_),
-// one vectorized, multi-threaded pass per tensor instead of libtorch's eight elementwise ops:
-// the host optimizer of parallelism.offload. Still a torch::optim::AdamW / Adam with the same
-// state, so KindOf, StateTensors and checkpoints do not change; the update agrees with the
-// unfused one to rounding (~1e-7 relative per step), not bitwise. SGD ignores it.
+// weight decay is L2 added to the gradient, AdamW's is decoupled, as in torch), stepping with
+// `options.implementation`. Whatever the implementation the optimizer is a torch::optim::AdamW /
+// Adam / SGD with libtorch's state, so KindOf, StateTensors, StepCounter and checkpoints do not
+// change; fused and foreach agree with per_tensor to rounding (~1e-7 relative per step), not
+// bitwise. See Note [Fused optimizer steps] (engine/optimizer.cc).
 std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& options,
-                                                        std::vector<at::Tensor> params,
-                                                        bool fused = false);
+                                                        std::vector<at::Tensor> params);
 
 // Sets the learning rate of every parameter group.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);

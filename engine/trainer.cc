@@ -282,10 +282,9 @@ absl::Status Train(const RunConfig& config) {
     model->module()->to(device);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
-  // With offload the optimizer steps host tensors: ATen's fused CPU kernel (Note [CPU offload]).
+  // Over the shards (host shards with offload: Note [CPU offload]); fused by default.
   std::unique_ptr<torch::optim::Optimizer> optimizer =
-      BuildOptimizer(config.optimizer, trained->parameters(),
-                     /*fused=*/config.parallelism.offload != Offload::kNone);
+      BuildOptimizer(config.optimizer, trained->parameters());
 
   // ===== data ===================================================================================
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset,

@@ -1,5 +1,6 @@
 #include "engine/optimizer.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include "common/strings.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -107,41 +109,154 @@ TEST(OptimizerStateTest, NamesRoundTrip) {
   }
 }
 
-// The fused host step (parallelism.offload) is libtorch's Adam / AdamW up to rounding, keeps the
-// same state under the same names (checkpoints), and resumes from a state libtorch's made.
-TEST(FusedOptimizerTest, MatchesLibtorchsStepToRounding) {
-  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
-    SCOPED_TRACE(std::string(OptimizerKindName(kind)));
-    OptimizerOptions o{
-        .kind = kind, .lr = 1e-2, .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
-    at::manual_seed(0);
-    at::Tensor init = at::randn({64, 33});
-    at::Tensor plain_p = init.clone().requires_grad_(true);
-    at::Tensor fused_p = init.clone().requires_grad_(true);
-    std::unique_ptr<torch::optim::Optimizer> plain = BuildOptimizer(o, {plain_p});
-    std::unique_ptr<torch::optim::Optimizer> fused = BuildOptimizer(o, {fused_p}, /*fused=*/true);
-    EXPECT_EQ(KindOf(*fused), kind);
-    for (int step = 0; step < 5; ++step) {
-      at::Tensor g = at::randn({64, 33}) * 1e-2;
-      plain_p.mutable_grad() = g.clone();
-      fused_p.mutable_grad() = g.clone();
-      plain->step();
-      fused->step();
+TEST(OptimizerImplementationTest, NamesRoundTrip) {
+  EXPECT_THAT(OptimizerImplementationNames(), ElementsAre("fused", "foreach", "per_tensor"));
+  for (const std::string& name : OptimizerImplementationNames()) {
+    ASSERT_TRUE(ParseOptimizerImplementation(name).has_value()) << name;
+    EXPECT_EQ(OptimizerImplementationName(*ParseOptimizerImplementation(name)), name);
+  }
+  EXPECT_EQ(ParseOptimizerImplementation("Fused"), std::nullopt);
+}
+
+// Three parameters of two shapes and two dtypes (two batches for the multi-tensor kernels).
+std::vector<at::Tensor> Params() {
+  at::manual_seed(0);
+  return {at::randn({64, 33}), at::randn({7}), at::randn({5, 3}, at::kDouble)};
+}
+
+std::vector<at::Tensor> Trainable(const std::vector<at::Tensor>& init) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : init) out.push_back(t.clone().requires_grad_(true));
+  return out;
+}
+
+// `steps` steps with gradients drawn from `seed`; parameter 1 skips step 1 (no gradient), as a
+// frozen or unused parameter would.
+void Train(torch::optim::Optimizer& opt, std::vector<at::Tensor>& params, int steps,
+           uint64_t seed) {
+  at::manual_seed(seed);
+  for (int step = 0; step < steps; ++step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor g = at::randn(params[i].sizes(), params[i].options().requires_grad(false)) * 1e-2;
+      if (i == 1 && step == 1) {
+        params[i].mutable_grad() = at::Tensor();
+      } else {
+        params[i].mutable_grad() = g;
+      }
     }
-    const double diff = (plain_p - fused_p).abs().max().item<double>();
-    EXPECT_GT(diff, 0.0) << "the fused kernel did not run";  // other roundings, not bitwise
-    EXPECT_LT(diff, 1e-6);
-    auto& plain_state = *plain->state().at(plain_p.unsafeGetTensorImpl());
-    auto& fused_state = *fused->state().at(fused_p.unsafeGetTensorImpl());
-    std::vector<OptimizerStateTensor> a = StateTensors(plain_state), b = StateTensors(fused_state);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_EQ(a[i].name, b[i].name);
-      EXPECT_TRUE(at::allclose(*a[i].tensor, *b[i].tensor, 1e-5, 1e-9)) << a[i].name;
-    }
-    EXPECT_EQ(*StepCounter(fused_state), 5);
+    opt.step();
   }
 }
 
+double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return diff;
+}
+
+struct Case {
+  OptimizerKind kind;
+  OptimizerImplementation implementation;
+  double weight_decay;
+  double momentum = 0.9;
+};
+
+std::string Name(const Case& c) {
+  return StrCat(OptimizerKindName(c.kind), "/", OptimizerImplementationName(c.implementation),
+                "/wd=", c.weight_decay, "/momentum=", c.momentum);
+}
+
+// fused and foreach are libtorch's per-tensor step up to rounding, keep the same state under the
+// same names (checkpoints), and the same step counter.
+TEST(MultiTensorOptimizerTest, MatchesLibtorchsStepToRounding) {
+  std::vector<Case> cases;
+  for (auto implementation : {OptimizerImplementation::kFused, OptimizerImplementation::kForeach}) {
+    for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+      for (double wd : {0.0, 0.1}) cases.push_back({kind, implementation, wd});
+    }
+    cases.push_back({OptimizerKind::kSgd, implementation, 0.1, /*momentum=*/0.0});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(Name(c));
+    OptimizerOptions o{.kind = c.kind, .lr = 1e-2, .weight_decay = c.weight_decay,
+                       .momentum = c.momentum};
+    std::vector<at::Tensor> init = Params();
+    std::vector<at::Tensor> plain_p = Trainable(init), multi_p = Trainable(init);
+    OptimizerOptions plain_o = o;
+    plain_o.implementation = OptimizerImplementation::kPerTensor;
+    o.implementation = c.implementation;
+    std::unique_ptr<torch::optim::Optimizer> plain = BuildOptimizer(plain_o, plain_p);
+    std::unique_ptr<torch::optim::Optimizer> multi = BuildOptimizer(o, multi_p);
+    EXPECT_EQ(KindOf(*multi), c.kind);
+    Train(*plain, plain_p, 5, 7);
+    Train(*multi, multi_p, 5, 7);
+    const double diff = MaxDiff(plain_p, multi_p);
+    EXPECT_LT(diff, 1e-6);
+    EXPECT_GT(MaxDiff(init, multi_p), 1e-3) << "the parameters did not move";
+    ASSERT_EQ(plain->state().size(), multi->state().size());
+    for (size_t i = 0; i < plain_p.size(); ++i) {
+      auto it = multi->state().find(multi_p[i].unsafeGetTensorImpl());
+      if (c.kind == OptimizerKind::kSgd && c.momentum == 0) {
+        EXPECT_EQ(it, multi->state().end());  // libtorch keeps no state without momentum
+        continue;
+      }
+      ASSERT_NE(it, multi->state().end());
+      auto& a = *plain->state().at(plain_p[i].unsafeGetTensorImpl());
+      std::vector<OptimizerStateTensor> sa = StateTensors(a), sb = StateTensors(*it->second);
+      ASSERT_EQ(sa.size(), sb.size());
+      for (size_t j = 0; j < sa.size(); ++j) {
+        EXPECT_EQ(sa[j].name, sb[j].name);
+        EXPECT_TRUE(at::allclose(*sa[j].tensor, *sb[j].tensor, 1e-5, 1e-9)) << sa[j].name;
+      }
+      if (int64_t* step = StepCounter(a)) {
+        EXPECT_EQ(*StepCounter(*it->second), *step);
+        EXPECT_EQ(*step, i == 1 ? 4 : 5);  // parameter 1 skipped a step
+      }
+    }
+  }
+}
+
+// A state that another optimizer made (a checkpoint load puts fresh states in) continues where
+// it was: the fused step's device-side step counts follow the int64 counters they cache.
+TEST(MultiTensorOptimizerTest, ResumesFromAnotherOptimizersState) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
+    for (auto implementation :
+         {OptimizerImplementation::kFused, OptimizerImplementation::kForeach}) {
+      SCOPED_TRACE(StrCat(OptimizerKindName(kind), "/", OptimizerImplementationName(implementation)));
+      OptimizerOptions o{.kind = kind, .lr = 1e-2, .weight_decay = 0.1};
+      std::vector<at::Tensor> init = Params();
+      // Reference: 3 + 4 steps of per_tensor in one optimizer.
+      OptimizerOptions plain_o = o;
+      plain_o.implementation = OptimizerImplementation::kPerTensor;
+      std::vector<at::Tensor> ref_p = Trainable(init);
+      std::unique_ptr<torch::optim::Optimizer> ref = BuildOptimizer(plain_o, ref_p);
+      Train(*ref, ref_p, 3, 1);
+      Train(*ref, ref_p, 4, 2);
+      // Resumed: the multi-tensor optimizer steps 2 (its caches fill), then gets the state of
+      // a per_tensor run of 3 steps (as a load writes it), then steps 4.
+      o.implementation = implementation;
+      std::vector<at::Tensor> p = Trainable(init);
+      std::unique_ptr<torch::optim::Optimizer> multi = BuildOptimizer(o, p);
+      Train(*multi, p, 2, 9);
+      std::vector<at::Tensor> saved_p = Trainable(init);
+      std::unique_ptr<torch::optim::Optimizer> saved = BuildOptimizer(plain_o, saved_p);
+      Train(*saved, saved_p, 3, 1);
+      for (size_t i = 0; i < p.size(); ++i) {
+        at::NoGradGuard no_grad;
+        p[i].copy_(saved_p[i]);
+        auto& from = *saved->state().at(saved_p[i].unsafeGetTensorImpl());
+        std::unique_ptr<torch::optim::OptimizerParamState> state = NewParamState(*multi);
+        std::vector<OptimizerStateTensor> src = StateTensors(from), dst = StateTensors(*state);
+        for (size_t j = 0; j < src.size(); ++j) *dst[j].tensor = src[j].tensor->clone();
+        if (int64_t* step = StepCounter(from)) *StepCounter(*state) = *step;
+        multi->state()[p[i].unsafeGetTensorImpl()] = std::move(state);
+      }
+      Train(*multi, p, 4, 2);
+      EXPECT_LT(MaxDiff(ref_p, p), 1e-6);
+    }
+  }
+}
 }  // namespace
 }  // namespace fsdp
