@@ -294,7 +294,7 @@ int64_t WindowsIn(int64_t tokens, int64_t seq_len) {
 //   magic 20240520, version 1: GPT-2 tokens, uint16
 //   magic 20240801, version 7: Llama 3 tokens, uint32
 // With data.header auto a file is read this way when its first int32 is one of the magics
-// (a raw uint16 stream starting with ids 20528, 309 would be misread: data.header none);
+// (a raw uint16 stream starting with ids 55432, 308 would be misread: data.header none);
 // data.header llmc requires the header. The header decides the token width, and the file must
 // hold exactly the tokens it announces (kDataLoss otherwise: a truncated download or copy).
 constexpr int64_t kLlmcHeaderInts = 256;
