@@ -13,6 +13,7 @@
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "engine/metrics.h"
+#include "engine/trainer.h"
 
 namespace fsdp::bench {
 namespace {
@@ -150,6 +151,11 @@ int RunCompare(const CompareOptions& o) {
   // Both engines on the device fsdp train would pick (training.device auto: a GPU if any).
   if (config->training.device == DeviceKind::kAuto) {
     config->training.device = CudaDeviceCount() > 0 ? DeviceKind::kCuda : DeviceKind::kCpu;
+  }
+  // Before anything is written: a GPU config's inputs are gigabytes.
+  if (absl::Status device = CheckDeviceAvailable(*config); !device.ok()) {
+    std::cerr << "fsdp bench compare: " << device.message() << "\n";
+    return 2;
   }
   sets.push_back(StrCat("training.device=", config->Value("training.device")));
   const bool on_cuda = config->training.device == DeviceKind::kCuda;

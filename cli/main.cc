@@ -138,6 +138,9 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--oversubscribe", train.oversubscribe,
                       "Allow parallelism.nproc above the node's GPUs (CUDA) or 4 x its cores "
                       "(CPU ranks)");
+  train_cmd->add_flag("--quiet,-q", train.quiet,
+                      "No start-up output (configuration dump, run summary); errors and step "
+                      "lines are still printed");
 
   // ---- checkpoint --------------------------------------------------------------------------
   fsdp::CheckpointCommand ckpt;

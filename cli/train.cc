@@ -36,6 +36,11 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
     std::cerr << "fsdp train: " << config.status().message() << "\n";
     return 2;
   }
+  // Before nproc 0 (one rank per GPU) could become "world size 0 is not positive".
+  if (absl::Status device = CheckDeviceAvailable(*config); !device.ok()) {
+    std::cerr << "fsdp train: " << device.message() << "\n";
+    return 2;
+  }
   absl::StatusOr<LaunchEnv> env = ParseLaunchEnv(ProcessEnv());
   if (!env.ok()) {
     std::cerr << "fsdp train: " << env.status().message() << "\n";
@@ -68,6 +73,7 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       LaunchOptions launch;
       launch.nproc_per_node = static_cast<int>(nproc);
       launch.grace = std::chrono::seconds(120);  // time for a SIGTERM checkpoint
+      launch.announce = !command.quiet;
       std::string progress_file;
       if (ProgressBarWanted(config->metrics.progress_bar)) {
         // Rank 0's output reaches the terminal through this process: draw the bar here, from
@@ -91,7 +97,7 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       return code;
     }
   }
-  absl::Status status = Train(*config);
+  absl::Status status = Train(*config, {.quiet = command.quiet});
   if (!status.ok()) {
     std::cerr << "fsdp train: rank " << env->rank << ": " << status.message() << "\n";
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

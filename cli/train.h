@@ -16,6 +16,9 @@ struct TrainCommand {
   std::vector<std::string> overrides;
   // More local ranks than the node's GPUs (CUDA) or 4 x its cores (CPU) is refused unless set.
   bool oversubscribe = false;
+  // No start-up chatter: the configuration dump (metrics.print_config), the run summary, the
+  // launcher's line. Errors and the step lines stay.
+  bool quiet = false;
 };
 
 int RunTrainCommand(const TrainCommand& command, int argc, char** argv);

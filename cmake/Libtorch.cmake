@@ -3,6 +3,9 @@
 # to decide CPU-only vs CUDA ourselves (see ../shared/LIBTORCH-NOTES.md).
 #
 # Input:  FSDP_TORCH_DIR  the wheel's package folder (site-packages/torch).
+#         FSDP_TORCH_INCLUDE_MIRROR (optional) where to put the include mirror below; default
+#                         <build>/torch_include. The installed package (cmake/Install.cmake)
+#                         includes this file too, to declare the same targets for a user's project.
 # Output: fsdp::torch     CPU libtorch (libtorch_cpu, libc10) + headers + c10d Gloo defines.
 #         fsdp::torch_cuda libtorch_cuda, libc10_cuda, CUDA runtime, NCCL (only if FSDP_CUDA).
 #         FSDP_CUDA        ON when the wheel's CUDA major equals the toolkit's (or forced).
@@ -37,6 +40,9 @@ set_target_properties(fsdp_torch_cpu PROPERTIES IMPORTED_LOCATION "${_tlib}/libt
 # Debian's fmt 9. A mirror of the folder without fmt/ (symlinks, made at configure time) keeps
 # one fmt in every translation unit: Debian's.
 set(_tinc "${CMAKE_BINARY_DIR}/torch_include")
+if(FSDP_TORCH_INCLUDE_MIRROR)
+  set(_tinc "${FSDP_TORCH_INCLUDE_MIRROR}")
+endif()
 file(GLOB _tentries RELATIVE "${FSDP_TORCH_DIR}/include" "${FSDP_TORCH_DIR}/include/*")
 file(REMOVE_RECURSE "${_tinc}")
 file(MAKE_DIRECTORY "${_tinc}")

@@ -311,6 +311,7 @@ std::vector<Section> Sections(RunConfig& c) {
        {{"source", Enum(&c.data.source, {{DataSource::kSynthetic, "synthetic"}, {DataSource::kTokens, "tokens"}, {DataSource::kText, "text"}})},
         {"path", &c.data.path},
         {"token_dtype", Enum(&c.data.token_dtype, {{TokenDtype::kUint16, "uint16"}, {TokenDtype::kUint32, "uint32"}})},
+        {"header", Enum(&c.data.header, {{TokenHeader::kAuto, "auto"}, {TokenHeader::kLlmc, "llmc"}, {TokenHeader::kNone, "none"}})},
         {"val_fraction", &c.data.val_fraction},
         {"synthetic_tokens", &c.data.synthetic_tokens}}},
       {"training",
@@ -354,6 +355,7 @@ std::vector<Section> Sections(RunConfig& c) {
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
+        {"print_config", &c.metrics.print_config},
         {"progress_bar", Enum(&c.metrics.progress_bar, {{ProgressBarMode::kAuto, "auto"}, {ProgressBarMode::kOn, "on"}, {ProgressBarMode::kOff, "off"}})}}},
       {"checkpoint",
        {{"enabled", &c.checkpoint.enabled},
@@ -703,7 +705,9 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
   FSDP_RETURN_IF_ERROR(ValidateTraining(c.training, v));
   FSDP_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer, c.lr_scheduler, v));
   FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
-  FSDP_RETURN_IF_ERROR(v.Positive("metrics.cpu_peak_flops", c.metrics.cpu_peak_flops));
+  FSDP_RETURN_IF_ERROR(v.Check(c.metrics.cpu_peak_flops >= 0, "metrics.cpu_peak_flops",
+                               StrCat("must be > 0 (FLOP/s per rank), or 0 for unset (no MFU on "
+                                      "CPU), got ", c.metrics.cpu_peak_flops)));
   FSDP_RETURN_IF_ERROR(v.Check(
       !(c.parallelism.Unwrapped() && c.checkpoint.enabled), "checkpoint.enabled",
       "must be false with parallelism.strategy none (the unwrapped baseline saves no checkpoints); "

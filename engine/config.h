@@ -44,6 +44,9 @@ enum class OnNonFinite { kStop, kSkip };
 enum class LrDecay { kCosine, kLinear, kConstant };
 enum class DataSource { kSynthetic, kTokens, kText };
 enum class TokenDtype { kUint16, kUint32 };
+// data.header of a tokens file: auto (llm.c's header when the file starts with its magic),
+// llmc (required), none (raw ids from the first byte).
+enum class TokenHeader { kAuto, kLlmc, kNone };
 enum class CudaBackend { kAuto, kNccl, kGloo };
 enum class CpuCollectives { kP2p, kGloo };
 enum class ProgressBarMode { kAuto, kOn, kOff };
@@ -83,7 +86,8 @@ struct ModelSection : ModelArgs {
 struct DataSection {
   DataSource source = DataSource::kSynthetic;  // synthetic | tokens | text
   std::string path;                  // tokens: flat uint16/uint32 file; text: any file (bytes)
-  TokenDtype token_dtype = TokenDtype::kUint16;  // uint16 | uint32 (tokens)
+  TokenDtype token_dtype = TokenDtype::kUint16;  // uint16 | uint32 (tokens; no header)
+  TokenHeader header = TokenHeader::kAuto;       // auto | llmc | none (tokens)
   double val_fraction = 0.05;        // held-out share of the data, at its end
   int64_t synthetic_tokens = 1 << 20;  // length of the synthetic stream
 };
@@ -144,7 +148,9 @@ struct ParallelismSection {
 
 struct MetricsSection {
   bool jsonl = true;              // <run.dir>/metrics.jsonl
-  double cpu_peak_flops = 1e11;   // per rank, for MFU on CPU (no table for CPUs)
+  // Per rank FLOP/s of a CPU, for MFU on CPU (there is no table for CPUs); 0: unset, no MFU.
+  double cpu_peak_flops = 0;
+  bool print_config = true;  // rank 0 prints the resolved configuration at start
   ProgressBarMode progress_bar = ProgressBarMode::kAuto;  // auto (on a terminal) | on | off
 };
 

@@ -185,13 +185,18 @@ class MappedFile {
   int64_t size_ = 0;
 };
 
-// Little-endian ids of 1 (text), 2 or 4 bytes.
+// Little-endian ids of 1 (text), 2 or 4 bytes, after `header_bytes` (llm.c's header, or 0).
 class FileDataset : public TokenDataset {
  public:
-  FileDataset(std::unique_ptr<MappedFile> file, int token_bytes, int64_t vocab_size)
-      : file_(std::move(file)), token_bytes_(token_bytes), vocab_size_(vocab_size) {}
+  FileDataset(std::unique_ptr<MappedFile> file, int token_bytes, int64_t vocab_size,
+              int64_t header_bytes = 0, std::string format = "")
+      : file_(std::move(file)),
+        token_bytes_(token_bytes),
+        vocab_size_(vocab_size),
+        header_bytes_(header_bytes),
+        format_(std::move(format)) {}
 
-  int64_t size() const override { return file_->size() / token_bytes_; }
+  int64_t size() const override { return (file_->size() - header_bytes_) / token_bytes_; }
   int64_t vocab_size() const override { return vocab_size_; }
   void Read(int64_t begin, int64_t count, int64_t* out) const override {
     TORCH_CHECK(begin >= 0 && count >= 0 && begin + count <= size(), "Read(", begin, ", ", count,
@@ -202,12 +207,12 @@ class FileDataset : public TokenDataset {
     if (token_bytes_ == 1) {
       return StrCat("text '", file_->path(), "', ", size(), " bytes, vocab ", vocab_size_);
     }
-    return StrCat("tokens '", file_->path(), "', ", size(), " tokens (uint", 8 * token_bytes_,
-                  "), vocab ", vocab_size_);
+    return StrCat("tokens '", file_->path(), "', ", size(), " tokens (", format_, "uint",
+                  8 * token_bytes_, "), vocab ", vocab_size_);
   }
 
   int64_t TokenAt(int64_t i) const {
-    const uint8_t* p = file_->data() + i * token_bytes_;
+    const uint8_t* p = file_->data() + header_bytes_ + i * token_bytes_;
     switch (token_bytes_) {
       case 1:
         return p[0];
@@ -232,23 +237,38 @@ class FileDataset : public TokenDataset {
       const int64_t begin = n / (kChunks + 1) * c;
       ranges.push_back({begin, std::min(n, begin + kChunk)});
     }
+    int64_t max_id = -1, first_bad = -1;
     for (const auto& [begin, end] : ranges) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t id = TokenAt(i);
-        if (id >= vocab_size_) {
-          return absl::DataLossError(StrCat("data.path '", file_->path(), "': token id ", id,
-                                            " at position ", i, " is >= model.vocab_size ",
-                                            vocab_size_));
-        }
+        max_id = std::max(max_id, id);
+        if (id >= vocab_size_ && (first_bad < 0 || i < first_bad)) first_bad = i;
       }
     }
-    return absl::OkStatus();
+    if (first_bad < 0) return absl::OkStatus();
+    const std::string dtype = StrCat("uint", 8 * token_bytes_);
+    std::string hint;
+    if (header_bytes_ > 0) {
+      hint = StrCat("its header (", format_, dtype,
+                    ") was written for a larger vocabulary than model.vocab_size");
+    } else {
+      hint = StrCat(
+          "the file may have a header (llm.c's start with 256 x int32; data.header: llmc reads "
+          "them) or hold ids of another width (read as data.token_dtype ",
+          dtype, "; valid: uint16, uint32), or model.vocab_size is too small");
+    }
+    return absl::DataLossError(StrCat("data.path '", file_->path(), "': token id ",
+                                      TokenAt(first_bad), " at position ", first_bad,
+                                      " is >= model.vocab_size ", vocab_size_, " (max id ", max_id,
+                                      " in the ", dtype, " ids checked): ", hint));
   }
 
  private:
   std::unique_ptr<MappedFile> file_;
   int token_bytes_;
   int64_t vocab_size_;
+  int64_t header_bytes_;
+  std::string format_;  // "llm.c v1, " for a file with a header, else ""
 };
 
 absl::StatusOr<std::unique_ptr<MappedFile>> OpenNonEmpty(const DataSection& data) {
@@ -268,12 +288,87 @@ int64_t WindowsIn(int64_t tokens, int64_t seq_len) {
   return tokens > seq_len ? (tokens - 1) / seq_len : 0;
 }
 
-// A flat file of uint16 / uint32 token ids (data.source tokens).
+// Note [llm.c token files]
+// llm.c's dev/data scripts (data_common.py write_datafile) write a header of 256 little-endian
+// int32: [0] magic, [1] version, [2] number of tokens, the rest 0; then the tokens. Two kinds:
+//   magic 20240520, version 1: GPT-2 tokens, uint16
+//   magic 20240801, version 7: Llama 3 tokens, uint32
+// With data.header auto a file is read this way when its first int32 is one of the magics
+// (a raw uint16 stream starting with ids 55432, 308 would be misread: data.header none);
+// data.header llmc requires the header. The header decides the token width, and the file must
+// hold exactly the tokens it announces (kDataLoss otherwise: a truncated download or copy).
+constexpr int64_t kLlmcHeaderInts = 256;
+constexpr int64_t kLlmcHeaderBytes = kLlmcHeaderInts * 4;
+struct LlmcKind {
+  int32_t magic;
+  int32_t version;
+  int token_bytes;
+  const char* name;
+};
+constexpr LlmcKind kLlmcKinds[] = {{20240520, 1, 2, "llm.c GPT-2"},
+                                   {20240801, 7, 4, "llm.c Llama 3"}};
+
+int32_t Int32At(const MappedFile& file, int64_t index) {
+  int32_t v;
+  std::memcpy(&v, file.data() + 4 * index, 4);  // little-endian hosts only, as the id reader
+  return v;
+}
+
+// The token width and header length of an llm.c file, or kDataLoss naming the values read.
+absl::StatusOr<std::pair<const LlmcKind*, int64_t>> ReadLlmcHeader(const MappedFile& file) {
+  const std::string& path = file.path();
+  if (file.size() < kLlmcHeaderBytes) {
+    return absl::DataLossError(StrCat("data.path '", path, "': ", file.size(),
+                                      " bytes, shorter than llm.c's header of 256 int32 (",
+                                      kLlmcHeaderBytes, " bytes)"));
+  }
+  const int32_t magic = Int32At(file, 0), version = Int32At(file, 1), count = Int32At(file, 2);
+  const LlmcKind* kind = nullptr;
+  for (const LlmcKind& k : kLlmcKinds) {
+    if (k.magic == magic) kind = &k;
+  }
+  if (kind == nullptr) {
+    return absl::DataLossError(StrCat(
+        "data.path '", path, "': data.header llmc, but the magic is ", magic,
+        " (llm.c writes 20240520 for GPT-2 uint16 tokens, 20240801 for Llama 3 uint32); for a "
+        "file without header set data.header: none"));
+  }
+  if (version != kind->version) {
+    return absl::DataLossError(StrCat("data.path '", path, "': ", kind->name, " magic ", magic,
+                                      " with version ", version, " (valid: ", kind->version, ")"));
+  }
+  const int64_t expected = kLlmcHeaderBytes + int64_t{count} * kind->token_bytes;
+  if (count < 0 || file.size() != expected) {
+    return absl::DataLossError(StrCat("data.path '", path, "': the ", kind->name,
+                                      " header announces ", count, " tokens (", expected,
+                                      " bytes with the header) but the file has ", file.size(),
+                                      " bytes", file.size() < expected ? " (truncated?)" : ""));
+  }
+  return std::make_pair(kind, int64_t{count});
+}
+
+// A file of uint16 / uint32 token ids (data.source tokens), with llm.c's header or none.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTokenFile(const DataSection& data,
                                                             int64_t vocab_size) {
+  FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
+  bool llmc = data.header == TokenHeader::kLlmc;
+  if (data.header == TokenHeader::kAuto && file->size() >= 4) {
+    for (const LlmcKind& k : kLlmcKinds) llmc = llmc || Int32At(*file, 0) == k.magic;
+  }
+  if (llmc) {  // See Note [llm.c token files].
+    FSDP_ASSIGN_OR_RETURN(auto header, ReadLlmcHeader(*file));
+    if (header.second == 0) {
+      return absl::DataLossError(
+          StrCat("data.path '", data.path, "': ", header.first->name, " file with 0 tokens"));
+    }
+    auto dataset = std::make_unique<FileDataset>(
+        std::move(file), header.first->token_bytes, vocab_size, kLlmcHeaderBytes,
+        StrCat(header.first->name, " v", header.first->version, ", "));
+    FSDP_RETURN_IF_ERROR(dataset->CheckIdsOnSample());
+    return dataset;
+  }
   const bool wide = data.token_dtype == TokenDtype::kUint32;
   const int token_bytes = wide ? 4 : 2;
-  FSDP_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, OpenNonEmpty(data));
   if (file->size() % token_bytes != 0) {
     return absl::DataLossError(StrCat("data.path '", data.path, "': size ", file->size(),
                                       " bytes is not a multiple of ", token_bytes, " (",

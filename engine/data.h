@@ -5,8 +5,9 @@
 //   synthetic  a learnable stream generated from the seed (no file): tokens follow a fixed
 //              random order-1 Markov chain with a few likely successors per token, so the loss
 //              can fall well below log(vocab) within a short run
-//   tokens     a flat binary file of uint16 or uint32 token ids (what nanoGPT and llm.c write),
-//              memory-mapped
+//   tokens     a binary file of uint16 or uint32 token ids, memory-mapped: headerless (nanoGPT's
+//              prepare.py, data.token_dtype says the width) or with llm.c's 256 x int32 header
+//              (its dev/data scripts; recognised by the magic, Note [llm.c token files])
 //   text       any file, read as bytes (vocab 256)
 //
 // Sampling: the training part is cut into non-overlapping windows; each epoch visits them in a
@@ -52,8 +53,9 @@ class TokenDataset {
 };
 
 // kNotFound for a missing file, kInvalidArgument for a bad source/dtype, kDataLoss for a file
-// whose size is not a multiple of the token size or with an id >= vocab (checked on a sample),
-// each naming the file. `vocab_size` is the model's.
+// whose size is not a multiple of the token size, an llm.c header with a wrong magic, version
+// or token count, or an id >= vocab (checked on a sample), each naming the file and values.
+// `vocab_size` is the model's.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(const DataSection& data,
                                                           int64_t vocab_size, uint64_t seed);
 

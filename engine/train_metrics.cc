@@ -24,16 +24,16 @@ namespace fsdp {
 
 nlohmann::json StepRecord::ToJson() const {
   nlohmann::json j = {{"step", step},
-          {"loss", loss},
-          {"grad_norm", grad_norm},
-          {"lr", lr},
-          {"step_time_s", step_time_s},
-          {"tokens_per_s", tokens_per_s},
-          {"tokens_per_s_per_device", tokens_per_s_per_device},
-          {"mfu", mfu},
-          {"peak_mem_bytes", peak_mem_bytes},
-          {"comm_wait_s", comm_wait_s},
-          {"comm_bytes", comm_bytes}};
+                      {"loss", loss},
+                      {"grad_norm", grad_norm},
+                      {"lr", lr},
+                      {"step_time_s", step_time_s},
+                      {"tokens_per_s", tokens_per_s},
+                      {"tokens_per_s_per_device", tokens_per_s_per_device},
+                      {"mfu", std::isfinite(mfu) ? nlohmann::json(mfu) : nlohmann::json(nullptr)},
+                      {"peak_mem_bytes", peak_mem_bytes},
+                      {"comm_wait_s", comm_wait_s},
+                      {"comm_bytes", comm_bytes}};
   if (skipped) j["skipped"] = true;  // its loss / grad_norm are null (non-finite)
   return j;
 }
@@ -41,9 +41,10 @@ nlohmann::json StepRecord::ToJson() const {
 std::string StepRecord::ToLine() const {
   return fmt::format(
       "step {:>6}/{}  loss {:.4f}  grad_norm {:.3f}  lr {:.3e}  {:.0f} ms/step  {:.0f} tok/s "
-      "({:.0f}/device)  mfu {:.2f}%  peak_mem {}",
+      "({:.0f}/device)  mfu {}  peak_mem {}",
       step, total_steps, loss, grad_norm, lr, step_time_s * 1e3, tokens_per_s,
-      tokens_per_s_per_device, 100 * mfu, HumanBytes(static_cast<double>(peak_mem_bytes)));
+      tokens_per_s_per_device, std::isfinite(mfu) ? fmt::format("{:.2f}%", 100 * mfu) : "n/a",
+      HumanBytes(static_cast<double>(peak_mem_bytes)));
 }
 
 absl::StatusOr<StepRecord> ReadProgressFile(const std::string& path) {
@@ -168,7 +169,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
       std::chrono::duration<double>(Clock::now() - interval_start_).count() / static_cast<double>(n);
   r.tokens_per_s = static_cast<double>(tokens_per_step_) / r.step_time_s;
   r.tokens_per_s_per_device = r.tokens_per_s / world;
-  r.mfu = peak_flops_ > 0 ? flops_per_token_ * r.tokens_per_s_per_device / peak_flops_ : 0.0;
+  if (peak_flops_ > 0) r.mfu = flops_per_token_ * r.tokens_per_s_per_device / peak_flops_;
   r.peak_mem_bytes = DevicePeakBytes(device_);
   for (int k = 0; k < kNumCommKinds; ++k) {
     const CommCounter &now = comm_.Get(static_cast<CommKind>(k)),

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -36,7 +37,8 @@ struct StepRecord {
   int64_t step = 0;
   int64_t total_steps = 0;
   double loss = 0, grad_norm = 0, lr = 0;
-  double step_time_s = 0, tokens_per_s = 0, tokens_per_s_per_device = 0, mfu = 0;
+  double step_time_s = 0, tokens_per_s = 0, tokens_per_s_per_device = 0;
+  double mfu = std::nan("");  // NaN without a peak (a CPU without metrics.cpu_peak_flops)
   int64_t peak_mem_bytes = 0;
   double comm_wait_s = 0, comm_bytes = 0;  // this rank's, per step of the interval
   bool skipped = false;                    // on_nonfinite: skip skipped this step's update

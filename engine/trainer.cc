@@ -225,10 +225,27 @@ DistOptions DistOptionsFor(const TrainingSection& t, const ParallelismSection& p
 
 }  // namespace
 
-absl::Status Train(const RunConfig& config) {
+absl::Status CheckDeviceAvailable(const RunConfig& config) {
+  if (config.training.device != DeviceKind::kCuda || CudaDeviceCount() > 0) {
+    return absl::OkStatus();
+  }
+  const bool nccl = config.parallelism.backend == CudaBackend::kNccl;
+  return absl::FailedPreconditionError(
+      StrCat("training.device is cuda (",
+             config.source_file.empty() ? "the configuration" : config.source_file,
+             ") but no GPU was found", IsCudaBuild() ? "" : " (and this fsdp is a CPU-only build)",
+             "; to train on the CPU set training.device=cpu",
+             nccl ? " and parallelism.backend=gloo (nccl needs GPUs)" : "",
+             " (e.g. --set training.device=cpu", nccl ? " --set parallelism.backend=gloo" : "",
+             "), or training.device=auto to use a GPU when "
+             "there is one"));
+}
+
+absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   // ===== setup: rendezvous, mesh, run folder ====================================================
   const TrainingSection& t = config.training;
   ConfigureHostAllocator(t.cpu_allocator == HostAllocator::kCaching);
+  FSDP_RETURN_IF_ERROR(CheckDeviceAvailable(config));
   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<DistContext> ctx,
                         DistContext::InitFromEnvironment(DistOptionsFor(t, config.parallelism)));
   const int rank = ctx->rank();
@@ -256,7 +273,10 @@ absl::Status Train(const RunConfig& config) {
       }
       FSDP_ASSIGN_OR_RETURN(run_lock, RunDirLock::Acquire(run_dir.string()));
       std::string yaml = config.ToYaml();
-      std::cout << "fsdp train: resolved configuration (" << config.source_file << ")\n" << yaml << "\n";
+      if (config.metrics.print_config && !options.quiet) {
+        std::cout << "fsdp train: resolved configuration (" << config.source_file << ")\n"
+                  << yaml << "\n";
+      }
       std::ofstream out(run_dir / "config.yaml");
       if (!(out << yaml).flush()) {
         return absl::FailedPreconditionError(
@@ -327,7 +347,7 @@ absl::Status Train(const RunConfig& config) {
   }
   TrainMetrics metrics(config, ctx, device, model->FlopsPerToken(), trained->comm_stats(),
                        std::move(jsonl));
-  if (rank == 0) {
+  if (rank == 0 && !options.quiet) {
     std::cout << fmt::format(
         "fsdp train: {} on {} rank(s), mesh {}, strategy {}, model {} ({} parameters, {:.3g} "
         "FLOPs/token), data {}, {} tokens/step\n",
@@ -404,7 +424,7 @@ absl::Status Train(const RunConfig& config) {
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,
                  trained->comm_stats(), model->FlopsPerToken(), metrics.peak_flops(),
                  device.is_cuda() ? CudaDeviceDescription(device.index()) : "cpu");
-  if (rank == 0 && trained->fsdp() != nullptr) {
+  if (rank == 0 && trained->fsdp() != nullptr && !options.quiet) {
     std::cout << fmt::format(
         "fsdp train: model state on rank 0 (parameters, gradients, optimizer): {:.2f} MiB on the "
         "device, {:.2f} MiB in host memory (parallelism.offload: {})\n",

@@ -14,6 +14,17 @@
 
 namespace fsdp {
 
-absl::Status Train(const RunConfig& config);
+struct TrainOptions {
+  // `fsdp train --quiet`: no start-up summary (the configuration dump is metrics.print_config);
+  // errors, warnings, step, eval and checkpoint lines are printed as always.
+  bool quiet = false;
+};
+
+absl::Status Train(const RunConfig& config, const TrainOptions& options = {});
+
+// kFailedPrecondition when training.device is cuda and no GPU is visible, saying what to set
+// to train on the CPU instead (device, and the backend when it is nccl). `fsdp train` and
+// `fsdp bench compare` check this before they start ranks or write inputs.
+absl::Status CheckDeviceAvailable(const RunConfig& config);
 
 }  // namespace fsdp

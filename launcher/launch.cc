@@ -141,7 +141,7 @@ int RunLaunch(const LaunchOptions& o) {
       specs.push_back({o.node_rank * o.nproc_per_node + lr, o.program,
                        WorkerEnv(o, lr, port, attempt, run_id)});
     }
-    if (attempt == 0) {
+    if (attempt == 0 && o.announce) {
       std::cerr << "fsdp launch: starting " << o.nproc_per_node << " rank(s) on node "
                 << o.node_rank << " of " << o.nnodes << ", world size "
                 << o.nnodes * o.nproc_per_node << ", store " << o.master_addr << ":" << port

@@ -36,6 +36,7 @@ struct LaunchOptions {
   // a checkpoint, without it; capped by `grace`).
   std::chrono::milliseconds failure_grace{std::chrono::seconds(5)};
   bool prefix_output = true;
+  bool announce = true;  // the "fsdp launch: starting N rank(s) ..." line
   std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
   std::vector<std::string> program;  // PROGRAM ARGS...
   // Optional: sees every output line of the workers and returns a status text (e.g. a

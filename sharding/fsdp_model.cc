@@ -193,8 +193,74 @@ at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
   }
   const bool backward_follows =
       at::GradMode::is_enabled() && ((x.defined() && x.requires_grad()) || unit.num_trainable() > 0);
+  if (unit.is_root()) {  // never checkpointed
+    at::Tensor output;
+    try {
+      output = fn(x);
+    } catch (const c10::Error& error) {
+      ExplainShardedUse(error);  // See Note [Parameters used while sharded].
+      throw;
+    }
+    return PostForward(unit, std::move(output));
+  }
   if (!backward_follows || !IsCheckpointed(unit)) return PostForward(unit, fn(x));
   return PostForward(unit, CheckpointUnitForward(unit, x, fn));
+}
+
+namespace {
+
+// The sizes in ATen's "setStorage: sizes [8, 16], strides ..." message; empty if none.
+std::vector<int64_t> FailingSizes(const std::string& message) {
+  std::vector<int64_t> sizes;
+  const size_t begin = message.find("sizes [");
+  const size_t end = message.find(']', begin);
+  if (begin == std::string::npos || end == std::string::npos) return sizes;
+  std::string list = message.substr(begin + 7, end - begin - 7);
+  for (size_t pos = 0; pos < list.size();) {
+    size_t next = list.find(',', pos);
+    if (next == std::string::npos) next = list.size();
+    try {
+      sizes.push_back(std::stoll(list.substr(pos, next - pos)));
+    } catch (const std::exception&) {
+      return {};
+    }
+    pos = next + 1;
+  }
+  return sizes;
+}
+
+}  // namespace
+
+void FsdpModel::ExplainShardedUse(const c10::Error& error) const {
+  const std::string message = error.what_without_backtrace();
+  if (message.find("out of bounds for storage of size 0") == std::string::npos) return;
+  const std::vector<int64_t> sizes = FailingSizes(message);
+  const FsdpUnit* culprit = nullptr;
+  const FsdpParam* param = nullptr;
+  for (const auto& unit : units_) {  // wrapping order
+    if (unit->is_root() || unit->forwarded() || unit->HoldsUnsharded()) continue;
+    for (const FsdpParam& p : unit->params()) {
+      if (sizes.empty() || p.param.sizes().vec() == sizes) {
+        param = &p;
+        break;
+      }
+    }
+    if (param != nullptr) {
+      culprit = unit.get();
+      break;
+    }
+  }
+  if (culprit == nullptr) return;
+  const std::string first_line = message.substr(0, message.find('\n'));
+  TORCH_CHECK(false, "FSDP unit '", culprit->name(), "' (", culprit->module()->name(),
+              ") was used while sharded: its parameters (e.g. '", param->names[0], "' ",
+              param->param.sizes(),
+              ") have no memory outside its forward, and its forward did "
+              "not go through fsdp::UnitForward. Route ",
+              culprit->module()->name(),
+              "::forward through fsdp::UnitForward(this, x, fn) (sharding/unit_forward.h) and "
+              "call the module itself, not its submodules, from its parent. (ATen: ",
+              first_line, ")");
 }
 
 at::Tensor FsdpModel::CheckpointUnitForward(FsdpUnit& unit, const at::Tensor& x,

@@ -12,7 +12,8 @@
 // runs forward/backward in the same order.
 //
 // What a module must do to be wrappable (libtorch modules have no forward hooks): route its
-// forward through UnitForward (unit_forward.h, the only header model code needs).
+// forward through UnitForward (unit_forward.h, the only header model code needs); forgetting
+// it is an error naming the unit (Note [Parameters used while sharded]).
 //
 //   auto units = fsdp::SelectUnits(*model, {.module_types = {"BlockImpl"}});
 //   auto fsdp_model = fsdp::FsdpModel::Wrap(model, mesh, units, options).value();
@@ -70,6 +71,16 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 // bytes, allocator state): every rank of a group must issue its collectives in the same order,
 // and one rank that prefetched a different unit would pair its all-gather with another rank's
 // different collective: a hang or silently mixed data.
+// Note [Parameters used while sharded]
+// Outside its forward and backward a unit's parameters keep their shape but have no memory
+// (their storage is resized to 0). A module that is a unit but whose forward does not go
+// through UnitForward, or a parent that calls a unit's submodules directly (block->fc(x)
+// instead of block(x)), runs ATen on such a parameter, which fails with "setStorage: ... out
+// of bounds for storage of size 0". The root's UnitForward catches that failure and names the
+// unit instead: among the non-root units that hold no unsharded parameters and have not begun
+// a forward in this iteration, those with a parameter of the failing sizes, the first in
+// wrapping order (a model's forward order). No cost on the success path: one flag per unit.
+// A root whose own forward skips UnitForward cannot be diagnosed this way (nothing catches).
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
@@ -139,6 +150,9 @@ class FsdpModel {
   at::Tensor CheckpointUnitForward(FsdpUnit& unit, const at::Tensor& x,
                                    const std::function<at::Tensor(const at::Tensor&)>& fn);
   at::Tensor PostForward(FsdpUnit& unit, at::Tensor output);
+  // Throws an error naming the unit when `error` is ATen's failure on a sharded parameter's
+  // empty storage; returns otherwise. See Note [Parameters used while sharded].
+  void ExplainShardedUse(const c10::Error& error) const;
   void PreBackward(FsdpUnit& unit);
   void FinishBackward();
   // Starts all-gathers of the next units in `direction` (+1 forward, -1 backward order).

@@ -190,12 +190,14 @@ void ReshardFully(FsdpUnit& unit) {
 
 void FsdpUnit::ResetIteration() {
   training_state_ = TrainingState::kIdle;
+  forwarded_ = false;
   pending_grads_ = num_trainable();
 }
 
 void FsdpUnit::BeginForward() {
   CheckTraining("BeginForward", TrainingState::kIdle);
   training_state_ = TrainingState::kForward;
+  forwarded_ = true;
 }
 
 void FsdpUnit::EndForward() {

@@ -108,6 +108,9 @@ class FsdpUnit {
   std::vector<FsdpParam>& params() { return params_; }
   const std::vector<FsdpParam>& params() const { return params_; }
   int num_trainable() const { return static_cast<int>(grad_params_.size()); }
+  // Whether BeginForward ran since the last ResetIteration (Note [Parameters used while sharded]
+  // in fsdp_model.h).
+  bool forwarded() const { return forwarded_; }
   // Trainable parameters whose gradient has not been accumulated yet in this iteration.
   int pending_grads() const { return pending_grads_; }
   // One trainable parameter got its gradient; returns how many are still pending.
@@ -170,6 +173,7 @@ class FsdpUnit {
   bool is_root_;
   ShardedState state_ = ShardedState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;
+  bool forwarded_ = false;
   int pending_grads_ = 0;
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;

@@ -17,6 +17,7 @@
 #include "bench/bench.h"
 #include "checkpoint/safetensors.h"
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 #include "engine/data.h"
 #include "models/gpt/gpt.h"
 #include "planner/cost_model.h"
@@ -164,6 +165,19 @@ TEST(BenchCompare, UnwrappedNeedsOneRank) {
   EXPECT_EQ(r.exit.code, 2) << r.Output();
   EXPECT_TRUE(r.StderrHas("--unwrapped runs the plain model on one rank, so it needs --nproc 1 (got 2)"))
       << r.Output();
+}
+
+TEST(BenchCompare, CudaConfigWithoutGpuWritesNothing) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is visible: the comparison would run";
+  const std::string out = testing::FreshTempDir("nogpu") + "/out";
+  CommandResult r =
+      RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/llama_1b.yaml",
+                  "--nproc", "1", "--steps", "3", "--out", out},
+                 {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("no GPU was found")) << r.Output();
+  EXPECT_TRUE(r.StderrHas("training.device=cpu")) << r.Output();
+  EXPECT_FALSE(std::filesystem::exists(out)) << "inputs written to " << out;
 }
 
 TEST(BenchCompare, BadConfigKeyIsAnError) {

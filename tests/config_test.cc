@@ -73,6 +73,7 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.data.source, b.data.source);
   EXPECT_EQ(a.data.path, b.data.path);
   EXPECT_EQ(a.data.token_dtype, b.data.token_dtype);
+  EXPECT_EQ(a.data.header, b.data.header);
   EXPECT_EQ(a.data.val_fraction, b.data.val_fraction);
   EXPECT_EQ(a.data.synthetic_tokens, b.data.synthetic_tokens);
   EXPECT_EQ(a.training.steps, b.training.steps);
@@ -107,6 +108,7 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.parallelism.backend, b.parallelism.backend);
   EXPECT_EQ(a.metrics.jsonl, b.metrics.jsonl);
   EXPECT_EQ(a.metrics.cpu_peak_flops, b.metrics.cpu_peak_flops);
+  EXPECT_EQ(a.metrics.print_config, b.metrics.print_config);
   EXPECT_EQ(a.metrics.progress_bar, b.metrics.progress_bar);
 }
 
@@ -311,7 +313,8 @@ TEST(RunConfigParseTest, EveryValueRule) {
        "(inferred from the world size)"},
       {"parallelism.reshard_after_forward=True",
        "parallelism.reshard_after_forward: 'True' is not valid; did you mean 'true'? valid: "
-       "default, true, false, or an integer k with 1 < k < the shard degree, dividing it (reshard to groups of k ranks)"},
+       "default, true, false, or an integer k with 1 < k < the shard degree, dividing it (reshard "
+       "to groups of k ranks)"},
       {"parallelism.reshard_after_forward=0",
        "parallelism.reshard_after_forward: '0' is not valid; valid: default, true, false, or an "
        "integer k with 1 < k < the shard degree, dividing it (reshard to groups of k ranks)"},
@@ -328,7 +331,9 @@ TEST(RunConfigParseTest, EveryValueRule) {
        "parallelism.cpu_collectives: 'ring' is not valid; valid: p2p, gloo"},
       {"training.cpu_allocator=jemalloc",
        "training.cpu_allocator: 'jemalloc' is not valid; valid: caching, default"},
-      {"metrics.cpu_peak_flops=0", "metrics.cpu_peak_flops: must be > 0, got 0"},
+      {"metrics.cpu_peak_flops=-1",
+       "metrics.cpu_peak_flops: must be > 0 (FLOP/s per rank), or 0 for unset (no MFU on CPU), "
+       "got -1"},
       {"metrics.progress_bar=yes",
        "metrics.progress_bar: 'yes' is not valid; valid: auto, on, off"},
   };

@@ -284,8 +284,9 @@ TEST(TokenFileDataTest, ReportsEveryFileError) {
   const std::string big_id = WriteBytes("big.bin", LittleEndian<uint32_t>({5, 6, 70000, 7}));
   EXPECT_THAT(OpenDataset(TokensFile(big_id, "uint32"), 50304, 1),
               StatusIs(absl::StatusCode::kDataLoss,
-                       StrCat("data.path '", big_id,
-                              "': token id 70000 at position 2 is >= model.vocab_size 50304")));
+                       HasSubstr(StrCat("data.path '", big_id,
+                                        "': token id 70000 at position 2 is >= model.vocab_size "
+                                        "50304 (max id 70000 in the uint32 ids checked)"))));
 
   // Past the first 64K tokens: found in the sampled tail.
   std::vector<int64_t> long_ids(200000, 1);
@@ -300,6 +301,95 @@ TEST(TokenFileDataTest, ReportsEveryFileError) {
   EXPECT_THAT(OpenDataset(TokensFile(::testing::TempDir(), "uint16"), 50304, 1),
               InvalidArgumentWith(HasSubstr("not a regular file")));
   for (const std::string& path : {odd, six, empty, big_id, tail}) ::unlink(path.c_str());
+}
+
+// llm.c's dev/data layout (Note [llm.c token files] in data.cc): 256 int32 (magic, version,
+// token count, zeros), then the tokens.
+std::string LlmcFile(int32_t magic, int32_t version, int32_t count, const std::string& tokens) {
+  std::vector<int64_t> header(256, 0);
+  header[0] = magic;
+  header[1] = version;
+  header[2] = count;
+  return LittleEndian<uint32_t>(header) + tokens;
+}
+
+TEST(TokenFileDataTest, ReadsLlmcFilesByTheirHeader) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 500; ++i) ids.push_back((i * 7919) % 50257);
+  const std::string gpt2 =
+      WriteBytes("llmc_gpt2.bin", LlmcFile(20240520, 1, 500, LittleEndian<uint16_t>(ids)));
+  // data.token_dtype is for headerless files: the header's width wins.
+  std::unique_ptr<TokenDataset> data = OpenOrDie(TokensFile(gpt2, "uint32"), 50304, 1);
+  ASSERT_TRUE(data);
+  EXPECT_EQ(data->size(), 500);
+  EXPECT_EQ(ReadAll(*data), ids);
+  EXPECT_EQ(data->Describe(),
+            StrCat("tokens '", gpt2, "', 500 tokens (llm.c GPT-2 v1, uint16), vocab 50304"));
+
+  const std::vector<int64_t> wide = {0, 128000, 70000, 5, 128255};
+  const std::string llama3 =
+      WriteBytes("llmc_llama3.bin", LlmcFile(20240801, 7, 5, LittleEndian<uint32_t>(wide)));
+  data = OpenOrDie(TokensFile(llama3, "uint16"), 128256, 1);
+  ASSERT_TRUE(data);
+  EXPECT_EQ(ReadAll(*data), wide);
+
+  // data.header none: the same bytes are raw uint16 ids (the header's become tokens too).
+  DataSection raw = TokensFile(gpt2, "uint16");
+  raw.header = TokenHeader::kNone;
+  EXPECT_THAT(OpenDataset(raw, 50304, 1),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("token id 55432 at position 0")));
+  for (const std::string& path : {gpt2, llama3}) ::unlink(path.c_str());
+}
+
+TEST(TokenFileDataTest, ReportsBadLlmcHeaders) {
+  const std::string tokens = LittleEndian<uint16_t>({1, 2, 3, 4});
+  const std::string version = WriteBytes("llmc_v2.bin", LlmcFile(20240520, 2, 4, tokens));
+  EXPECT_THAT(OpenDataset(TokensFile(version, "uint16"), 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat("data.path '", version,
+                              "': llm.c GPT-2 magic 20240520 with version 2 (valid: 1)")));
+  const std::string truncated = WriteBytes("llmc_short.bin", LlmcFile(20240520, 1, 6, tokens));
+  EXPECT_THAT(OpenDataset(TokensFile(truncated, "uint16"), 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat("data.path '", truncated,
+                              "': the llm.c GPT-2 header announces 6 tokens (1036 bytes with the "
+                              "header) but the file has 1032 bytes (truncated?)")));
+  DataSection required =
+      TokensFile(WriteBytes("llmc_magic.bin", LlmcFile(7, 1, 4, tokens)), "uint16");
+  required.header = TokenHeader::kLlmc;
+  EXPECT_THAT(OpenDataset(required, 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(required.path), HasSubstr("the magic is 7"),
+                             HasSubstr("20240520"), HasSubstr("data.header: none"))));
+  required.path = WriteBytes("llmc_tiny.bin", "\x01\x02");
+  EXPECT_THAT(OpenDataset(required, 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(required.path), HasSubstr("2 bytes, shorter than"))));
+  // Ids past the vocabulary in a file with a header: the header is not the suspect.
+  const std::string big =
+      WriteBytes("llmc_big.bin", LlmcFile(20240520, 1, 4, LittleEndian<uint16_t>({1, 900, 2, 3})));
+  EXPECT_THAT(OpenDataset(TokensFile(big, "uint16"), 512, 1),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("token id 900 at position 1"), HasSubstr("max id 900"),
+                             HasSubstr("its header (llm.c GPT-2 v1, uint16)"))));
+  for (const std::string& path :
+       {version, truncated, std::string(TempPath("llmc_magic.bin")), required.path, big}) {
+    ::unlink(path.c_str());
+  }
+}
+
+TEST(TokenFileDataTest, IdsPastTheVocabSuggestAHeaderOrTheDtype) {
+  // uint32 ids read as uint16: every odd position is a high half (0), the others are the ids;
+  // here uint16 ids read as uint32 instead: pairs merge into ids far past the vocabulary.
+  const std::string path =
+      WriteBytes("narrow.bin", LittleEndian<uint16_t>({10, 20, 30, 40, 50, 60}));
+  EXPECT_THAT(
+      OpenDataset(TokensFile(path, "uint32"), 50304, 1),
+      StatusIs(absl::StatusCode::kDataLoss,
+               AllOf(HasSubstr(path), HasSubstr("token id 1310730 at position 0"),
+                     HasSubstr("max id 3932210"), HasSubstr("model.vocab_size 50304"),
+                     HasSubstr("may have a header"), HasSubstr("data.token_dtype uint32"))));
+  ::unlink(path.c_str());
 }
 
 TEST(TextFileDataTest, ReadsBytesAsTokens) {

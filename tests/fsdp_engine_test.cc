@@ -578,6 +578,59 @@ TEST(FsdpEngineTest, SequentialChildrenByParameterCount) {
   });
 }
 
+// Two same-shaped blocks; the root either bypasses the second block (calls its submodule
+// directly) or the second block's forward forgets UnitForward.
+struct LinearBlockImpl : torch::nn::Module {
+  explicit LinearBlockImpl(bool wrapped) : wrapped(wrapped) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (!wrapped) return x + fc->forward(x);  // the user's bug: no UnitForward
+    return UnitForward(this, x, [&](const torch::Tensor& h) { return h + fc->forward(h); });
+  }
+  bool wrapped;
+  torch::nn::Linear fc{register_module("fc", torch::nn::Linear(8, 8))};
+};
+TORCH_MODULE(LinearBlock);
+
+struct TwoBlockNetImpl : torch::nn::Module {
+  TwoBlockNetImpl(bool bypass, bool second_wrapped) : bypass(bypass) {
+    first = register_module("first", LinearBlock(true));
+    second = register_module("second", LinearBlock(second_wrapped));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return UnitForward(this, x, [&](const torch::Tensor& h) {
+      torch::Tensor y = first->forward(h);
+      return bypass ? second->fc->forward(y) : second->forward(y);
+    });
+  }
+  bool bypass;
+  LinearBlock first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(TwoBlockNet);
+
+TEST(FsdpWrapErrors, ForwardWithoutUnitForwardNamesTheUnit) {
+  testing::RunOnRanks(2, [](int) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
+    for (bool bypass : {true, false}) {
+      TwoBlockNet model(bypass, /*second_wrapped=*/bypass);
+      auto f = FsdpModel::Wrap(model.ptr(), mesh, {model->first.ptr(), model->second.ptr()},
+                               OptionsForStrategy(Strategy::kFullShard));
+      ASSERT_TRUE(f.ok()) << f.status();
+      try {
+        model->forward(torch::randn({4, 8}));
+        ADD_FAILURE() << "the forward through a sharded unit did not fail";
+      } catch (const c10::Error& e) {
+        const std::string message = e.what_without_backtrace();
+        EXPECT_THAT(message, HasSubstr("FSDP unit 'second' (fsdp::(anonymous namespace)::"
+                                       "LinearBlockImpl) was used while sharded"));
+        EXPECT_THAT(message, HasSubstr("'second.fc."));
+        EXPECT_THAT(message, HasSubstr("through fsdp::UnitForward(this, x, fn)"));
+        EXPECT_THAT(message, HasSubstr("out of bounds for storage of size 0"));
+      }
+    }
+  });
+}
+
 TEST(FsdpEngineTest, UnwrappedModelRunsUnchanged) {
   // UnitForward is a plain call when the module is not a unit.
   torch::manual_seed(7);

@@ -12,6 +12,7 @@
 
 #include "common/env.h"
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 #include "tests/multirank.h"
 
 namespace fsdp {
@@ -29,10 +30,12 @@ struct TrainRun {
   std::vector<nlohmann::json> records;
 };
 
-TrainRun Train(const std::string& config, std::vector<std::string> sets, const std::string& tag) {
+TrainRun Train(const std::string& config, std::vector<std::string> sets, const std::string& tag,
+               const std::vector<std::string>& flags = {}) {
   std::string dir = FreshTempDir(tag);
   std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/" + config,
                                    "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   TrainRun run;
   run.result = RunCommand(argv, {}, std::chrono::seconds(240));
@@ -150,6 +153,58 @@ TEST(TrainTest, DefaultConfigLossFalls) {
   EXPECT_LT(run.losses.back(), run.losses.front() - 1.0) << run.result.Output();
   EXPECT_TRUE(run.result.StdoutHas("fsdp train: resolved configuration")) << run.result.Output();
   EXPECT_TRUE(run.result.StdoutHas("val_loss")) << run.result.Output();
+}
+
+TEST(TrainTest, QuietKeepsTheStepLinesAndMfuNeedsACpuPeak) {
+  const std::vector<std::string> sets = {"training.steps=4", "training.log_interval=2",
+                                         "training.eval_interval=0", "parallelism.nproc=2"};
+  TrainRun quiet = Train("default.yaml", sets, "quiet", {"--quiet"});
+  ASSERT_TRUE(quiet.result.exit.ok()) << quiet.result.Output();
+  EXPECT_FALSE(quiet.result.StdoutHas("resolved configuration")) << quiet.result.Output();
+  EXPECT_FALSE(quiet.result.StdoutHas("fsdp train: default on 2 rank(s)")) << quiet.result.Output();
+  EXPECT_FALSE(quiet.result.StderrHas("fsdp launch: starting")) << quiet.result.Output();
+  EXPECT_TRUE(quiet.result.StdoutHas("step      4/4  loss")) << quiet.result.Output();
+  EXPECT_TRUE(quiet.result.StdoutHas("fsdp train: done, 4 steps")) << quiet.result.Output();
+  // No metrics.cpu_peak_flops on a CPU: no MFU, in the line and in metrics.jsonl.
+  EXPECT_TRUE(quiet.result.StdoutHas("mfu n/a")) << quiet.result.Output();
+  ASSERT_EQ(quiet.losses.size(), 4u);
+  for (const nlohmann::json& r : quiet.records) {
+    if (r.contains("loss")) EXPECT_TRUE(r.at("mfu").is_null()) << r.dump();
+  }
+
+  // metrics.print_config: false drops only the dump; a CPU peak gives MFU figures.
+  std::vector<std::string> with_peak = sets;
+  with_peak.insert(with_peak.end(), {"metrics.print_config=false", "metrics.cpu_peak_flops=1e9"});
+  TrainRun run = Train("default.yaml", with_peak, "peak");
+  ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
+  EXPECT_FALSE(run.result.StdoutHas("resolved configuration")) << run.result.Output();
+  EXPECT_TRUE(run.result.StdoutHas("fsdp train: default on 2 rank(s)")) << run.result.Output();
+  EXPECT_FALSE(run.result.StdoutHas("mfu n/a")) << run.result.Output();
+  int with_mfu = 0;
+  for (const nlohmann::json& r : run.records) {
+    if (!r.contains("loss")) continue;
+    ASSERT_TRUE(r.at("mfu").is_number()) << r.dump();
+    // MFU = FLOPs/token x tokens/s/rank / peak, from the record's own throughput.
+    EXPECT_GT(r.at("mfu").get<double>(), 0);
+    ++with_mfu;
+  }
+  EXPECT_EQ(with_mfu, 4);
+}
+
+TEST(TrainTest, CudaConfigWithoutGpuSaysWhatToSet) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is visible: configs/llama_1b.yaml would train";
+  std::string dir = FreshTempDir("nogpu");
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "train", SourceDir() + "/configs/llama_1b.yaml", "--set", "run.dir=" + dir},
+      {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("training.device is cuda (" + SourceDir() +
+                          "/configs/llama_1b.yaml) but no GPU was found"))
+      << r.Output();
+  EXPECT_TRUE(r.StderrHas("--set training.device=cpu --set parallelism.backend=gloo"))
+      << r.Output();
+  EXPECT_FALSE(r.StderrHas("world size 0")) << r.Output();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TrainTest, BadConfigurationExitsWithTheKey) {
