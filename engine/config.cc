@@ -267,6 +267,20 @@ ChoiceField CheckpointingField(ActivationCheckpointing* field) {
           }};
 }
 
+ChoiceField ProfileField(ProfileWindow* field) {
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            std::optional<ProfileWindow> window = ParseProfileWindow(text);
+            if (!window) {
+              return NotValid(text, {"none"},
+                              "none, or START:STEPS (profile STEPS >= 1 steps from the 0-based "
+                              "step START, e.g. 10:3)");
+            }
+            *field = *window;
+            return std::nullopt;
+          },
+          [field]() { return field->ToString(); }};
+}
+
 ChoiceField OptimizerField(OptimizerKind* field) {
   NameTable<OptimizerKind> table;
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
@@ -327,7 +341,9 @@ std::vector<Section> Sections(RunConfig& c) {
         {"eval_interval", &c.training.eval_interval},
         {"eval_batches", &c.training.eval_batches},
         {"log_interval", &c.training.log_interval},
-        {"activation_checkpointing", CheckpointingField(&c.training.activation_checkpointing)}}},
+        {"activation_checkpointing", CheckpointingField(&c.training.activation_checkpointing)},
+        {"profile", ProfileField(&c.training.profile)},
+        {"profile_dir", &c.training.profile_dir}}},
       {"optimizer",
        {{"name", OptimizerField(&c.optimizer.kind)},
         {"lr", &c.optimizer.lr},
@@ -659,6 +675,12 @@ absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.grad_accum_steps", t.grad_accum_steps, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_batches", t.eval_batches, 1));
+  FSDP_RETURN_IF_ERROR(v.Check(!t.profile.enabled() || t.profile.start + t.profile.steps <= t.steps,
+                               "training.profile",
+                               StrCat("'", t.profile.ToString(), "' ends after step ",
+                                      t.profile.start + t.profile.steps, " of a run of ", t.steps,
+                                      " steps"),
+                               {"training.steps"}));
   return v.AtLeast<int64_t>("training.log_interval", t.log_interval, 1);
 }
 

@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/optimizer.h"
+#include "engine/profiler.h"
 #include "models/model.h"
 #include "sharding/options.h"
 
@@ -109,6 +110,10 @@ struct TrainingSection {
   int64_t log_interval = 10;
   // none | full | every:k | selective (sharding/options.h: ActivationCheckpointing).
   ActivationCheckpointing activation_checkpointing;
+  // none | START:STEPS: a Kineto trace of STEPS steps from the 0-based step START
+  // (engine/profiler.h), written to profile_dir ("": <run.dir>/profile) as rank<R>.json.
+  ProfileWindow profile;
+  std::string profile_dir;
 };
 
 // name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum, implementation

@@ -25,6 +25,7 @@
 #include "engine/data.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
+#include "engine/profiler.h"
 #include "engine/run_lock.h"
 #include "engine/schedule.h"
 #include "engine/train_metrics.h"
@@ -382,12 +383,18 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   int64_t state_bytes = 0;  // model states right after the last update: Note [Rank statistics]
   constexpr int kMaxConsecutiveSkips = 10;
   int consecutive_skips = 0;
+  StepProfiler profiler(t.profile,
+                        t.profile_dir.empty() ? run_dir / "profile" : std::filesystem::path(t.profile_dir),
+                        device, rank);
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
     const double lr = LearningRate(config.lr_scheduler, config.optimizer.lr, step, t.steps);
     SetLearningRate(*optimizer, lr);
+    profiler.BeforeStep(step);
     StepOutput out = TrainStep(*model, *trained, *optimizer, loader, t, device);
+    FSDP_ASSIGN_OR_RETURN(std::optional<std::string> profile_summary, profiler.AfterStep(step));
+    if (profile_summary && rank == 0) std::cout << *profile_summary << std::flush;
     if (out.skipped && rank == 0) FSDP_LOG_WARN("step {}: non-finite loss or gradient norm; update skipped", done);
     if (!out.skipped) state_bytes = DeviceAllocatedBytes(device);
     metrics.Record(out.loss, out.grad_norm,

@@ -3,12 +3,14 @@
 #include <chrono>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 namespace fsdp {
 
 using Clock = std::chrono::steady_clock;
 
 void WaitFor(const c10::intrusive_ptr<c10d::Work>& work, CommKind kind, CommStats& stats) {
+  RECORD_FUNCTION("fsdp::comm_wait", std::vector<c10::IValue>());  // exposed communication
   auto start = Clock::now();
   work->wait();
   stats.RecordWait(kind, std::chrono::duration<double>(Clock::now() - start).count());
