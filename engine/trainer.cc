@@ -23,6 +23,7 @@
 #include "device_mesh/torch_status.h"
 #include "engine/checkpointing.h"
 #include "engine/data.h"
+#include "engine/freeze.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
 #include "engine/run_lock.h"
@@ -212,7 +213,8 @@ absl::StatusOr<std::unique_ptr<TrainableModel>> WrapModel(const RunConfig& confi
                         FsdpModel::Wrap(model.module(), mesh,
                                         UnitModules(model, config.parallelism.wrap_policy),
                                         plan.options));
-  return WrapForTraining(std::move(sharded));
+  return WrapForTraining(std::move(sharded),
+                         /*sync_every_micro_batch=*/config.training.grad_sync == GradSync::kEvery);
 }
 
 DistOptions DistOptionsFor(const TrainingSection& t, const ParallelismSection& p) {
@@ -280,6 +282,15 @@ absl::Status Train(const RunConfig& config) {
   if (!config.model.deferred_init || config.parallelism.Unwrapped()) {
     model->MaterializeSeeded(static_cast<uint64_t>(config.run.seed));  // whole, then sharded
     model->module()->to(device);
+  }
+  // model.freeze: before wrapping, so that the units see which parameters train.
+  FSDP_ASSIGN_OR_RETURN(FreezeSummary frozen,
+                        FreezeParameters(*model->module(), config.model.freeze));
+  if (rank == 0 && frozen.frozen_params > 0) {
+    std::cout << fmt::format(
+        "fsdp train: model.freeze: {} parameter tensors ({} values) frozen, {} ({} values) "
+        "train\n",
+        frozen.frozen_params, frozen.frozen_numel, frozen.trainable_params, frozen.trainable_numel);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
   // With offload the optimizer steps host tensors: ATen's fused CPU kernel (Note [CPU offload]).
@@ -368,6 +379,7 @@ absl::Status Train(const RunConfig& config) {
     const int64_t done = step + 1;
     const double lr = LearningRate(config.lr_scheduler, config.optimizer.lr, step, t.steps);
     SetLearningRate(*optimizer, lr);
+    metrics.BeginStep();
     StepOutput out = TrainStep(*model, *trained, *optimizer, loader, t, device);
     if (out.skipped && rank == 0) FSDP_LOG_WARN("step {}: non-finite loss or gradient norm; update skipped", done);
     if (!out.skipped) state_bytes = DeviceAllocatedBytes(device);
