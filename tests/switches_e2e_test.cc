@@ -220,5 +220,16 @@ TEST(FreezeTest, FrozenTensorsKeepTheirValuesOthersTrainAndResumeWorks) {
   fs::remove_all(resume_dir);
 }
 
+// `fsdp bench compare` measures against FSDP2 doing the same computation: it refuses both.
+TEST(SwitchesBenchTest, CompareRefusesWhatTheReferenceDoesNotDo) {
+  for (const char* set : {"training.grad_sync=last", "model.freeze=[tok_embeddings]"}) {
+    CommandResult r = RunCommand(
+        {FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml", "--set", set});
+    EXPECT_EQ(r.exit.code, 2) << set << "\n" << r.Output();
+    EXPECT_TRUE(r.StderrHas("implements neither model.freeze nor training.grad_sync: last"))
+        << r.Output();
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
