@@ -6,7 +6,8 @@
 //                             checkpoint the run starts from, the others change, the loss falls,
 //                             an all-frozen unit issues no reduce-scatter, and a resume
 //                             reproduces the straight run;
-//   step_ms                   every step record of metrics.jsonl has a positive step time.
+//   step_ms                   every step record of metrics.jsonl has a positive step time (on
+//                             a GPU too, from CUDA events: skipped without one).
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 
 #include "checkpoint/format.h"
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 #include "tests/multirank.h"
 
 namespace fsdp {
@@ -229,6 +231,21 @@ TEST(SwitchesBenchTest, CompareRefusesWhatTheReferenceDoesNotDo) {
     EXPECT_TRUE(r.StderrHas("implements neither model.freeze nor training.grad_sync: last"))
         << r.Output();
   }
+}
+
+// Note [Step timing] on a GPU: the CUDA events' times (skips without one).
+TEST(StepTimingTest, CudaEventsTimeEveryStep) {
+  if (CudaDeviceCount() == 0) {
+    GTEST_SKIP() << (IsCudaBuild() ? "no CUDA device visible on this machine"
+                                   : "CPU-only build (FSDP_CUDA off)");
+  }
+  const std::string dir = FreshTempDir("cuda");
+  TrainRun run = Train(dir, "full_shard",
+                       {"training.device=cuda", "parallelism.nproc=1", "parallelism.backend=gloo",
+                        "checkpoint.enabled=false"});
+  ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
+  ExpectStepTimes(run);
+  fs::remove_all(dir);
 }
 
 }  // namespace
