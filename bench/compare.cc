@@ -167,6 +167,14 @@ int RunCompare(const CompareOptions& o) {
                  "sharding strategy (the baseline is added with --unwrapped)\n";
     return 2;
   }
+  // The FSDP2 reference (bench/fsdp2_reference.py) trains every parameter and reduces every
+  // micro-batch: a run that does otherwise would be compared with a different computation.
+  if (!config->model.freeze.empty() || config->training.grad_sync != GradSync::kEvery) {
+    std::cerr << "fsdp bench compare: the FSDP2 reference implements neither model.freeze nor "
+                 "training.grad_sync: last; compare with model.freeze: [] and "
+                 "training.grad_sync: every\n";
+    return 2;
+  }
   const bool unwrapped = o.unwrapped.value_or(nproc == 1);
   if (unwrapped && nproc != 1) {
     std::cerr << "fsdp bench compare: --unwrapped runs the plain model on one rank, so it needs "

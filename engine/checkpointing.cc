@@ -1,5 +1,6 @@
 #include "engine/checkpointing.h"
 
+#include <algorithm>
 #include <set>
 
 #include <chrono>
@@ -272,6 +273,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     saved_step = record.value("step", false);
   }
   std::set<std::string> expected;  // every tensor this load reads
+  std::vector<std::string> frozen_state;  // "optim/<name>/" of the parameters frozen now
   at::NoGradGuard no_grad;
   auto read_into = [&](const std::string& key, at::Tensor& dst, int64_t first,
                        const std::vector<int64_t>& shape) -> absl::Status {
@@ -302,7 +304,12 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     int64_t first = model_.FirstLocalRow(*p);
     at::Tensor dst = shard;
     FSDP_RETURN_IF_ERROR(read_into("model/" + name, dst, first, p->sharding.shape));
-    if (!p->requires_grad || !cs.load_optimizer) continue;
+    if (!p->requires_grad) {
+      // model.freeze: a parameter frozen now needs no optimizer state; any saved is not used.
+      frozen_state.push_back(StrCat("optim/", name, "/"));
+      continue;
+    }
+    if (!cs.load_optimizer) continue;
     std::unique_ptr<torch::optim::OptimizerParamState> state = NewParamState(optimizer_);
     bool any = false;
     for (auto& [state_name, tensor] : StateTensors(*state)) {
@@ -313,7 +320,9 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
       if (!stored) {
         return absl::FailedPreconditionError(
             StrCat(dir, ": no tensor '", key, "', which the saved optimizer's state lists (",
-                   StrJoin(*saved_state, ", "), "); the checkpoint is incomplete"));
+                   StrJoin(*saved_state, ", "), "); the checkpoint is incomplete, or '", name,
+                   "' was frozen (model.freeze) when it was saved: checkpoint.load_optimizer: "
+                   "false starts the optimizer afresh"));
       }
       *tensor = at::zeros_like(shard);
       FSDP_RETURN_IF_ERROR(read_into(key, *tensor, first, p->sharding.shape));
@@ -346,6 +355,10 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     std::vector<std::string> unexpected;
     for (const ckpt::TensorEntry& t : reader.metadata().tensors) {
       if (expected.count(t.name) || (!cs.load_optimizer && StartsWith(t.name, "optim/"))) continue;
+      if (std::any_of(frozen_state.begin(), frozen_state.end(),
+                      [&](const std::string& prefix) { return StartsWith(t.name, prefix); })) {
+        continue;
+      }
       unexpected.push_back(t.name);
     }
     if (!unexpected.empty()) {

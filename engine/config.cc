@@ -32,7 +32,9 @@ struct ChoiceField {
   std::function<std::string()> print;
 };
 
-using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, ChoiceField>;
+// A list of strings (model.freeze) is a YAML sequence; a single string is a list of one.
+using StringList = std::vector<std::string>;
+using FieldRef = std::variant<int64_t*, double*, bool*, std::string*, ChoiceField, StringList*>;
 
 struct Field {
   std::string_view name;
@@ -320,7 +322,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"rope_theta", &c.model.rope_theta},
         {"init_std", &c.model.init_std},
         {"deferred_init", &c.model.deferred_init},
-        {"init_from", &c.model.init_from}}},
+        {"init_from", &c.model.init_from},
+        {"freeze", &c.model.freeze}}},
       {"data",
        {{"source", Enum(&c.data.source, {{DataSource::kSynthetic, "synthetic"}, {DataSource::kTokens, "tokens"}, {DataSource::kText, "text"}})},
         {"path", &c.data.path},
@@ -332,6 +335,7 @@ std::vector<Section> Sections(RunConfig& c) {
        {{"steps", &c.training.steps},
         {"micro_batch_size", &c.training.micro_batch_size},
         {"grad_accum_steps", &c.training.grad_accum_steps},
+        {"grad_sync", Enum(&c.training.grad_sync, {{GradSync::kEvery, "every"}, {GradSync::kLast, "last"}})},
         {"max_grad_norm", &c.training.max_grad_norm},
         {"mixed_precision", Enum(&c.training.mixed_precision, Precisions())},
         {"reduce_dtype", Enum(&c.training.reduce_dtype, Precisions())},
@@ -432,6 +436,24 @@ absl::Status SetField(const FieldRef& ref, const YAML::Node& value, std::string_
     if (std::optional<std::string> error = choice->parse(value.Scalar())) {
       return Invalid(where, key, *error);
     }
+    return absl::OkStatus();
+  }
+  if (auto* list = std::get_if<StringList*>(&ref)) {
+    StringList items;
+    if (scalar) items.push_back(value.Scalar());
+    if (value.IsSequence()) {
+      for (const YAML::Node& item : value) {
+        if (!item.IsScalar()) {
+          return Invalid(
+              where, key,
+              StrCat("expected a list of strings, got an item that is ", Describe(item)));
+        }
+        items.push_back(item.Scalar());
+      }
+    } else if (!scalar && !value.IsNull()) {
+      return Invalid(where, key, StrCat("expected a list of strings, got ", Describe(value)));
+    }
+    **list = std::move(items);
     return absl::OkStatus();
   }
   if (auto* s = std::get_if<std::string*>(&ref)) {
@@ -658,6 +680,11 @@ absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
               {"model.dim", "model.n_heads"}));
   FSDP_RETURN_IF_ERROR(v.Positive("model.norm_eps", m.norm_eps));
   FSDP_RETURN_IF_ERROR(v.Positive("model.rope_theta", m.rope_theta));
+  for (const std::string& pattern : m.freeze) {
+    FSDP_RETURN_IF_ERROR(v.Check(!pattern.empty(), "model.freeze",
+                                 "a pattern is empty (patterns are globs over parameter names, "
+                                 "e.g. \"tok_embeddings.*\", \"layers.0.*\")"));
+  }
   return v.Positive("model.init_std", m.init_std);
 }
 
@@ -769,6 +796,10 @@ std::string YamlScalar(const FieldRef& ref) {
   YAML::Emitter out;
   if (auto* choice = std::get_if<ChoiceField>(&ref)) {
     out << choice->print();
+    return out.c_str();
+  }
+  if (auto* list = std::get_if<StringList*>(&ref)) {
+    out << YAML::Flow << **list;  // ["tok_embeddings.*", "layers.0.*"], or []
     return out.c_str();
   }
   out << *std::get<std::string*>(ref);

@@ -42,6 +42,10 @@ const char* PrecisionName(Precision precision);  // "fp32" | "bf16" (MFU tables,
 enum class DeviceKind { kAuto, kCpu, kCuda };
 enum class HostAllocator { kCaching, kDefault };
 enum class OnNonFinite { kStop, kSkip };
+// training.grad_sync: every micro-batch's gradients are reduced (every), or only the last one's,
+// the others accumulating unsharded on each rank (last: Note [No-sync accumulation] in
+// engine/trainable.h).
+enum class GradSync { kEvery, kLast };
 enum class LrDecay { kCosine, kLinear, kConstant };
 enum class DataSource { kSynthetic, kTokens, kText };
 enum class TokenDtype { kUint16, kUint32 };
@@ -82,6 +86,9 @@ struct RunSection {
 struct ModelSection : ModelArgs {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
   std::string init_from;      // a safetensors file to start from, read shard by shard
+  // Glob patterns ('*', '?', '[...]') over parameter names, e.g. "tok_embeddings.*": matching
+  // parameters are frozen (engine/freeze.h). Each pattern must match some parameter.
+  std::vector<std::string> freeze;
 };
 
 struct DataSection {
@@ -97,6 +104,7 @@ struct TrainingSection {
   int64_t steps = 200;
   int64_t micro_batch_size = 8;      // sequences per rank per micro-batch
   int64_t grad_accum_steps = 1;
+  GradSync grad_sync = GradSync::kEvery;  // every | last
   double max_grad_norm = 1.0;        // <= 0: no clipping
   Precision mixed_precision = Precision::kFp32;  // fp32 | bf16 (compute dtype)
   Precision reduce_dtype = Precision::kFp32;     // fp32 | bf16 (gradient reduction)

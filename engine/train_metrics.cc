@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
 #include "common/env_knobs.h"
@@ -28,6 +29,7 @@ nlohmann::json StepRecord::ToJson() const {
                       {"grad_norm", grad_norm},
                       {"lr", lr},
                       {"step_time_s", step_time_s},
+                      {"step_ms", step_ms},
                       {"tokens_per_s", tokens_per_s},
                       {"tokens_per_s_per_device", tokens_per_s_per_device},
                       {"mfu", std::isfinite(mfu) ? nlohmann::json(mfu) : nlohmann::json(nullptr)},
@@ -109,11 +111,37 @@ void TrainMetrics::Start() {
   ResetDevicePeak(device_);
   comm_.Reset();
   interval_comm_ = comm_;
-  run_start_ = interval_start_ = Clock::now();
+  run_start_ = interval_start_ = step_start_ = Clock::now();
+}
+
+// Note [Step timing]
+// Each metrics.jsonl step record carries step_ms, the time of that step alone (BeginStep to
+// Record: the micro-batches, clipping and the update; not the logging, evaluation or checkpoint
+// saves between steps). On CUDA a pair of timing events is recorded on the current stream
+// around the step and their elapsed time is read only in Log(), after the interval's host
+// synchronisation, so the step itself still makes none; it is the device's time from the start
+// marker to the end marker, idle gaps included. On the CPU the work is synchronous and a steady
+// clock measures it. (c10::Event: device-generic, no CUDA headers, as sharding/streams.cc.)
+void TrainMetrics::BeginStep() {
+  step_start_ = Clock::now();
+  if (!device_.is_cuda()) return;
+  step_start_event_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);  // timing on
+  step_start_event_->record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
 }
 
 void TrainMetrics::Record(const at::Tensor& loss, const at::Tensor& grad_norm,
                           const at::Tensor& nonfinite, int64_t step, double lr, bool skipped) {
+  // See Note [Step timing]; without a BeginStep the step is timed from the previous Record.
+  StepTime& time = step_times_.emplace_back();
+  if (step_start_event_) {
+    c10::Event end(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    end.record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
+    time.events.emplace(std::move(*step_start_event_), std::move(end));  // read in Log
+    step_start_event_.reset();
+  } else {
+    time.ms = std::chrono::duration<double, std::milli>(Clock::now() - step_start_).count();
+  }
+  step_start_ = Clock::now();  // the next step's start, if no BeginStep says otherwise
   skipped_.push_back(skipped);
   skipped_total_ += skipped;
   losses_.push_back(loss);
@@ -178,6 +206,13 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
     r.comm_bytes += static_cast<double>(now.bytes - before.bytes) / static_cast<double>(n);
   }
   interval_comm_ = comm_;
+  // See Note [Step timing]: the events completed before the host read above.
+  for (StepTime& time : step_times_) {
+    if (!time.events) continue;
+    time.events->second.synchronize();
+    time.ms = time.events->first.elapsedTime(time.events->second);
+    time.events.reset();
+  }
   const int64_t first = steps_done - n;
   for (int64_t i = 0; i < n; ++i) {
     r.step = first + i + 1;
@@ -185,6 +220,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
     r.grad_norm = norm_values[i].item<double>();
     r.lr = lrs_[i];
     r.skipped = skipped_[i];
+    r.step_ms = step_times_[i].ms;
     if (jsonl_) jsonl_->Write(r.ToJson());
   }
   last_loss_ = r.loss;
@@ -202,6 +238,7 @@ absl::StatusOr<IntervalEnd> TrainMetrics::Log(int64_t steps_done, bool term_requ
   norms_.clear();
   lrs_.clear();
   skipped_.clear();
+  step_times_.clear();
   interval_start_ = Clock::now();
   return end;
 }

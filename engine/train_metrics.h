@@ -9,6 +9,7 @@
 // all-reduce carries whether any rank got SIGTERM, so all ranks stop at the same step.
 //
 //   TrainMetrics metrics(config, ctx, device, flops_per_token, comm, jsonl);
+//   metrics.BeginStep();  ...the step...
 //   metrics.Record(out.loss, out.grad_norm, out.nonfinite, step, lr);
 //   if (metrics.ShouldLog(step + 1)) { FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(...)); }
 #pragma once
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
@@ -39,6 +41,7 @@ struct StepRecord {
   double loss = 0, grad_norm = 0, lr = 0;
   double step_time_s = 0, tokens_per_s = 0, tokens_per_s_per_device = 0;
   double mfu = std::nan("");  // NaN without a peak (a CPU without metrics.cpu_peak_flops)
+  double step_ms = 0;  // this step alone (Note [Step timing])
   int64_t peak_mem_bytes = 0;
   double comm_wait_s = 0, comm_bytes = 0;  // this rank's, per step of the interval
   bool skipped = false;                    // on_nonfinite: skip skipped this step's update
@@ -64,6 +67,8 @@ class TrainMetrics {
 
   // Starts the clocks and the peak-memory counters (right before the loop).
   void Start();
+  // A step begins (Note [Step timing]): records its start marker, no host synchronisation.
+  void BeginStep();
   // Step `step` (0-based) is done; `nonfinite` (0-dim bool on the device) marks a non-finite
   // loss or norm, noted without a host read.
   // `skipped`: the update was skipped (on_nonfinite: skip), recorded as such.
@@ -104,6 +109,15 @@ class TrainMetrics {
   std::vector<at::Tensor> losses_, norms_;  // per step of the interval, on the device
   std::vector<double> lrs_;
   std::vector<bool> skipped_;  // per step of the interval
+  // Note [Step timing]: per step of the interval, the milliseconds (CPU: measured; CUDA: read
+  // from the step's (start, end) events in Log).
+  struct StepTime {
+    double ms = 0;
+    std::optional<std::pair<c10::Event, c10::Event>> events;
+  };
+  std::vector<StepTime> step_times_;
+  std::optional<c10::Event> step_start_event_;
+  Clock::time_point step_start_;
   int64_t skipped_total_ = 0;
   at::Tensor first_bad_;  // 0-dim int64 on the device: first non-finite step, or -1
   Clock::time_point run_start_, interval_start_;

@@ -8,13 +8,17 @@ namespace {
 
 class FsdpTrainable final : public TrainableModel {
  public:
-  explicit FsdpTrainable(std::unique_ptr<FsdpModel> model) : model_(std::move(model)) {}
+  FsdpTrainable(std::unique_ptr<FsdpModel> model, bool sync_every_micro_batch)
+      : model_(std::move(model)), sync_every_micro_batch_(sync_every_micro_batch) {}
 
   std::vector<at::Tensor> parameters() const override { return model_->parameters(); }
   void BeginMicroBatch(int index, int count) override {
+    const bool last = index == count - 1;
+    // See Note [No-sync accumulation]: no communication before the last micro-batch.
+    if (!sync_every_micro_batch_) model_->set_requires_gradient_sync(last);
     // HSDP accumulation: reduce-scatter every micro-batch, all-reduce over replicas once.
     if (model_->context().replicate_group != nullptr && model_->context().num_shards > 1) {
-      model_->set_requires_all_reduce(index == count - 1);
+      model_->set_requires_all_reduce(last);
     }
   }
   at::Tensor ClipGradNorm(double max_norm) override { return model_->ClipGradNorm(max_norm); }
@@ -31,13 +35,15 @@ class FsdpTrainable final : public TrainableModel {
 
  private:
   std::unique_ptr<FsdpModel> model_;
+  const bool sync_every_micro_batch_;
   ModelStateBytes state_bytes_;
 };
 
 }  // namespace
 
-std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model) {
-  return std::make_unique<FsdpTrainable>(std::move(model));
+std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model,
+                                                bool sync_every_micro_batch) {
+  return std::make_unique<FsdpTrainable>(std::move(model), sync_every_micro_batch);
 }
 
 }  // namespace fsdp

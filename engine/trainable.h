@@ -50,7 +50,21 @@ class TrainableModel {
   virtual FsdpModel* fsdp() { return nullptr; }
 };
 
-// The FSDP-wrapped model behind the interface.
-std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model);
+// Note [No-sync accumulation]
+// training.grad_sync: last. With k micro-batches per step, the first k - 1 backwards make no
+// gradient communication at all (FsdpModel::set_requires_gradient_sync(false), FSDP2's
+// semantics): each unit's unsharded gradients accumulate in its full-shape parameters' .grad,
+// in the compute dtype, on every rank, and the last micro-batch's backward reduce-scatters
+// (all-reduces, for DDP; reduce-scatters and all-reduces over replicas, for HSDP) the sums
+// once. Collectives per step drop from k per unit to 1; the price is memory: from the first
+// micro-batch's backward to the last one's, every unit holds its unsharded gradients (the whole
+// model's parameter count x the compute dtype's bytes per rank, not divided by the shard
+// degree), and with bf16 compute the sums are accumulated in bf16 rather than reduced in
+// reduce_dtype each micro-batch. With one micro-batch per step both settings are the same.
+
+// The FSDP-wrapped model behind the interface. `sync_every_micro_batch` false: Note [No-sync
+// accumulation].
+std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model,
+                                                bool sync_every_micro_batch = true);
 
 }  // namespace fsdp

@@ -23,6 +23,7 @@
 #include "device_mesh/torch_status.h"
 #include "engine/checkpointing.h"
 #include "engine/data.h"
+#include "engine/freeze.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
 #include "engine/profiler.h"
@@ -213,7 +214,8 @@ absl::StatusOr<std::unique_ptr<TrainableModel>> WrapModel(const RunConfig& confi
                         FsdpModel::Wrap(model.module(), mesh,
                                         UnitModules(model, config.parallelism.wrap_policy),
                                         plan.options));
-  return WrapForTraining(std::move(sharded));
+  return WrapForTraining(std::move(sharded),
+                         /*sync_every_micro_batch=*/config.training.grad_sync == GradSync::kEvery);
 }
 
 DistOptions DistOptionsFor(const TrainingSection& t, const ParallelismSection& p) {
@@ -301,6 +303,15 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   if (!config.model.deferred_init || config.parallelism.Unwrapped()) {
     model->MaterializeSeeded(static_cast<uint64_t>(config.run.seed));  // whole, then sharded
     model->module()->to(device);
+  }
+  // model.freeze: before wrapping, so that the units see which parameters train.
+  FSDP_ASSIGN_OR_RETURN(FreezeSummary frozen,
+                        FreezeParameters(*model->module(), config.model.freeze));
+  if (rank == 0 && frozen.frozen_params > 0) {
+    std::cout << fmt::format(
+        "fsdp train: model.freeze: {} parameter tensors ({} values) frozen, {} ({} values) "
+        "train\n",
+        frozen.frozen_params, frozen.frozen_numel, frozen.trainable_params, frozen.trainable_numel);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
   // Over the shards (host shards with offload: Note [CPU offload]); fused by default.
@@ -392,6 +403,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     const double lr = LearningRate(config.lr_scheduler, config.optimizer.lr, step, t.steps);
     SetLearningRate(*optimizer, lr);
     profiler.BeforeStep(step);
+    metrics.BeginStep();
     StepOutput out = TrainStep(*model, *trained, *optimizer, loader, t, device);
     FSDP_ASSIGN_OR_RETURN(std::optional<std::string> profile_summary, profiler.AfterStep(step));
     if (profile_summary && rank == 0) std::cout << *profile_summary << std::flush;

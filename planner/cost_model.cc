@@ -230,6 +230,10 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const int num_blocks = num_units - 1;
   const double tokens_micro = static_cast<double>(t.micro_batch_size) * model.seq_len;
   const double accum = static_cast<double>(t.grad_accum_steps);
+  // training.grad_sync: last (Note [No-sync accumulation] in engine/trainable.h): only the last
+  // micro-batch reduces; every unit keeps its unsharded gradients until then.
+  const bool no_sync = t.grad_sync == GradSync::kLast && t.grad_accum_steps > 1;
+  const double reductions = no_sync ? 1 : accum;  // gradient reductions per step
 
   std::vector<double> padded(num_units);
   double padded_total = 0;
@@ -285,11 +289,17 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
       CheckpointedActivations(model, family, counts, ac, num_blocks, cb);
   mem.activations = tokens_micro * acts.peak;
   double backward_start = mem.unsharded_units + mem.activations;
-  if (t.grad_accum_steps > 1) {
+  const double backward_end = (grads_on_device ? mem.grads : 0) + largest_unit / n * rb;
+  if (no_sync) {
+    // Every unit's unsharded gradients (compute dtype, not divided by the shard degree), alive
+    // from the first micro-batch's backward to the last one's; the gradient shards are written
+    // only by the last one.
+    mem.grads += real * cb;
+    backward_start += real * cb;
+  } else if (t.grad_accum_steps > 1) {
     if (grads_on_device) backward_start += mem.grads;
     if (hybrid) backward_start += real / n * rb;  // unreduced partial sums
   }
-  const double backward_end = (grads_on_device ? mem.grads : 0) + largest_unit / n * rb;
   mem.total = mem.params + mem.padding + mem.optimizer + std::max(backward_start, backward_end);
 
   double memory = hw.memory_bytes;
@@ -333,7 +343,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   } else {
     // The step, plus one read and one write per parameter for each extra micro-batch's
     // gradient accumulated on the host (HSDP accumulates on the device).
-    const double accumulate = hybrid ? 0 : (accum - 1) * 8;
+    const double accumulate = hybrid || no_sync ? 0 : (accum - 1) * 8;
     time.optimizer_s = host_bw > 0 ? real / n * (kHostOptimizerBytesPerParam + accumulate) / host_bw
                                    : 0;
   }
@@ -364,8 +374,8 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const double ag_micro = ag_root + num_blocks * gathers_per_block * ag_block;
   const double rs_micro = rs_root + num_blocks * rs_block;
   time.all_gather_s = accum * ag_micro;
-  time.reduce_scatter_s = accum * rs_micro;
-  time.all_reduce_s = accum * ar_micro + ar_step;
+  time.reduce_scatter_s = reductions * rs_micro;
+  time.all_reduce_s = reductions * ar_micro + ar_step;
   // Clipping: one scalar all-reduce over the shard axis per step.
   const double clip = shard_group.AllReduce(4);
   time.comm_s = time.all_gather_s + time.reduce_scatter_s + time.all_reduce_s + clip;
@@ -374,13 +384,14 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // backward collectives behind the next block's backward; the first gathers and the last
   // reductions have nothing to hide behind.
   auto exposed_micro = [&](bool last_micro) {
-    double ar_b = ddp ? ar_block : (hybrid && last_micro ? ar_block : 0);
-    double ar_r = ddp ? ar_root : (hybrid && last_micro ? ar_root : 0);
-    if (num_blocks == 0) return ag_root + rs_root + ar_r;
+    const bool reduces = last_micro || !no_sync;
+    double ar_b = ddp && reduces ? ar_block : (hybrid && last_micro ? ar_block : 0);
+    double ar_r = ddp && reduces ? ar_root : (hybrid && last_micro ? ar_root : 0);
+    double rs_b = reduces ? rs_block : 0, rs_r = reduces ? rs_root : 0;
+    if (num_blocks == 0) return ag_root + rs_r + ar_r;
     double fwd = ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd);
-    double bwd_comm = (reshard ? ag_block : 0) + rs_block + ar_b;
-    double bwd = (num_blocks - 1) * std::max(0.0, bwd_comm - block_bwd) + rs_block + ar_b +
-                 rs_root + ar_r;
+    double bwd_comm = (reshard ? ag_block : 0) + rs_b + ar_b;
+    double bwd = (num_blocks - 1) * std::max(0.0, bwd_comm - block_bwd) + rs_b + ar_b + rs_r + ar_r;
     return fwd + bwd;
   };
   double exposed = (accum - 1) * exposed_micro(false) + exposed_micro(true) + clip;
@@ -402,7 +413,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
     // Device to host, the reduced gradient shards: every micro-batch (HSDP: the last one).
     const double d2h_root = counts.unit_params[0] / n * rb / link;
     const double d2h_block = num_blocks > 0 ? counts.unit_params[1] / n * rb / link : 0;
-    const double d2h_passes = hybrid ? 1 : accum;
+    const double d2h_passes = hybrid || no_sync ? 1 : accum;
     time.host_copy_s = h2d_passes * (h2d_root + num_blocks * h2d_blocks * h2d_block) +
                        d2h_passes * (d2h_root + num_blocks * d2h_block);
     auto beyond = [](double copy, double behind) { return std::max(0.0, copy - behind); };
