@@ -116,7 +116,7 @@ TEST(GpuBenchTest, CompareOneRankWithTheUnwrappedModel) {
       {testing::FsdpBinary(), "bench", "compare", testing::SourceDir() + "/configs/default.yaml",
        "--nproc", "1", "--steps", "6", "--warmup", "2", "--no-plot", "--out", dir, "--set",
        "training.device=cuda", "--set", "training.mixed_precision=bf16"},
-      {}, std::chrono::seconds(300));
+      testing::WithGpus(), std::chrono::seconds(300));
   ASSERT_TRUE(r.exit.ok()) << r.Output();
   std::ifstream in(dir + "/compare.json");
   nlohmann::json report = nlohmann::json::parse(in);

@@ -214,6 +214,12 @@ bool CommandResult::StderrHas(std::string_view text) const {
   return false;
 }
 
+std::map<std::string, std::string> WithGpus(std::map<std::string, std::string> env) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  env["CUDA_VISIBLE_DEVICES"] = visible != nullptr ? visible : "";  // "": unset, all GPUs
+  return env;
+}
+
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::map<std::string, std::string>& env,
                          std::chrono::seconds timeout) {
@@ -221,6 +227,7 @@ CommandResult RunCommand(const std::vector<std::string>& argv,
   WorkerSpec spec;
   spec.argv = argv;
   for (const char* var : kLauncherVars) spec.env[var] = "";
+  spec.env["CUDA_VISIBLE_DEVICES"] = "-1";  // no GPU, unless WithGpus
   for (const auto& [k, v] : env) spec.env[k] = v;
   std::mutex mu;
   WorkerGroup group([&](const OutputLine& line) {

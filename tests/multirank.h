@@ -64,9 +64,15 @@ struct CommandResult {
   bool StdoutHas(std::string_view text) const;
   bool StderrHas(std::string_view text) const;
 };
+// The command sees no GPU (CUDA_VISIBLE_DEVICES=-1) unless `env` names CUDA_VISIBLE_DEVICES
+// (WithGpus): the suite's end-to-end tests mean the CPU, and with training.device auto they
+// would otherwise start 2-4 NCCL ranks on a workstation's one GPU.
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::map<std::string, std::string>& env = {},
                          std::chrono::seconds timeout = std::chrono::seconds(60));
+// `env` plus this process's CUDA_VISIBLE_DEVICES (none: every GPU), for RunCommand in the tests
+// labelled gpu.
+std::map<std::string, std::string> WithGpus(std::map<std::string, std::string> env = {});
 
 // A TCP port nobody listens on right now (bind to port 0, read it back, close).
 int FreePort();

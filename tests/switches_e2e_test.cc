@@ -8,6 +8,7 @@
 //                             reproduces the straight run;
 //   step_ms                   every step record of metrics.jsonl has a positive step time (on
 //                             a GPU too, from CUDA events: skipped without one).
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -64,7 +65,9 @@ TrainRun Train(const std::string& dir, const std::string& strategy,
   std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml"};
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   TrainRun run;
-  run.result = RunCommand(argv, {}, std::chrono::seconds(120));
+  const bool cuda = std::find(sets.begin(), sets.end(), "training.device=cuda") != sets.end();
+  run.result = RunCommand(argv, cuda ? testing::WithGpus() : std::map<std::string, std::string>{},
+                          std::chrono::seconds(120));
   std::ifstream in(dir + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     nlohmann::json r = nlohmann::json::parse(line);

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: build with the machine's own torch, run the GPU tests, then
+# the llama_1b comparison and a profile, and print one table. Meant for one call on a fresh
+# H100 (../shared/GPU.md: the device tool; carry .device/ made by ../shared/device/pack-deps.sh).
+#
+#   scripts/gpu_check.sh                 # build + ctest -L gpu + llama_1b runs + table
+#   GPU_CHECK_STEPS=20 scripts/gpu_check.sh
+#
+# Environment: FSDP_TORCH_DIR (default: the torch that python3 imports), JOBS (default: nproc),
+# GPU_CHECK_STEPS (steps per llama_1b run, default 30), GPU_CHECK_OUT (default: $OUT or
+# gpu_check/), BUILD_DIR (default build). Exits non-zero when the build or a GPU test fails;
+# every run's output is kept under the output folder.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+out="${GPU_CHECK_OUT:-${OUT:-$here/gpu_check}}"
+steps="${GPU_CHECK_STEPS:-30}"
+build="${BUILD_DIR:-build}"
+mkdir -p "$out"
+log() { echo "gpu_check: $*" >&2; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  log "no GPU found (nvidia-smi -L failed): this script is for a machine with a CUDA GPU"
+  exit 1
+fi
+nvidia-smi -L | tee "$out/gpus.txt" >&2
+
+# ---- build with the machine's torch (and the Debian deps carried in .device/) -----------------
+if [ -f .device/unpack.sh ]; then source .device/unpack.sh; fi
+export FSDP_TORCH_DIR="${FSDP_TORCH_DIR:-$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')}"
+export FSDP_SKIP_APT="${FSDP_SKIP_APT:-1}" FSDP_PYTHON="${FSDP_PYTHON:-$(command -v python3)}"
+export PATH="$PATH:/usr/local/cuda/bin"
+start=$(date +%s)
+if ! make build BUILD_DIR="$build" JOBS="${JOBS:-$(nproc)}" >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log" >&2
+  log "build failed (full log: $out/build.log)"
+  exit 1
+fi
+log "built in $(($(date +%s) - start)) s"
+
+# ---- the GPU tests ----------------------------------------------------------------------------
+(cd "$build" && ctest -L gpu --output-on-failure --timeout 300) >"$out/ctest_gpu.log" 2>&1
+gpu_tests=$?
+gpu_summary=$(grep -E "tests passed|tests failed" "$out/ctest_gpu.log" | tail -1)
+log "ctest -L gpu: ${gpu_summary:-no summary (see $out/ctest_gpu.log)}"
+
+# ---- llama_1b on one GPU: fsdp.cpp's modes, the unwrapped model, then a short profile ----------
+bin="$build/bin/fsdp"
+run() {  # run NAME ARGS...: one fsdp train, its output in $out/NAME.log, its folder $out/NAME
+  local name=$1; shift
+  "$bin" train configs/llama_1b.yaml --quiet --set run.dir="$out/$name" \
+    --set training.steps="$steps" --set training.log_interval="$steps" \
+    --set training.eval_interval=0 --set metrics.progress_bar=off "$@" >"$out/$name.log" 2>&1 ||
+    log "$name failed (see $out/$name.log)"
+}
+run fsdp_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4
+run fsdp_8x1 --set training.micro_batch_size=8 --set training.grad_accum_steps=1
+run unwrapped_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
+  --set parallelism.strategy=none
+run per_tensor_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
+  --set optimizer.implementation=per_tensor
+run profile_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
+  --set training.steps=8 --set training.profile=5:2
+
+# ---- FSDP2 as users run it, eager and compile (bench compare's reference modes) --------------
+"$bin" bench compare configs/llama_1b.yaml --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
+  --no-plot --out "$out/compare" --set training.micro_batch_size=2 \
+  --set training.grad_accum_steps=4 >"$out/compare.log" 2>&1 ||
+  log "bench compare failed (see $out/compare.log)"
+
+# ---- one table --------------------------------------------------------------------------------
+python3 - "$out" <<'EOF'
+import json, os, statistics, sys
+out = sys.argv[1]
+rows = []
+for name in ("fsdp_2x4", "fsdp_8x1", "unwrapped_2x4", "per_tensor_2x4"):
+    path = os.path.join(out, name, "metrics.jsonl")
+    if not os.path.exists(path):
+        rows.append((name, "failed", "", "")); continue
+    recs = [json.loads(l) for l in open(path) if l.strip()]
+    steps = [r for r in recs if "step_ms" in r]
+    ms = statistics.median(r["step_ms"] for r in steps[5:] or steps) if steps else float("nan")
+    mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]
+    peak = max((r.get("peak_mem_bytes", 0) for r in recs), default=0) / 2**30
+    rows.append((name, f"{ms:.1f}", f"{100 * mfu[-1]:.1f}%" if mfu else "n/a", f"{peak:.1f}"))
+print(f"{'run':<18} {'median step ms':>15} {'MFU':>8} {'peak GiB':>9}")
+for r in rows:
+    print(f"{r[0]:<18} {r[1]:>15} {r[2]:>8} {r[3]:>9}")
+compare = os.path.join(out, "compare", "compare.json")
+if os.path.exists(compare):
+    c = json.load(open(compare))
+    for engine, e in c.get("engines", {}).items():
+        print(f"{'bench ' + engine:<18} {1000 * e.get('median_step_s', float('nan')):>15.1f} "
+              f"{100 * (e.get('mfu') or float('nan')):>7.1f}% "
+              f"{e.get('peak_memory_bytes', 0) / 2**30:>9.1f}")
+summary = os.path.join(out, "profile_2x4", "profile", "rank0_summary.txt")
+if os.path.exists(summary):
+    print(open(summary).read().rstrip())
+EOF
+log "outputs in $out"
+exit "$gpu_tests"
