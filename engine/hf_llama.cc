@@ -312,9 +312,10 @@ absl::Status ApplyHfLlamaConfig(const std::string& dir,
                              "num_hidden_layers", StrCat(c.num_layers)));
   FSDP_RETURN_IF_ERROR(check("model.n_heads", user.n_heads == c.num_heads, StrCat(user.n_heads),
                              "num_attention_heads", StrCat(c.num_heads)));
-  FSDP_RETURN_IF_ERROR(check("model.n_kv_heads", user.kv_heads() == c.num_kv_heads,
-                             StrCat(user.n_kv_heads), "num_key_value_heads",
-                             StrCat(c.num_kv_heads)));
+  // n_kv_heads 0 means n_heads (config.json's, or the user's, checked above).
+  FSDP_RETURN_IF_ERROR(check(
+      "model.n_kv_heads", (user.n_kv_heads > 0 ? user.n_kv_heads : c.num_heads) == c.num_kv_heads,
+      StrCat(user.n_kv_heads), "num_key_value_heads", StrCat(c.num_kv_heads)));
   FSDP_RETURN_IF_ERROR(check("model.norm", user.norm == NormKind::kRmsNorm, "layernorm",
                              "model_type", "llama (rmsnorm)"));
   FSDP_RETURN_IF_ERROR(check("model.activation", user.activation == Activation::kSwiglu, "gelu",

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/safetensors.h"
+#include "common/status.h"
 #include "common/strings.h"
 #include "engine/config.h"
 #include "models/gpt/gpt.h"
@@ -196,7 +197,9 @@ TEST_F(HfFolderTest, FillsRowRangesOneFileOrShardedAndNamesAMissingTensor) {
     at::Tensor their = at::empty_like(t);
     for (int64_t r = 0; r < t.size(0) && rope; ++r) their[HfRopeRow(r, 4)] = t[r];
     theirs[hf] = rope ? their : t;
-    if (rope) ASSERT_TRUE(FromHf(their, 4).equal(t));
+    if (rope) {
+      ASSERT_TRUE(FromHf(their, 4).equal(t));
+    }
   }
   ASSERT_TRUE(ckpt::SaveSafetensors(theirs, dir_ + "/model.safetensors").ok());
   // Two "ranks": rows split unevenly, 7 rows first (mid-head for q/k).
