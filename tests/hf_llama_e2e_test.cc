@@ -109,7 +109,8 @@ std::map<std::string, double> Losses(const CommandResult& r) {
   std::map<std::string, double> out;
   for (const std::string& line : r.stdout_lines) {
     if (line.empty() || line[0] != '{') continue;
-    for (const auto& [k, v] : nlohmann::json::parse(line).items()) out[k] = v.get<double>();
+    const nlohmann::json losses = nlohmann::json::parse(line);  // outlives the loop
+    for (const auto& [k, v] : losses.items()) out[k] = v.get<double>();
   }
   return out;
 }
@@ -145,7 +146,29 @@ TEST_F(HfLlamaTest, TransformersCheckpointLoadsWithTheSameLoss) {
   // 6.38 when this test was written, 4000 times the tolerance.
   EXPECT_GT(want[dir_ + "/single"], 5.0);
 
-  // (c) A folder missing a tensor: the error names the tensor and the file that lists them.
+  // (c) A vocabulary that disagrees with config.json, and an architecture that is not Llama.
+  CommandResult vocab = Train(dir_ + "/run_vocab", tokens,
+                              {"model.init_from=" + dir_ + "/single", "model.vocab_size=100"});
+  EXPECT_FALSE(vocab.exit.ok());
+  EXPECT_TRUE(
+      vocab.StderrHas(StrCat("--set model.vocab_size=100: model.vocab_size = 100 disagrees with ",
+                             dir_, "/single/config.json: vocab_size = 97")))
+      << vocab.Output();
+  const std::string mistral = dir_ + "/mistral";
+  fs::create_directories(mistral);
+  {
+    std::ifstream in(dir_ + "/single/config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["architectures"] = {"MistralForCausalLM"};
+    std::ofstream(mistral + "/config.json") << config.dump();
+  }
+  CommandResult arch = Train(dir_ + "/run_arch", tokens, {"model.init_from=" + mistral});
+  EXPECT_FALSE(arch.exit.ok());
+  EXPECT_TRUE(
+      arch.StderrHas(StrCat(mistral, "/config.json: 'architectures' is [\"MistralForCausalLM\"]")))
+      << arch.Output();
+
+  // A folder missing a tensor: the error names the tensor and the file that lists them.
   const std::string broken = dir_ + "/broken";
   fs::create_directories(broken);
   fs::copy_file(dir_ + "/single/config.json", broken + "/config.json");
