@@ -254,7 +254,7 @@ absl::Status ReadRopeRows(const ckpt::SafetensorsFile& file, const std::string& 
 // within each head: our row 2i + c is Hugging Face row c * d/2 + i (c = 0, 1). This is the
 // permutation Meta -> Hugging Face conversion scripts apply; loading applies its inverse. v and
 // o are not permuted (the scores do not depend on their order, and o consumes v's order).
-// tests/hf_llama_test.cc checks both directions against transformers' logits.
+// tests/hf_llama_e2e_test.cc checks both directions against transformers' losses.
 int64_t HfRopeRow(int64_t row, int64_t head_dim) {
   const int64_t head = row / head_dim, j = row % head_dim;
   return head * head_dim + (j % 2) * (head_dim / 2) + j / 2;

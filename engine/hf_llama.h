@@ -13,10 +13,11 @@
 //
 // No collectives: each rank calls FillFromHfLlama on its own targets, in any order.
 //
-//   ModelArgs args;                                    // what the YAML said
-//   FSDP_RETURN_IF_ERROR(ApplyHfLlamaConfig("llama-hf", set_at, args));  // shape from config.json
-//   ... build and shard the model, then for each shard its rows:
-//   FSDP_RETURN_IF_ERROR(FillFromHfLlama("llama-hf", targets));
+//   ModelArgs args;                                       // the YAML's model section
+//   auto set_at = [](const std::string& key) { return std::string(); };  // no key set
+//   FSDP_RETURN_IF_ERROR(ApplyHfLlamaConfig("llama-hf", set_at, args));  // shape: config.json
+//   ... build and shard the model; then each rank, for its shards' rows:
+//   FSDP_RETURN_IF_ERROR(FillFromHfLlama("llama-hf", targets));  // InitTarget per shard
 //
 //   FSDP_ASSIGN_OR_RETURN(ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(dir));
 //   FSDP_RETURN_IF_ERROR(ExportHfLlama(reader, "out-hf", {.max_shard_bytes = 5'000'000'000}));
