@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
-#include <map>
-#include <optional>
 #include <filesystem>
 #include <iostream>
+#include <map>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -57,9 +57,14 @@ std::optional<int64_t> ParseByteSize(const std::string& text) {
   std::optional<int64_t> number = ParseInt<int64_t>(std::string_view(text).substr(0, digits));
   if (!number || *number < 1) return std::nullopt;
   const std::string unit = ToLower(std::string_view(text).substr(digits));
-  const std::map<std::string, int64_t> units = {
-      {"", 1}, {"b", 1}, {"kb", 1000}, {"mb", 1000 * 1000}, {"gb", 1000 * 1000 * 1000},
-      {"kib", 1 << 10}, {"mib", 1 << 20}, {"gib", 1 << 30}};
+  const std::map<std::string, int64_t> units = {{"", 1},
+                                                {"b", 1},
+                                                {"kb", 1000},
+                                                {"mb", 1000 * 1000},
+                                                {"gb", 1000 * 1000 * 1000},
+                                                {"kib", 1 << 10},
+                                                {"mib", 1 << 20},
+                                                {"gib", 1 << 30}};
   auto it = units.find(unit);
   if (it == units.end() || *number > INT64_MAX / it->second) return std::nullopt;
   return *number * it->second;

@@ -77,7 +77,9 @@ struct RunSection {
 // how it is initialised.
 struct ModelSection : ModelArgs {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
-  std::string init_from;      // a safetensors file to start from, read shard by shard
+  // A safetensors file to start from, read shard by shard, or a Hugging Face Llama folder (its
+  // config.json sets the model keys left unset: engine/hf_llama.h).
+  std::string init_from;
 };
 
 struct DataSection {

@@ -61,8 +61,8 @@ absl::Status ApplyHfLlamaConfig(const std::string& dir,
 absl::Status FillFromHfLlama(const std::string& dir, const std::vector<InitTarget>& targets);
 
 struct HfExportOptions {
-  std::optional<c10::ScalarType> dtype;        // floating tensors converted to it; none: as saved
-  int64_t max_shard_bytes = int64_t{5} << 30;  // above it: several files and an index
+  std::optional<c10::ScalarType> dtype;     // floating tensors converted to it; none: as saved
+  int64_t max_shard_bytes = 5'000'000'000;  // 5GB (the CLI default); above it: several files
 };
 // Writes the checkpoint's model tensors as a Hugging Face Llama folder `out_dir` (created):
 // config.json, generation_config.json, and one or more safetensors files. kFailedPrecondition
