@@ -207,6 +207,20 @@ absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
   return WriteFile(items, out_path);
 }
 
+absl::Status WriteLazySafetensors(const std::map<std::string, LazyTensor>& tensors,
+                                  const std::string& out_path) {
+  std::map<std::string, WriteItem> items;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.empty() || name == kMetadataKey) {
+      return absl::InvalidArgumentError(
+          StrCat("a tensor cannot be saved under the name '", name, "' (", out_path, ")"));
+    }
+    FSDP_ASSIGN_OR_RETURN(int64_t nbytes, ByteSize(name, tensor.shape, tensor.dtype));
+    items.emplace(name, WriteItem{tensor.dtype, tensor.shape, nbytes, tensor.values});
+  }
+  return WriteFile(items, out_path);
+}
+
 // Note [Safetensors spec]: Open accepts exactly what the reference library (huggingface/
 // safetensors) accepts, so that a file it would refuse cannot load here with shifted or made-up
 // data: a regular file; a header that is a JSON object (trailing spaces allowed) with unique

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -33,6 +34,18 @@ absl::Status ExportSafetensors(const CheckpointReader& checkpoint, const std::st
 // into one file, through a temp file and a rename.
 absl::Status SaveSafetensors(const std::map<std::string, at::Tensor>& tensors,
                              const std::string& out_path);
+
+// A tensor to write whose values are produced only when its turn comes (streaming exports):
+// `values` must return `shape` (any dtype, converted to `dtype`).
+struct LazyTensor {
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::function<absl::StatusOr<at::Tensor>()> values;
+};
+// Writes `tensors` into one file, calling each `values` once, in name order: memory stays
+// bounded by the largest tensor. Through a temp file and a rename.
+absl::Status WriteLazySafetensors(const std::map<std::string, LazyTensor>& tensors,
+                                  const std::string& out_path);
 
 class SafetensorsFile {
  public:

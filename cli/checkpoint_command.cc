@@ -1,8 +1,12 @@
 #include "cli/checkpoint_command.h"
 
 #include <algorithm>
+#include <cctype>
+#include <climits>
 #include <filesystem>
 #include <iostream>
+#include <map>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -10,6 +14,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/status.h"
 #include "common/strings.h"
+#include "engine/hf_llama.h"
 
 namespace fsdp {
 namespace {
@@ -43,6 +48,26 @@ absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> NonFiniteTensors(
     if (count > 0) bad.emplace_back(t.name, count);
   }
   return bad;
+}
+
+// "5GB", "500MB", "20KB", "123456" (bytes; decimal units as transformers' max_shard_size).
+std::optional<int64_t> ParseByteSize(const std::string& text) {
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  std::optional<int64_t> number = ParseInt<int64_t>(std::string_view(text).substr(0, digits));
+  if (!number || *number < 1) return std::nullopt;
+  const std::string unit = ToLower(std::string_view(text).substr(digits));
+  const std::map<std::string, int64_t> units = {{"", 1},
+                                                {"b", 1},
+                                                {"kb", 1000},
+                                                {"mb", 1000 * 1000},
+                                                {"gb", 1000 * 1000 * 1000},
+                                                {"kib", 1 << 10},
+                                                {"mib", 1 << 20},
+                                                {"gib", 1 << 30}};
+  auto it = units.find(unit);
+  if (it == units.end() || *number > INT64_MAX / it->second) return std::nullopt;
+  return *number * it->second;
 }
 
 }  // namespace
@@ -111,7 +136,18 @@ int RunCheckpointExport(const CheckpointCommand& command) {
   if (command.dtype == "bf16") dtype = at::kBFloat16;
   if (command.dtype == "fp16") dtype = at::kHalf;
   if (command.dtype == "fp32") dtype = at::kFloat;
-  absl::Status status = ckpt::ExportSafetensors(*reader, "model/", command.out, dtype);
+  absl::Status status;
+  if (command.format == "hf") {
+    std::optional<int64_t> max_shard = ParseByteSize(command.max_shard_size);
+    if (!max_shard) {
+      std::cerr << "fsdp checkpoint export: --max-shard-size '" << command.max_shard_size
+                << "': expected a size such as 5GB, 500MB, 20KB or a number of bytes\n";
+      return 1;
+    }
+    status = ExportHfLlama(*reader, command.out, {.dtype = dtype, .max_shard_bytes = *max_shard});
+  } else {
+    status = ckpt::ExportSafetensors(*reader, "model/", command.out, dtype);
+  }
   if (!status.ok()) {
     std::cerr << "fsdp checkpoint export: " << status.message() << "\n";
     return 1;

@@ -1,4 +1,5 @@
-// `fsdp checkpoint inspect DIR [--verify]` and `fsdp checkpoint export DIR --out F [--dtype]`.
+// `fsdp checkpoint inspect DIR [--verify]` and
+// `fsdp checkpoint export DIR --out F [--dtype] [--format safetensors|hf] [--max-shard-size]`.
 #pragma once
 
 #include <string>
@@ -10,6 +11,8 @@ struct CheckpointCommand {
   bool verify = false;
   std::string out;
   std::string dtype;
+  std::string format = "safetensors";  // safetensors: one file, our names | hf: a Llama folder
+  std::string max_shard_size = "5GB";  // hf: bytes per file, e.g. 5GB, 500MB, 20KB, 123456
 };
 
 int RunCheckpointInspect(const CheckpointCommand& command);

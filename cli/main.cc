@@ -152,11 +152,24 @@ int main(int argc, char** argv) {
                                            "folder (its newest checkpoint)")->required();
   inspect_cmd->add_flag("--verify", ckpt.verify, "Also recompute every file's CRC-32");
   CLI::App* export_cmd = ckpt_cmd->add_subcommand(
-      "export", "Write the model's tensors as one safetensors file, streaming tensor by tensor");
+      "export", "Write the model's tensors as one safetensors file, or a Hugging Face Llama "
+      "folder (--format hf), streaming tensor by tensor");
   export_cmd->add_option("dir", ckpt.dir, "Checkpoint folder, or a checkpoints folder")->required();
-  export_cmd->add_option("--out", ckpt.out, "Output .safetensors file")->required();
+  export_cmd->add_option("--out", ckpt.out,
+                         "Output .safetensors file (--format safetensors) or folder (hf)")
+      ->required();
   export_cmd->add_option("--dtype", ckpt.dtype, "Convert floating tensors: bf16, fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  export_cmd
+      ->add_option("--format", ckpt.format,
+                   "safetensors: one file with our names | hf: a Hugging Face Llama folder "
+                   "(config.json + safetensors) that LlamaForCausalLM.from_pretrained loads")
+      ->check(CLI::IsMember({"safetensors", "hf"}))
+      ->capture_default_str();
+  export_cmd->add_option("--max-shard-size", ckpt.max_shard_size,
+                         "--format hf: largest file before splitting into "
+                         "model-0000N-of-0000M.safetensors with an index (5GB, 500MB, bytes)")
+      ->capture_default_str();
 
   // ---- plan --------------------------------------------------------------------------------
   fsdp::PlanCommand plan;

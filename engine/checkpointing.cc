@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
+#include "engine/hf_llama.h"
 #include "engine/optimizer.h"
 
 namespace fsdp {
@@ -386,6 +387,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
 namespace fsdp {
 
 absl::Status FillFromSafetensors(const std::string& path, const std::vector<InitTarget>& targets) {
+  if (IsHfCheckpointDir(path)) return FillFromHfLlama(path, targets);
   FSDP_ASSIGN_OR_RETURN(ckpt::SafetensorsFile file, ckpt::SafetensorsFile::Open(path));
   at::NoGradGuard no_grad;
   for (const InitTarget& t : targets) {

@@ -85,7 +85,8 @@ class Checkpointer {
 
 // Fills tensors from a safetensors file (model.init_from): for each target, the rows
 // [first_row, first_row + dst.size(0)) of the file's tensor `name`, which must have `shape`.
-// Errors name the file and the tensor.
+// Errors name the file and the tensor. A folder is a Hugging Face Llama checkpoint
+// (FillFromHfLlama, engine/hf_llama.h: its names, its RoPE layout).
 struct InitTarget {
   std::string name;
   std::vector<int64_t> shape;  // the full tensor's

@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/mesh_shape.h"
+#include "engine/hf_llama.h"
 #include "sharding/options.h"
 
 namespace fsdp {
@@ -923,6 +924,15 @@ absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std
   FSDP_RETURN_IF_ERROR(parser.ParseDocument(yaml_text, where));
   for (const std::string& item : overrides) {
     FSDP_RETURN_IF_ERROR(parser.ApplyOverride(item, where));
+  }
+  if (IsHfCheckpointDir(config.model.init_from)) {  // the shape comes from its config.json
+    FSDP_RETURN_IF_ERROR(ApplyHfLlamaConfig(
+        config.model.init_from,
+        [&](const std::string& key) {
+          auto it = where.find(key);
+          return it == where.end() ? std::string() : it->second;
+        },
+        config.model));
   }
   FSDP_RETURN_IF_ERROR(Validate(config, where));
   return config;

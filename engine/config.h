@@ -85,7 +85,9 @@ struct RunSection {
 // how it is initialised.
 struct ModelSection : ModelArgs {
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
-  std::string init_from;      // a safetensors file to start from, read shard by shard
+  // A safetensors file to start from, read shard by shard, or a Hugging Face Llama folder (its
+  // config.json sets the model keys left unset: engine/hf_llama.h).
+  std::string init_from;
   // Glob patterns ('*', '?', '[...]') over parameter names, e.g. "tok_embeddings.*": matching
   // parameters are frozen (engine/freeze.h). Each pattern must match some parameter.
   std::vector<std::string> freeze;

@@ -8,7 +8,9 @@
 #   - libtorch: the PyPI wheel torch==$FSDP_TORCH_VERSION in a virtualenv OUTSIDE the clone
 #     ($FSDP_CACHE_DIR, default ~/.cache/fsdp.cpp), shared by every clone and CI run on the
 #     machine. The wheel is several GB; it is installed once. Next to it: safetensors, numpy
-#     (tests) and matplotlib (bench/plot.py); a venv made before one of them was added gets it.
+#     (tests), matplotlib (bench/plot.py) and transformers (tests/hf_llama_e2e_test.cc; it does
+#     not depend on torch, so the pinned wheel stays); a venv made before one of them was added
+#     gets it.
 #
 # On a machine where it already ran it only checks stamps and returns in about a second.
 # It prints the torch directory on its last line of stdout ("torch_dir=...") for the Makefile.
@@ -21,7 +23,7 @@ STAMP="$VENV/.fsdp-bootstrap-ok"
 # Python packages installed with torch, by import name (= pip name for these). A venv counts as
 # complete when the stamp exists and each has its package directory (checked with a glob, no
 # python or pip started, so a second run stays at a few milliseconds).
-PY_PACKAGES=(safetensors numpy matplotlib)
+PY_PACKAGES=(safetensors numpy matplotlib transformers)
 
 say() { echo "[bootstrap] $*" >&2; }
 die() { echo "[bootstrap] error: $*" >&2; exit 1; }
