@@ -59,7 +59,7 @@ int64_t ParseBytes(const std::string& text) {
   }
   const fsdp::FailureClass c = fsdp::ClassifyFailure(status);
   fsdp::FailAndExit(fsdp::FailureRank(), c,
-                    fsdp::StrCat(fsdp::FailureClassName(c), ": ", status.message()));
+                    fsdp::StrCat(fsdp::FailureClassName(c), ": ", std::string(status.message())));
 }
 
 int Main(int argc, char** argv);
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
     const absl::Status status = fsdp::StatusFromException("uncaught exception", e);
     const fsdp::FailureClass c = fsdp::ClassifyFailure(status);
     fsdp::FailAndExit(fsdp::FailureRank(), c,
-                      fsdp::StrCat(fsdp::FailureClassName(c), ": ", status.message()));
+                      fsdp::StrCat(fsdp::FailureClassName(c), ": ", std::string(status.message())));
   }
 }
 

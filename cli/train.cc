@@ -106,7 +106,7 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
     const FailureClass failure = ClassifyFailure(status);
     std::cout.flush();
     // _Exit: no exit-time destructors racing a thread left blocked (Note [Rendezvous deadline]).
-    FailAndExit(env->rank, failure, StrCat(FailureClassName(failure), ": ", status.message()));
+    FailAndExit(env->rank, failure, StrCat(FailureClassName(failure), ": ", std::string(status.message())));
   }
   return 0;
 }

@@ -41,28 +41,44 @@ void WriteAll(int fd, std::string_view text) {
 
 int ExitCodeFor(FailureClass c) {
   switch (c) {
-    case FailureClass::kError: return 1;
-    case FailureClass::kConfig: return 2;
-    case FailureClass::kCheckpoint: return 3;
-    case FailureClass::kIo: return 4;
-    case FailureClass::kNonFinite: return 5;
-    case FailureClass::kCollectiveTimeout: return 6;
-    case FailureClass::kPeerLost: return 7;
-    case FailureClass::kInternal: return 70;
+    case FailureClass::kError:
+      return 1;
+    case FailureClass::kConfig:
+      return 2;
+    case FailureClass::kCheckpoint:
+      return 3;
+    case FailureClass::kIo:
+      return 4;
+    case FailureClass::kNonFinite:
+      return 5;
+    case FailureClass::kCollectiveTimeout:
+      return 6;
+    case FailureClass::kPeerLost:
+      return 7;
+    case FailureClass::kInternal:
+      return 70;
   }
   return 1;
 }
 
 std::string_view FailureClassName(FailureClass c) {
   switch (c) {
-    case FailureClass::kError: return "error";
-    case FailureClass::kConfig: return "config";
-    case FailureClass::kCheckpoint: return "checkpoint";
-    case FailureClass::kIo: return "io";
-    case FailureClass::kNonFinite: return "non-finite";
-    case FailureClass::kCollectiveTimeout: return "timeout";
-    case FailureClass::kPeerLost: return "peer lost";
-    case FailureClass::kInternal: return "internal";
+    case FailureClass::kError:
+      return "error";
+    case FailureClass::kConfig:
+      return "config";
+    case FailureClass::kCheckpoint:
+      return "checkpoint";
+    case FailureClass::kIo:
+      return "io";
+    case FailureClass::kNonFinite:
+      return "non-finite";
+    case FailureClass::kCollectiveTimeout:
+      return "timeout";
+    case FailureClass::kPeerLost:
+      return "peer lost";
+    case FailureClass::kInternal:
+      return "internal";
   }
   return "error";
 }
@@ -89,16 +105,23 @@ FailureClass ClassifyFailure(const absl::Status& status) {
     }
   }
   switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument: return FailureClass::kConfig;
-    case absl::StatusCode::kDataLoss: return FailureClass::kCheckpoint;
-    case absl::StatusCode::kDeadlineExceeded: return FailureClass::kCollectiveTimeout;
+    case absl::StatusCode::kInvalidArgument:
+      return FailureClass::kConfig;
+    case absl::StatusCode::kDataLoss:
+      return FailureClass::kCheckpoint;
+    case absl::StatusCode::kDeadlineExceeded:
+      return FailureClass::kCollectiveTimeout;
     case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kAborted: return FailureClass::kPeerLost;
+    case absl::StatusCode::kAborted:
+      return FailureClass::kPeerLost;
     case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kResourceExhausted: return FailureClass::kIo;
+    case absl::StatusCode::kResourceExhausted:
+      return FailureClass::kIo;
     case absl::StatusCode::kInternal:
-    case absl::StatusCode::kUnknown: return FailureClass::kInternal;
-    default: return FailureClass::kError;
+    case absl::StatusCode::kUnknown:
+      return FailureClass::kInternal;
+    default:
+      return FailureClass::kError;
   }
 }
 

@@ -101,10 +101,14 @@ std::optional<Progress> ParseProgress(const std::vector<uint8_t>& v) {
 
 std::string_view CollectiveStateName(CollectiveState s) {
   switch (s) {
-    case CollectiveState::kIssued: return "issued";
-    case CollectiveState::kWaiting: return "waiting";
-    case CollectiveState::kCompleted: return "completed";
-    case CollectiveState::kFailed: return "failed";
+    case CollectiveState::kIssued:
+      return "issued";
+    case CollectiveState::kWaiting:
+      return "waiting";
+    case CollectiveState::kCompleted:
+      return "completed";
+    case CollectiveState::kFailed:
+      return "failed";
   }
   return "?";
 }
@@ -172,7 +176,8 @@ std::optional<CollectiveRecord> FlightRecorder::OldestWaiting() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<CollectiveRecord> oldest;
   for (const CollectiveRecord& r : ring_) {
-    if (r.state == CollectiveState::kWaiting && (!oldest || r.wait_start_s < oldest->wait_start_s)) {
+    if (r.state == CollectiveState::kWaiting &&
+        (!oldest || r.wait_start_s < oldest->wait_start_s)) {
       oldest = r;
     }
   }
@@ -243,15 +248,16 @@ void Watchdog::Publish(int64_t beat) {
   const FlightRecorder& fr = FlightRecorder::Get();
   std::string value = fmt::format("{} {} {} {}", fr.step(), fr.issued(), fr.completed(), beat);
   try {
-    store_->set(StrCat(options_.key_prefix, rank_), std::vector<uint8_t>(value.begin(), value.end()));
+    store_->set(StrCat(options_.key_prefix, rank_),
+                std::vector<uint8_t>(value.begin(), value.end()));
   } catch (const std::exception&) {
     // The store is gone (the launcher ended): the rank's own collectives will say so.
   }
 }
 
 void Watchdog::Loop() {
-  const auto poll = std::min<std::chrono::milliseconds>(options_.heartbeat,
-                                                        std::chrono::milliseconds(200));
+  const auto poll =
+      std::min<std::chrono::milliseconds>(options_.heartbeat, std::chrono::milliseconds(200));
   auto next_beat = std::chrono::steady_clock::now() + options_.heartbeat;
   int64_t beat = 0;
   std::unique_lock<std::mutex> lock(mu_);
@@ -301,8 +307,8 @@ void Watchdog::Fire(const CollectiveRecord& stuck) {
     if (behind || silent) {
       missing.push_back(r);
       details.push_back(fmt::format("rank {}{} at step {} after {} collective(s)", r,
-                                    silent ? " is not responding (heartbeat stopped)" : "",
-                                    p->step, p->issued));
+                                    silent ? " is not responding (heartbeat stopped)" : "", p->step,
+                                    p->issued));
     }
   }
   std::string flight;
@@ -312,20 +318,20 @@ void Watchdog::Fire(const CollectiveRecord& stuck) {
     const std::string path = fmt::format("{}/rank{}.json", options_.flight_dir, rank_);
     std::ofstream out(path);
     out << FlightRecorder::Get().ToJson(rank_);
-    flight = out.flush() ? fmt::format("; last {} collectives in {}", FlightRecorder::kCapacity,
-                                       path)
-                         : fmt::format("; could not write {}", path);
+    flight = out.flush()
+                 ? fmt::format("; last {} collectives in {}", FlightRecorder::kCapacity, path)
+                 : fmt::format("; could not write {}", path);
   }
   const std::string unit = stuck.tag.empty() ? "no unit" : fmt::format("unit '{}'", stuck.tag);
-  const std::string who =
-      missing.empty() ? "every rank of the group reports progress (a backend problem?)"
-                      : fmt::format("rank(s) {} did not arrive ({})", StrJoin(missing, ","),
-                                    StrJoin(details, "; "));
+  const std::string who = missing.empty()
+                              ? "every rank of the group reports progress (a backend problem?)"
+                              : fmt::format("rank(s) {} did not arrive ({})", StrJoin(missing, ","),
+                                            StrJoin(details, "; "));
   FailAndExit(rank_, FailureClass::kCollectiveTimeout,
               fmt::format("collective timeout: {} #{} ({}, step {}, {} bytes, group {} [{}]) did "
                           "not complete within {:g} s; {}{}",
-                          stuck.op, stuck.seq, unit,
-                          stuck.step, stuck.bytes, stuck.group, StrJoin(stuck.ranks, ","),
+                          stuck.op, stuck.seq, unit, stuck.step, stuck.bytes, stuck.group,
+                          StrJoin(stuck.ranks, ","),
                           std::chrono::duration<double>(options_.timeout).count(), who, flight));
 }
 

@@ -32,11 +32,23 @@ using Clock = std::chrono::steady_clock;
 // `fsdp train` of the tiny default model (2 layers) on `world` CPU ranks.
 CommandResult Train(const std::string& dir, int world, std::vector<std::string> sets,
                     std::map<std::string, std::string> env = {}) {
-  std::vector<std::string> argv = {
-      FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
-      "--set", "metrics.progress_bar=off", "--set", "training.log_interval=1", "--set",
-      "training.eval_interval=0", "--set", StrCat("parallelism.nproc=", world), "--set",
-      "training.micro_batch_size=2", "--set", "model.n_layers=2"};
+  std::vector<std::string> argv = {FsdpBinary(),
+                                   "train",
+                                   SourceDir() + "/configs/default.yaml",
+                                   "--set",
+                                   "run.dir=" + dir,
+                                   "--set",
+                                   "metrics.progress_bar=off",
+                                   "--set",
+                                   "training.log_interval=1",
+                                   "--set",
+                                   "training.eval_interval=0",
+                                   "--set",
+                                   StrCat("parallelism.nproc=", world),
+                                   "--set",
+                                   "training.micro_batch_size=2",
+                                   "--set",
+                                   "model.n_layers=2"};
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   return RunCommand(argv, env, std::chrono::seconds(120));
 }
@@ -76,8 +88,8 @@ TEST(FailSafeTest, CorruptRankFileOnResumeIsNamedFirst) {
       f.write(&byte, 1);
     }
   }
-  CommandResult load = Train(dir, 4, {"training.steps=4", "checkpoint.enabled=true",
-                                      "checkpoint.load=latest"});
+  CommandResult load =
+      Train(dir, 4, {"training.steps=4", "checkpoint.enabled=true", "checkpoint.load=latest"});
   ExpectNoAbort(load);
   EXPECT_EQ(load.exit.code, 3) << load.Output();  // checkpoint error
   const std::string headline = Headline(load);
@@ -101,8 +113,8 @@ TEST(FailSafeTest, UnusableRunDirIsNamedByRankZero) {
   ExpectNoAbort(r);
   EXPECT_EQ(r.exit.code, 4) << r.Output();  // I/O error
   const std::string headline = Headline(r);
-  EXPECT_TRUE(StartsWith(headline, "fsdp launch: rank 0 failed first: rank 0: io: run.dir '" +
-                                       run_dir + "'"))
+  EXPECT_TRUE(StartsWith(headline,
+                         "fsdp launch: rank 0 failed first: rank 0: io: run.dir '" + run_dir + "'"))
       << r.Output();
   EXPECT_NE(headline.find("rank 1 stopped after rank 0 failed"), std::string::npos) << headline;
   fs::remove_all(dir);
@@ -115,8 +127,9 @@ TEST(FailSafeTest, StoppedRankIsNamedByTheWatchdog) {
   const std::string dir = FreshTempDir("failsafe-hang");
   constexpr int kTimeoutS = 4;
   const auto start = Clock::now();
-  CommandResult r = Train(dir, 3, {"training.steps=6", StrCat("parallelism.collective_timeout_s=", kTimeoutS)},
-                          {{"FSDP_TEST_SIGSTOP", "1@3"}});
+  CommandResult r =
+      Train(dir, 3, {"training.steps=6", StrCat("parallelism.collective_timeout_s=", kTimeoutS)},
+            {{"FSDP_TEST_SIGSTOP", "1@3"}});
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
   ExpectNoAbort(r);
   EXPECT_FALSE(r.timed_out) << r.Output();
@@ -139,10 +152,12 @@ TEST(FailSafeTest, StoppedRankIsNamedByTheWatchdog) {
     nlohmann::json json = nlohmann::json::parse(in);  // throws (fails the test) if malformed
     EXPECT_EQ(json["rank"], rank);
     ASSERT_FALSE(json["collectives"].empty());
-    const nlohmann::json& last = json["collectives"].back();
-    EXPECT_EQ(last["state"], "waiting") << json.dump(1);
-    EXPECT_EQ(last["step"], 3) << json.dump(1);
     EXPECT_LE(json["collectives"].size(), 64u);
+    int waiting_in_step3 = 0;  // the stuck one (a prefetched one after it is only "issued")
+    for (const nlohmann::json& c : json["collectives"]) {
+      waiting_in_step3 += c["state"] == "waiting" && c["step"] == 3;
+    }
+    EXPECT_EQ(waiting_in_step3, 1) << json.dump(1);
   }
   fs::remove_all(dir);
 }
@@ -165,8 +180,12 @@ TEST(FailSafeTest, SilentRendezvousStoreFailsWithinTheDeadline) {
   CommandResult r = RunCommand(
       {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
        "--set", "metrics.progress_bar=off", "--set", "training.steps=1"},
-      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-       {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", StrCat(port)},
+      {{"RANK", "1"},
+       {"WORLD_SIZE", "2"},
+       {"LOCAL_RANK", "1"},
+       {"LOCAL_WORLD_SIZE", "2"},
+       {"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", StrCat(port)},
        {"FSDP_RENDEZVOUS_TIMEOUT_S", "3"}},
       std::chrono::seconds(60));
   const double took = std::chrono::duration<double>(Clock::now() - start).count();
@@ -174,9 +193,14 @@ TEST(FailSafeTest, SilentRendezvousStoreFailsWithinTheDeadline) {
   ExpectNoAbort(r);
   EXPECT_FALSE(r.timed_out) << r.Output();
   EXPECT_EQ(r.exit.code, 6) << r.Output();
-  EXPECT_TRUE(r.StderrHas(StrCat("rank 1: timeout: rank 1: rendezvous timed out")))
-      << r.Output();
-  EXPECT_TRUE(r.StderrHas(StrCat("127.0.0.1:", port))) << r.Output();
+  int lines = 0;
+  for (const std::string& l : r.stderr_lines) {
+    if (StartsWith(l, "rank 1: timeout: ")) {
+      ++lines;
+      EXPECT_NE(l.find(StrCat("127.0.0.1:", port)), std::string::npos) << l;
+    }
+  }
+  EXPECT_EQ(lines, 1) << r.Output();
   EXPECT_LT(took, 3 + 10.0) << r.Output();
   fs::remove_all(dir);
 }
