@@ -291,7 +291,17 @@ void Watchdog::Fire(const CollectiveRecord& stuck) {
     return all;
   };
   std::map<int, std::optional<Progress>> before = read_all();
-  std::this_thread::sleep_for(2 * options_.heartbeat + std::chrono::milliseconds(500));
+  // Keep beating meanwhile: a peer that timed out on the same collective is looking too.
+  const auto look_until =
+      std::chrono::steady_clock::now() + 2 * options_.heartbeat + std::chrono::milliseconds(500);
+  int64_t beat = 1 << 20;  // beyond the loop's count, still moving
+  while (std::chrono::steady_clock::now() < look_until) {
+    Publish(++beat);
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+        options_.heartbeat / 2,
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            look_until - std::chrono::steady_clock::now())));
+  }
   std::map<int, std::optional<Progress>> after = read_all();
   std::vector<int> missing;
   std::vector<std::string> details;
