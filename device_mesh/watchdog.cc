@@ -260,11 +260,16 @@ void Watchdog::Loop() {
       std::min<std::chrono::milliseconds>(options_.heartbeat, std::chrono::milliseconds(200));
   auto next_beat = std::chrono::steady_clock::now() + options_.heartbeat;
   int64_t beat = 0;
+  int64_t published_issued = 0;
   std::unique_lock<std::mutex> lock(mu_);
   while (!cv_.wait_for(lock, poll, [this] { return stop_; })) {
-    if (std::chrono::steady_clock::now() >= next_beat) {
+    // A beat every heartbeat, and sooner when the rank issued collectives since the last one,
+    // so that the progress a peer reads is at most one poll old (one small store write).
+    const int64_t issued = FlightRecorder::Get().issued();
+    if (std::chrono::steady_clock::now() >= next_beat || issued != published_issued) {
       Publish(++beat);
-      next_beat += options_.heartbeat;
+      published_issued = issued;
+      next_beat = std::chrono::steady_clock::now() + options_.heartbeat;
     }
     std::optional<CollectiveRecord> stuck = FlightRecorder::Get().OldestWaiting();
     const double timeout_s = std::chrono::duration<double>(options_.timeout).count();

@@ -60,7 +60,7 @@ Headline FirstFailure(const GroupResult& result, const std::vector<FailureRecord
   for (const WorkerExit& e : result.exits) {
     bool recorded = false;
     for (const FailureRecord& r : records) recorded |= r.rank == e.rank;
-    if (recorded || e.ok() || e.killed_by_us) continue;
+    if (recorded || e.exited || e.killed_by_us) continue;  // a signal nobody recorded
     candidates.push_back({e.rank, e.exit_time_ns, true, StrCat("rank ", e.rank, " ", e.Describe()),
                           e.exited ? e.code : 128 + e.code});
   }
