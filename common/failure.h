@@ -84,7 +84,7 @@ struct FailureRecord {
   int rank = -1;
   int64_t time_ns = 0;  // CLOCK_REALTIME when the rank reported
   int exit_code = 1;
-  std::string line;     // "rank R: <what>"
+  std::string line;  // "rank R: <what>"
 };
 // Every rank<R>.failure in `dir`, earliest first; unreadable files are skipped.
 std::vector<FailureRecord> ReadFailureRecords(const std::string& dir);

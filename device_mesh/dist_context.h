@@ -45,7 +45,7 @@ struct DistOptions {
   // arrive (exit code 6), instead of an exception from the backend.
   bool watchdog = false;
   // With the watchdog: where its flight recorder goes on a timeout (rank<R>.json).
-  std::string flight_dir;
+  std::string flight_dir{};
   // "cpu", "cuda" (this rank's GPU is LOCAL_RANK % device count), or "auto" (cuda if any).
   std::string device = "cpu";
   // Backend for CUDA tensors: "nccl" or "gloo".

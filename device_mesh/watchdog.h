@@ -9,10 +9,10 @@
 // progress to the store every heartbeat ("fsdp/<gen>/progress/<rank>": step, collectives
 // issued and completed, a heartbeat counter) and checks the recorder: when a wait on a
 // collective has lasted longer than the timeout, it asks the store which ranks of that
-// collective's group did not arrive (fewer collectives issued, or a heartbeat that stopped over 2.5 s),
-// dumps the recorder to <flight_dir>/rank<R>.json and ends the rank with exit code 6 and one
-// line naming the collective, the unit, the step and the missing ranks. See Note [Exiting from
-// a watchdog].
+// collective's group did not arrive (fewer collectives issued, or a heartbeat that did not move
+// in 2.5 s), dumps the recorder to <flight_dir>/rank<R>.json and ends the rank with exit code 6
+// and one line naming the collective, the unit, the step and the missing ranks. See Note
+// [Exiting from a watchdog].
 //
 // Cross-rank contract: the comparison of collective counts assumes every rank issues the same
 // collectives in the same order (SPMD), which FSDP does.
@@ -47,16 +47,16 @@ enum class CollectiveState { kIssued, kWaiting, kCompleted, kFailed };
 std::string_view CollectiveStateName(CollectiveState s);
 
 struct CollectiveRecord {
-  int64_t seq = 0;              // 1, 2, ...: this process's collectives in issue order
-  std::string op;               // "all_reduce", "all_gather", "reduce_scatter", ...
-  std::string group;            // the process group's name
-  std::vector<int> ranks;       // the group's global ranks
-  std::string tag;              // the unit ("layers.3") or "" outside any CollectiveTag
-  int64_t step = 0;             // FlightRecorder::step() when issued
-  int64_t bytes = 0;            // of the full buffer
-  double issued_s = 0;          // seconds since the recorder started
-  double wait_start_s = -1;     // -1: not waited on yet
-  double end_s = -1;            // -1: not finished
+  int64_t seq = 0;           // 1, 2, ...: this process's collectives in issue order
+  std::string op;            // "all_reduce", "all_gather", "reduce_scatter", ...
+  std::string group;         // the process group's name
+  std::vector<int> ranks;    // the group's global ranks
+  std::string tag;           // the unit ("layers.3") or "" outside any CollectiveTag
+  int64_t step = 0;          // FlightRecorder::step() when issued
+  int64_t bytes = 0;         // of the full buffer
+  double issued_s = 0;       // seconds since the recorder started
+  double wait_start_s = -1;  // -1: not waited on yet
+  double end_s = -1;         // -1: not finished
   CollectiveState state = CollectiveState::kIssued;
 };
 
