@@ -5,6 +5,7 @@
 //   checkpoint inspect | export: look into a checkpoint, write it as safetensors
 //   bench    compare | sweep: fsdp.cpp against PyTorch FSDP2, and across world sizes (bench/)
 //   plan     predict memory and step time per layout, recommend one (cli/plan_command.h)
+#include <exception>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -16,7 +17,9 @@
 #include "cli/checkpoint_command.h"
 #include "cli/plan_command.h"
 #include "cli/train.h"
+#include "common/failure.h"
 #include "common/strings.h"
+#include "device_mesh/torch_status.h"
 #include "launcher/launch.h"
 
 namespace {
@@ -38,9 +41,46 @@ int64_t ParseBytes(const std::string& text) {
   return *value * mult;
 }
 
+// Note [No rank dies through an uncaught exception]
+// An exception that escapes a thread (a backend's own thread, a destructor during unwinding)
+// calls std::terminate, whose default prints "terminate called ..." and aborts (exit 134):
+// the launcher would then blame a healthy rank for "signal 6". This handler, and the catch
+// in main, turn it into the rank's one failure line (common/failure.h) and an exit code.
+[[noreturn]] void OnTerminate() {
+  absl::Status status = absl::InternalError("std::terminate called without an exception");
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      status = fsdp::StatusFromException("uncaught exception", x);
+    } catch (...) {
+      status = absl::InternalError("uncaught exception of unknown type");
+    }
+  }
+  const fsdp::FailureClass c = fsdp::ClassifyFailure(status);
+  fsdp::FailAndExit(fsdp::FailureRank(), c,
+                    fsdp::StrCat(fsdp::FailureClassName(c), ": ", std::string(status.message())));
+}
+
+int Main(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::set_terminate(OnTerminate);
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    const absl::Status status = fsdp::StatusFromException("uncaught exception", e);
+    const fsdp::FailureClass c = fsdp::ClassifyFailure(status);
+    fsdp::FailAndExit(fsdp::FailureRank(), c,
+                      fsdp::StrCat(fsdp::FailureClassName(c), ": ", std::string(status.message())));
+  }
+}
+
+namespace {
+
+int Main(int argc, char** argv) {
   // PROGRAM ARGS after "--" belong to the launched program, not to us.
   std::vector<std::string> program;
   int our_argc = argc;
@@ -248,3 +288,5 @@ int main(int argc, char** argv) {
   }
   return 2;
 }
+
+}  // namespace

@@ -12,8 +12,11 @@
 
 #include "common/env.h"
 #include "common/env_knobs.h"
+#include "common/failure.h"
+#include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/launch_env.h"
+#include "device_mesh/torch_status.h"
 #include "engine/config.h"
 #include "engine/metrics.h"
 #include "engine/train_metrics.h"
@@ -105,10 +108,19 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
       return code;
     }
   }
-  absl::Status status = Train(*config, {.quiet = command.quiet});
+  // Every failure of a rank ends here as one line and its class's exit code (Note [Exit
+  // codes]); an exception from below (a backend error libtorch threw through autograd) too.
+  absl::Status status;
+  try {
+    status = Train(*config, {.quiet = command.quiet});
+  } catch (const std::exception& e) {
+    status = StatusFromException("a collective or tensor operation failed", e);
+  }
   if (!status.ok()) {
-    std::cerr << "fsdp train: rank " << env->rank << ": " << status.message() << "\n";
-    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    const FailureClass failure = ClassifyFailure(status);
+    std::cout.flush();
+    // _Exit: no exit-time destructors racing a thread left blocked (Note [Rendezvous deadline]).
+    FailAndExit(env->rank, failure, StrCat(FailureClassName(failure), ": ", std::string(status.message())));
   }
   return 0;
 }

@@ -91,6 +91,21 @@ inline constexpr EnvKnob kProgressFile{
     "file where rank 0 publishes its latest step record for the launcher's progress bar",
     "unset (no record published)", "a writable path", "engine/train_metrics.cc, cli/train.cc"};
 
+// FSDP_FAILURE_DIR: set by `fsdp launch` / `fsdp train` for the ranks it starts; a failing rank
+// leaves its one failure line there with the time (common/failure.h), so that the launcher
+// names the first rank to fail.
+inline constexpr EnvKnob kFailureDir{
+    "FSDP_FAILURE_DIR",
+    "folder where a failing rank records its failure line and time for the launcher's headline",
+    "unset (no record)", "a writable folder", "common/failure.cc, launcher/launch.cc"};
+
+// FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.
+inline constexpr EnvKnob kTestSigstop{
+    "FSDP_TEST_SIGSTOP",
+    "testing only: 'R@S' makes rank R stop itself with SIGSTOP when it begins step S (as if the "
+    "process hung), to test the collective watchdog",
+    "unset (no stop)", "R@S with a rank R and a step S", "device_mesh/watchdog.cc"};
+
 // FSDP_TEST_VERBOSE: the multi-rank test harness prints every rank's output.
 inline constexpr EnvKnob kTestVerbose{
     "FSDP_TEST_VERBOSE",

@@ -3,7 +3,9 @@
 
 #include <unistd.h>
 
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/env_knobs.h"
 #include "common/env.h"
+#include "common/failure.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "device_mesh/cuda_support.h"
@@ -154,6 +157,48 @@ absl::Status CheckDistinctDevices(c10d::Store& store, const LaunchEnv& env, int 
   return absl::OkStatus();
 }
 
+// Note [Rendezvous deadline]
+// c10d's TCPStore bounds its connect and its waits, but not every read: a listener that
+// accepts the connection and never answers (a wrong MASTER_PORT pointing at another service,
+// a hung store host) blocks the first request forever. So the whole rendezvous (connect,
+// announce, wait for peers) runs on a helper thread, and the rank gives up at
+// rendezvous_timeout (plus two seconds for the inner timeouts to report first), naming the
+// address. The helper is left behind, blocked; the rank is about to exit with the error.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> RendezvousWithDeadline(
+    const LaunchEnv& env, std::chrono::milliseconds timeout, int generation) {
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    absl::StatusOr<c10::intrusive_ptr<c10d::Store>> result = absl::UnknownError("not run");
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, env, timeout, generation] {
+    absl::StatusOr<c10::intrusive_ptr<c10d::Store>> store = ConnectStore(env, timeout);
+    if (store.ok()) {
+      absl::Status arrived = absl::OkStatus();
+      absl::Status call = CallTorch("rendezvous through the store", [&] {
+        arrived = WaitForPeers(**store, env, timeout, generation);
+      });
+      if (!call.ok()) store = call;
+      else if (!arrived.ok()) store = arrived;
+    }
+    std::lock_guard<std::mutex> lock(shared->mu);
+    shared->result = std::move(store);
+    shared->done = true;
+    shared->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  if (!shared->cv.wait_for(lock, timeout + std::chrono::seconds(2), [&] { return shared->done; })) {
+    return absl::DeadlineExceededError(StrCat(
+        "rank ", env.rank, ": rendezvous timed out after ", Seconds(timeout),
+        ": the store at ", env.master_addr, ":", env.master_port,
+        " accepted the connection but did not answer (is MASTER_ADDR/MASTER_PORT the "
+        "rendezvous store of this job, launched via ", env.source, "?)"));
+  }
+  return std::move(shared->result);
+}
+
 int NextGeneration() {
   static int generation = 0;
   return generation++;
@@ -209,16 +254,18 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   int generation = NextGeneration();
   ctx->generation_ = generation;
 
-  FSDP_ASSIGN_OR_RETURN(ctx->store_, ConnectStore(env, options.rendezvous_timeout));
-  absl::Status arrived = absl::OkStatus();
-  absl::Status call = CallTorch("rendezvous through the store", [&] {
-    arrived = WaitForPeers(*ctx->store_, env, options.rendezvous_timeout, generation);
-  });
-  FSDP_RETURN_IF_ERROR(call);
-  FSDP_RETURN_IF_ERROR(arrived);
+  SetFailureRank(env.rank);
+  FSDP_ASSIGN_OR_RETURN(ctx->store_,
+                        RendezvousWithDeadline(env, options.rendezvous_timeout, generation));
 
   bool want_cuda = options.device == "cuda" || (options.device == "auto" && CudaDeviceCount() > 0);
   ctx->group_options_.timeout = options.collective_timeout;
+  if (options.watchdog) {
+    // The watchdog names a hung collective; the backend's own timeout comes later, as a
+    // backstop (Note [Exiting from a watchdog]).
+    ctx->group_options_.timeout +=
+        std::max<std::chrono::milliseconds>(std::chrono::seconds(15), options.collective_timeout / 10);
+  }
   ctx->group_options_.cuda_backend = options.cuda_backend;
   ctx->group_options_.cpu_collectives = options.cpu_collectives;
   if (want_cuda) {
@@ -251,6 +298,16 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   std::vector<int> all(env.world_size);
   for (int r = 0; r < env.world_size; ++r) all[r] = r;
   FSDP_ASSIGN_OR_RETURN(ctx->world_, ctx->NewGroup(all, "world"));
+  if (options.watchdog) {
+    WatchdogOptions watch;
+    watch.timeout = options.collective_timeout;
+    watch.key_prefix = StrCat("fsdp/", generation, "/progress/");
+    watch.flight_dir = options.flight_dir;
+    absl::Status started = CallTorch("starting the collective watchdog", [&] {
+      ctx->watchdog_ = Watchdog::Start(ctx->store_, env.rank, env.world_size, watch);
+    });
+    FSDP_RETURN_IF_ERROR(started);
+  }
   return ctx;
 }
 

@@ -3,7 +3,9 @@
 //
 // Init is collective over the whole world: every rank calls it once, with the same options.
 // It returns (never hangs) when a rank does not arrive within rendezvous_timeout: every rank
-// that did arrive gets kDeadlineExceeded naming the ranks it waited for.
+// that did arrive gets kDeadlineExceeded naming the ranks it waited for. The deadline covers
+// every wait of the rendezvous, a store that accepts the connection and never answers
+// included (Note [Rendezvous deadline]).
 //
 //   absl::StatusOr<std::shared_ptr<DistContext>> ctx =
 //       DistContext::InitFromEnvironment(DistOptions{.device = "cpu"});
@@ -29,6 +31,7 @@
 #include "common/env.h"
 #include "device_mesh/launch_env.h"
 #include "device_mesh/process_group.h"
+#include "device_mesh/watchdog.h"
 
 namespace fsdp {
 
@@ -37,6 +40,12 @@ struct DistOptions {
   std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
   // How long a collective may take before it fails.
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
+  // Run the collective watchdog (device_mesh/watchdog.h): a collective waited on for longer
+  // than collective_timeout ends the rank with one line naming it and the ranks that did not
+  // arrive (exit code 6), instead of an exception from the backend.
+  bool watchdog = false;
+  // With the watchdog: where its flight recorder goes on a timeout (rank<R>.json).
+  std::string flight_dir{};
   // "cpu", "cuda" (this rank's GPU is LOCAL_RANK % device count), or "auto" (cuda if any).
   std::string device = "cpu";
   // Backend for CUDA tensors: "nccl" or "gloo".
@@ -83,6 +92,7 @@ class DistContext {
   c10::Device device_{c10::kCPU};
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<ProcessGroup> world_;
+  std::unique_ptr<Watchdog> watchdog_;  // last: stopped first
   int next_tag_ = 0;
   int generation_ = 0;  // how many contexts this process made before this one
 };

@@ -8,8 +8,14 @@
 
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/torch_status.h"
+#include "device_mesh/watchdog.h"
 
 namespace fsdp {
+namespace {
+
+int64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
     const c10::intrusive_ptr<c10d::Store>& store, std::string name,
@@ -72,7 +78,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::AllReduce(at::Tensor& tensor, c10d:
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
-  return BackendFor(tensor.device()).allreduce(tensors, opts);
+  return Record("all_reduce", Bytes(tensor), BackendFor(tensor.device()).allreduce(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherInto(at::Tensor& output,
@@ -81,22 +87,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherInto(at::Tensor& output,
               "': output has ", output.numel(), " elements, expected ", size(), " x ",
               input.numel());
   if (p2p_ && input.device().is_cpu() && output.device().is_cpu()) {
-    return p2p_->AllGatherInto(output, input);
+    return Record("all_gather", Bytes(output), p2p_->AllGatherInto(output, input));
   }
-  return BackendFor(input.device())._allgather_base(output, input);
+  return Record("all_gather", Bytes(output), BackendFor(input.device())._allgather_base(output, input));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::AllGatherPieces(std::vector<at::Tensor> outputs,
                                                              std::vector<at::Tensor> inputs) {
   TORCH_CHECK(p2p_, "AllGatherPieces on '", name_, "': needs cpu_collectives p2p and 2+ ranks");
-  return p2p_->AllGatherPieces(std::move(outputs), std::move(inputs));
+  int64_t bytes = 0;
+  for (const at::Tensor& t : outputs) bytes += Bytes(t);
+  return Record("all_gather", bytes, p2p_->AllGatherPieces(std::move(outputs), std::move(inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatterPieces(
     at::Tensor output, std::vector<at::Tensor> inputs) {
   TORCH_CHECK(p2p_, "ReduceScatterPieces on '", name_,
               "': needs cpu_collectives p2p and 2+ ranks");
-  return p2p_->ReduceScatterPieces(std::move(output), std::move(inputs));
+  int64_t bytes = 0;
+  for (const at::Tensor& t : inputs) bytes += Bytes(t);
+  return Record("reduce_scatter", bytes,
+                p2p_->ReduceScatterPieces(std::move(output), std::move(inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatter(at::Tensor& output, at::Tensor& input,
@@ -106,20 +117,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::ReduceScatter(at::Tensor& output, a
               output.numel());
   if (p2p_ && op == c10d::ReduceOp::SUM && input.device().is_cpu() &&
       output.device().is_cpu()) {
-    return p2p_->ReduceScatterSum(output, input);
+    return Record("reduce_scatter", Bytes(input), p2p_->ReduceScatterSum(output, input));
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op;
-  return BackendFor(input.device())._reduce_scatter_base(output, input, opts);
+  return Record("reduce_scatter", Bytes(input),
+                BackendFor(input.device())._reduce_scatter_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::Broadcast(at::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  return BackendFor(tensor.device()).broadcast(tensors, opts);
+  return Record("broadcast", Bytes(tensor), BackendFor(tensor.device()).broadcast(tensors, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroup::Barrier() { return gloo_->barrier(); }
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Barrier() { return Record("barrier", 0, gloo_->barrier()); }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Record(std::string_view op, int64_t bytes,
+                                                    c10::intrusive_ptr<c10d::Work> work) {
+  return RecordCollective(op, name_, global_ranks_, bytes, std::move(work));
+}
 
 }  // namespace fsdp

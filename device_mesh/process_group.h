@@ -2,7 +2,9 @@
 //
 // CPU tensors go through c10d::ProcessGroupGloo; CUDA tensors through ProcessGroupNCCL (or
 // through Gloo when GroupOptions::cuda_backend is "gloo", e.g. several ranks sharing one GPU).
-// Every call returns the c10d::Work; call wait() on it before touching the tensors.
+// Every call returns the c10d::Work; call wait() on it before touching the tensors. Every
+// collective is recorded in the FlightRecorder (device_mesh/watchdog.h), which the collective
+// watchdog reads.
 //
 // Cross-rank contract: every member calls Create with the same name and member list, and all
 // members issue the same collectives in the same order. Group ranks count 0..size()-1 in the
@@ -18,6 +20,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -90,6 +93,10 @@ class ProcessGroup {
   c10d::Backend& BackendFor(const c10::Device& device);
 
  private:
+  // `work`, recorded in the FlightRecorder (device_mesh/watchdog.h).
+  c10::intrusive_ptr<c10d::Work> Record(std::string_view op, int64_t bytes,
+                                        c10::intrusive_ptr<c10d::Work> work);
+
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank)
       : name_(std::move(name)), global_ranks_(std::move(global_ranks)), rank_(rank) {}
 

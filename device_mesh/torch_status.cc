@@ -25,7 +25,11 @@ absl::Status StatusFromException(std::string_view what, const std::exception& e)
       ContainsIgnoreCase(message, "timeout")) {
     return absl::DeadlineExceededError(text);
   }
-  if (dynamic_cast<const c10::DistNetworkError*>(&e) != nullptr) {
+  // A peer process that ended (or its node): Gloo reports the closed connection.
+  if (dynamic_cast<const c10::DistNetworkError*>(&e) != nullptr ||
+      ContainsIgnoreCase(message, "connection closed by peer") ||
+      ContainsIgnoreCase(message, "connection reset by peer") ||
+      ContainsIgnoreCase(message, "broken pipe")) {
     return absl::UnavailableError(text);
   }
   return absl::InternalError(text);

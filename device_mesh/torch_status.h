@@ -2,7 +2,8 @@
 // at the boundary of a function that takes user input. No c10::Error escapes such a function.
 //
 //   absl::Status s = CallTorch("connecting to the store at host:29500", [&] { ... });
-//   // kDeadlineExceeded for timeouts, kUnavailable for network errors, else kInternal;
+//   // kDeadlineExceeded for timeouts, kUnavailable for network errors and a peer that closed
+//   // its connection (it ended), else kInternal;
 //   // the message is "<what>: <libtorch's first line>".
 #pragma once
 

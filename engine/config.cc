@@ -372,7 +372,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"max_unsharded_units", &c.parallelism.max_unsharded_units},
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
-        {"offload", Enum(&c.parallelism.offload, OffloadNames())}}},
+        {"offload", Enum(&c.parallelism.offload, OffloadNames())},
+        {"collective_timeout_s", &c.parallelism.collective_timeout_s}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
         {"cpu_peak_flops", &c.metrics.cpu_peak_flops},
@@ -728,6 +729,9 @@ absl::Status ValidateOptimizer(const OptimizerSection& o, const LrSchedulerSecti
 
 absl::Status ValidateParallelism(const ParallelismSection& p, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("parallelism.nproc", p.nproc, 0));
+  FSDP_RETURN_IF_ERROR(v.Check(p.collective_timeout_s >= 1 && p.collective_timeout_s <= 604800,
+                               "parallelism.collective_timeout_s",
+                               StrCat("must be in 1..604800 seconds, got ", p.collective_timeout_s)));
   for (auto [key, degree] :
        {std::pair<std::string_view, int64_t>{"parallelism.data_parallel_replicate_degree",
                                              p.data_parallel_replicate_degree},

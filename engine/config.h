@@ -154,6 +154,9 @@ struct ParallelismSection {
   CpuCollectives cpu_collectives = CpuCollectives::kP2p;
   // none | optimizer | params: what lives in host memory (sharding/options.h: Offload).
   Offload offload = Offload::kNone;
+  // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
+  // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.
+  int64_t collective_timeout_s = 600;
 
   // (replicate, shard) on `world_size` ranks, the -1 degree inferred (after ValidateForWorld).
   std::pair<int, int> MeshDegrees(int world_size) const;

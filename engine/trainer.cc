@@ -15,12 +15,14 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "common/failure.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/torch_status.h"
+#include "device_mesh/watchdog.h"
 #include "engine/checkpointing.h"
 #include "engine/data.h"
 #include "engine/freeze.h"
@@ -116,9 +118,11 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
 }
 
 absl::Status NonFiniteError(int64_t step) {
-  return absl::FailedPreconditionError(StrCat(
-      "step ", step, ": the loss or the gradient norm is not finite (NaN or inf); "
-      "stopping. Lower optimizer.lr, or set training.on_nonfinite: skip"));
+  return WithFailureClass(
+      absl::FailedPreconditionError(StrCat(
+          "step ", step, ": the loss or the gradient norm is not finite (NaN or inf); "
+          "stopping. Lower optimizer.lr, or set training.on_nonfinite: skip")),
+      FailureClass::kNonFinite);
 }
 
 // SIGTERM reached every rank at the same log interval: the caller saved (a step already saved
@@ -218,8 +222,13 @@ absl::StatusOr<std::unique_ptr<TrainableModel>> WrapModel(const RunConfig& confi
                          /*sync_every_micro_batch=*/config.training.grad_sync == GradSync::kEvery);
 }
 
-DistOptions DistOptionsFor(const TrainingSection& t, const ParallelismSection& p) {
+DistOptions DistOptionsFor(const TrainingSection& t, const ParallelismSection& p,
+                           const std::string& run_dir) {
   DistOptions dist;
+  // A hung collective ends the rank naming it (device_mesh/watchdog.h).
+  dist.watchdog = true;
+  dist.collective_timeout = std::chrono::seconds(p.collective_timeout_s);
+  dist.flight_dir = (std::filesystem::path(run_dir) / "flight").string();
   dist.device = DeviceKindName(t.device);
   dist.cuda_backend = p.backend == CudaBackend::kGloo ? "gloo" : "nccl";
   dist.cpu_collectives = CpuCollectivesName(p.cpu_collectives);
@@ -250,7 +259,8 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   ConfigureHostAllocator(t.cpu_allocator == HostAllocator::kCaching);
   FSDP_RETURN_IF_ERROR(CheckDeviceAvailable(config));
   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<DistContext> ctx,
-                        DistContext::InitFromEnvironment(DistOptionsFor(t, config.parallelism)));
+                        DistContext::InitFromEnvironment(
+                            DistOptionsFor(t, config.parallelism, config.run.dir)));
   const int rank = ctx->rank();
   const int world = ctx->world_size();
   FSDP_RETURN_IF_ERROR(config.ValidateForWorld(world));
@@ -291,10 +301,11 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   at::Tensor setup_failed = at::full({1}, setup.ok() ? 0.0 : 1.0,
                                      at::TensorOptions().dtype(at::kDouble).device(device));
   ctx->world().AllReduce(setup_failed)->wait();
-  FSDP_RETURN_IF_ERROR(setup);
+  FSDP_RETURN_IF_ERROR(WithFailureClass(setup, FailureClass::kIo));
   if (setup_failed.item<double>() > 0) {
-    return absl::FailedPreconditionError(StrCat(
-        "rank 0 could not set up run.dir '", run_dir.string(), "' (rank 0's error says why)"));
+    return WithFailureClass(absl::FailedPreconditionError(StrCat(
+        "rank 0 could not set up run.dir '", run_dir.string(), "' (rank 0's error says why)")),
+        FailureClass::kPeerLost);
   }
 
   // ===== model (from the registry), wrapped, and its optimizer ==================================
@@ -333,7 +344,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   auto load_start = std::chrono::steady_clock::now();
   if (FsdpModel* sharded = trained->fsdp()) {
     checkpointer.emplace(config, ctx, mesh, *sharded, *optimizer);
-    FSDP_ASSIGN_OR_RETURN(resume, checkpointer->Load());
+    absl::StatusOr<std::optional<ResumePoint>> loaded = checkpointer->Load();
+    if (!loaded.ok()) return WithFailureClass(loaded.status(), FailureClass::kCheckpoint);
+    resume = *std::move(loaded);
   }
   int64_t start_step = 0;
   if (resume) {
@@ -380,9 +393,10 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     if (t.on_nonfinite == OnNonFinite::kStop) {
       if (int64_t bad = metrics.FirstNonFiniteOnAnyRank(); bad >= 0) {
         FSDP_RETURN_IF_ERROR(checkpointer->Finish());  // an earlier, finite save may be in flight
-        return absl::FailedPreconditionError(
+        return WithFailureClass(absl::FailedPreconditionError(
             StrCat(std::string(NonFiniteError(bad).message()), "; the checkpoint of step ", step,
-                   " was not saved (the newest checkpoint holds the last finite state)"));
+                   " was not saved (the newest checkpoint holds the last finite state)")),
+            FailureClass::kNonFinite);
       }
     }
     FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(step, last, loader.position()));
@@ -400,6 +414,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
+    FlightRecorder::Get().SetStep(done);  // names the step of a hung collective
     const double lr = LearningRate(config.lr_scheduler, config.optimizer.lr, step, t.steps);
     SetLearningRate(*optimizer, lr);
     profiler.BeforeStep(step);
@@ -417,10 +432,10 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     // in skip mode, and identical on every rank: the norm is global).
     consecutive_skips = out.skipped ? consecutive_skips + 1 : 0;
     if (consecutive_skips >= kMaxConsecutiveSkips) {
-      return absl::FailedPreconditionError(StrCat(
+      return WithFailureClass(absl::FailedPreconditionError(StrCat(
           "steps ", done - consecutive_skips + 1, "-", done, ": ", consecutive_skips,
           " updates in a row skipped (non-finite loss or gradient norm): training diverged; "
-          "lower optimizer.lr, or check the data"));
+          "lower optimizer.lr, or check the data")), FailureClass::kNonFinite);
     }
     if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
     if (!metrics.ShouldLog(done)) continue;

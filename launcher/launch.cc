@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -10,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "common/env_knobs.h"
+#include "common/failure.h"
 #include "common/logging.h"
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
@@ -27,8 +29,80 @@ std::string AttemptKey(int attempt, std::string_view what) {
   return StrCat("fsdp/launch/attempt_", attempt, "/", what);
 }
 
+// Note [The first failure]
+// When one rank fails, the others fail soon after (a collective with a peer gone, a timeout
+// naming it) or are stopped by the launcher; the first exit the launcher reaps is often one
+// of those. So each failing rank leaves its one line with the time it failed in
+// FSDP_FAILURE_DIR (common/failure.h), and the headline names the earliest failure that was
+// not caused by another rank: a record with another code than 7 (peer lost), or a rank that
+// died by a signal the launcher did not send (its time: when it was reaped). Ranks that only
+// followed are summarised ("ranks 0,1,3 stopped after rank 2 failed").
+struct Headline {
+  int rank = -1;
+  std::string text;  // "rank 2 failed first: rank 2: checkpoint: ...; ranks 0,1 stopped after"
+  int code = 1;
+};
+
+Headline FirstFailure(const GroupResult& result, const std::vector<FailureRecord>& records) {
+  struct Candidate {
+    int rank;
+    int64_t time_ns;
+    bool primary;
+    std::string line;
+    int code;
+  };
+  std::vector<Candidate> candidates;
+  for (const FailureRecord& r : records) {
+    candidates.push_back({r.rank, r.time_ns,
+                          FailureClassOfExitCode(r.exit_code) != FailureClass::kPeerLost, r.line,
+                          r.exit_code});
+  }
+  for (const WorkerExit& e : result.exits) {
+    bool recorded = false;
+    for (const FailureRecord& r : records) recorded |= r.rank == e.rank;
+    if (recorded || e.exited || e.killed_by_us) continue;  // a signal nobody recorded
+    candidates.push_back({e.rank, e.exit_time_ns, true, StrCat("rank ", e.rank, " ", e.Describe()),
+                          e.exited ? e.code : 128 + e.code});
+  }
+  Headline h;
+  const Candidate* first = nullptr;
+  for (bool want_primary : {true, false}) {
+    for (const Candidate& c : candidates) {
+      if (c.primary == want_primary && (first == nullptr || c.time_ns < first->time_ns)) first = &c;
+    }
+    if (first != nullptr) break;
+  }
+  if (first == nullptr) {  // no record and no signal: the first exit reaped
+    const WorkerExit& f = *result.first_failure;
+    h.rank = f.rank;
+    h.code = f.exited ? f.code : 128 + f.code;
+    h.text = StrCat("rank ", f.rank, " ", f.Describe(), "; stopped the other local ranks");
+    return h;
+  }
+  h.rank = first->rank;
+  h.code = first->code;
+  h.text = StrCat("rank ", first->rank, " failed first: ", first->line);
+  std::vector<int> others;
+  for (const WorkerExit& e : result.exits) {
+    if (e.rank != h.rank && !e.ok()) others.push_back(e.rank);
+  }
+  if (!others.empty()) {
+    h.text += StrCat("; rank", others.size() > 1 ? "s " : " ", StrJoin(others, ","),
+                     " stopped after rank ", h.rank, " failed");
+  }
+  return h;
+}
+
+// A fresh folder for the ranks' failure records; empty when none could be made.
+std::string MakeFailureDir() {
+  std::string templ = "/tmp/fsdp-failures-XXXXXX";
+  if (mkdtemp(templ.data()) == nullptr) return "";
+  return templ;
+}
+
 std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_rank, int port,
-                                             int attempt, const std::string& run_id) {
+                                             int attempt, const std::string& run_id,
+                                             const std::string& failure_dir) {
   int world = o.nnodes * o.nproc_per_node;
   int rank = o.node_rank * o.nproc_per_node + local_rank;
   std::map<std::string, std::string> env = {
@@ -47,6 +121,7 @@ std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_r
       {"TORCHELASTIC_MAX_RESTARTS", StrCat(o.max_restarts)},
       {"TORCHELASTIC_RUN_ID", run_id},
       {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+      {std::string(kFailureDir.name), failure_dir},
   };
   // As torchrun: several ranks per node would oversubscribe the cores with one OpenMP thread
   // pool each; the user can still say otherwise.
@@ -135,11 +210,25 @@ int RunLaunch(const LaunchOptions& o) {
     if (!status.empty()) std::cerr << status << std::flush;
   };
 
+  const std::string failure_dir = MakeFailureDir();
+  struct RemoveDir {
+    std::string dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } remove_failure_dir{failure_dir};
   for (int attempt = 0;; ++attempt) {
     std::vector<WorkerSpec> specs;
     for (int lr = 0; lr < o.nproc_per_node; ++lr) {
       specs.push_back({o.node_rank * o.nproc_per_node + lr, o.program,
-                       WorkerEnv(o, lr, port, attempt, run_id)});
+                       WorkerEnv(o, lr, port, attempt, run_id, failure_dir)});
+    }
+    if (!failure_dir.empty()) {  // an earlier attempt's records are not this one's
+      std::error_code ec;
+      for (const auto& entry : std::filesystem::directory_iterator(failure_dir, ec)) {
+        std::filesystem::remove(entry.path(), ec);
+      }
     }
     if (attempt == 0 && o.announce) {
       std::cerr << "fsdp launch: starting " << o.nproc_per_node << " rank(s) on node "
@@ -179,9 +268,10 @@ int RunLaunch(const LaunchOptions& o) {
     std::string why;
     int code = 1;
     if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
-      const WorkerExit& f = *result.first_failure;
-      why = StrCat("rank ", f.rank, " ", f.Describe());
-      code = f.exited ? f.code : 128 + f.code;
+      Headline headline = FirstFailure(
+          result, failure_dir.empty() ? std::vector<FailureRecord>() : ReadFailureRecords(failure_dir));
+      why = headline.text;
+      code = headline.code;
       std::string value = StrCat("node ", o.node_rank, ": ", why);
       (void)CallTorch("", [&] {
         store->set(failed_key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -198,7 +288,7 @@ int RunLaunch(const LaunchOptions& o) {
                 << attempt + 1 << " of " << o.max_restarts << ")\n";
       continue;
     }
-    std::cerr << "fsdp launch: " << why << "; stopped the other local ranks"
+    std::cerr << "fsdp launch: " << why
               << (o.max_restarts > 0 ? StrCat(" (", o.max_restarts, " restarts used)") : "")
               << "\n";
     return code;

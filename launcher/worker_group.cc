@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <chrono>
 #include <thread>
 
 #include "common/strings.h"
@@ -209,6 +210,9 @@ void WorkerGroup::Reap(size_t tail_lines) {
     w.running = false;
     w.exit.exited = WIFEXITED(status);
     w.exit.code = WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status);
+    w.exit.exit_time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
     // Whatever the worker's own children still hold open is not waited for.
     kill(-w.pid, SIGKILL);
   }

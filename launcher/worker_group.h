@@ -44,6 +44,7 @@ struct WorkerExit {
   bool exited = false;     // normal exit: `code` is its status
   int code = 0;            // exit status, or the signal number when !exited
   bool killed_by_us = false;  // stopped by the supervisor after another worker failed
+  int64_t exit_time_ns = 0;   // CLOCK_REALTIME when the supervisor saw it end
   std::deque<std::string> tail;  // last lines of its output (stdout and stderr interleaved)
 
   bool ok() const { return exited && code == 0; }

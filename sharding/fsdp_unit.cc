@@ -6,6 +6,8 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/StreamGuard.h>
 
+#include "device_mesh/watchdog.h"
+
 namespace fsdp {
 
 // Names in enum order.
@@ -81,6 +83,7 @@ bool FsdpUnit::HoldsUnsharded() const {
 
 void FsdpUnit::Unshard() {
   CheckState("Unshard", ShardedState::kSharded, ShardedState::kShardedPostForward);
+  CollectiveTag tag(name_);  // names the unit of a hung collective (device_mesh/watchdog.h)
   at::NoGradGuard no_grad;
   if (params_.empty()) {
     state_ = ShardedState::kUnsharded;  // nothing to gather
@@ -218,6 +221,7 @@ void FsdpUnit::PostBackward() {
   CheckState("PostBackward", ShardedState::kSharded);
   training_state_ = TrainingState::kPostBackward;
   if (!ctx_->requires_gradient_sync || grad_params_.empty()) return;
+  CollectiveTag tag(name_);
   at::NoGradGuard no_grad;
   const int n = ctx_->num_shards;
   at::TensorOptions opts = at::TensorOptions().dtype(reduce_dtype_).device(ctx_->device);
@@ -237,6 +241,7 @@ void FsdpUnit::PostBackward() {
 
 void FsdpUnit::AfterReduceScatter() {
   if (!ctx_->replicate_group) return;
+  CollectiveTag tag(name_);
   if (unreduced_partial_.defined()) {
     reduce_.output.add_(unreduced_partial_);
     unreduced_partial_.reset();

@@ -1,5 +1,7 @@
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <optional>
@@ -11,6 +13,7 @@
 #include "absl/status/status.h"
 #include "common/env.h"
 #include "common/env_knobs.h"
+#include "common/failure.h"
 #include "common/strings.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -253,6 +256,57 @@ TEST(EnvKnobsTest, GetEnvKnobReadsTheProcessEnvironment) {
   ::setenv("FSDP_ENV_KNOBS_TEST_PROBE", "3", 1);
   EXPECT_EQ(GetEnvKnob(kProbe), "3");
   ::unsetenv("FSDP_ENV_KNOBS_TEST_PROBE");
+}
+
+}  // namespace
+}  // namespace fsdp
+
+// ---- Failure classes (common/failure.h) --------------------------------------------------------
+
+namespace fsdp {
+namespace {
+
+TEST(FailureTest, ExitCodesAreDistinctPerClass) {
+  std::set<int> codes;
+  for (FailureClass c : {FailureClass::kError, FailureClass::kConfig, FailureClass::kCheckpoint,
+                         FailureClass::kIo, FailureClass::kNonFinite,
+                         FailureClass::kCollectiveTimeout, FailureClass::kPeerLost,
+                         FailureClass::kInternal}) {
+    EXPECT_TRUE(codes.insert(ExitCodeFor(c)).second) << FailureClassName(c);
+    EXPECT_EQ(FailureClassOfExitCode(ExitCodeFor(c)), c) << FailureClassName(c);
+  }
+  EXPECT_EQ(ExitCodeFor(FailureClass::kConfig), 2);  // what config tests and scripts rely on
+}
+
+TEST(FailureTest, ClassFromStatusCodeUnlessRecorded) {
+  EXPECT_EQ(ClassifyFailure(absl::InvalidArgumentError("x")), FailureClass::kConfig);
+  EXPECT_EQ(ClassifyFailure(absl::DataLossError("x")), FailureClass::kCheckpoint);
+  EXPECT_EQ(ClassifyFailure(absl::DeadlineExceededError("x")), FailureClass::kCollectiveTimeout);
+  EXPECT_EQ(ClassifyFailure(absl::UnavailableError("x")), FailureClass::kPeerLost);
+  EXPECT_EQ(ClassifyFailure(absl::InternalError("x")), FailureClass::kInternal);
+  EXPECT_EQ(ClassifyFailure(absl::FailedPreconditionError("x")), FailureClass::kError);
+  absl::Status marked =
+      WithFailureClass(absl::FailedPreconditionError("step 3: NaN"), FailureClass::kNonFinite);
+  EXPECT_EQ(ClassifyFailure(marked), FailureClass::kNonFinite);
+  EXPECT_EQ(marked.message(), "step 3: NaN");
+  EXPECT_TRUE(WithFailureClass(absl::OkStatus(), FailureClass::kIo).ok());
+}
+
+TEST(FailureTest, RecordsAreReadEarliestFirst) {
+  std::string dir = ::testing::TempDir() + "/fsdp-failure-records";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/rank3.failure") << "200 7\nrank 3: peer lost: x\n";
+  std::ofstream(dir + "/rank1.failure") << "100 3\nrank 1: checkpoint: f.bin\n";
+  std::ofstream(dir + "/rank2.failure") << "garbage";
+  std::ofstream(dir + "/notes.txt") << "1 1\nx\n";
+  std::vector<FailureRecord> records = ReadFailureRecords(dir);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].rank, 1);
+  EXPECT_EQ(records[0].exit_code, 3);
+  EXPECT_EQ(records[0].line, "rank 1: checkpoint: f.bin");
+  EXPECT_EQ(records[1].rank, 3);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
