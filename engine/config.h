@@ -124,6 +124,8 @@ struct TrainingSection {
   // (engine/profiler.h), written to profile_dir ("": <run.dir>/profile) as rank<R>.json.
   ProfileWindow profile;
   std::string profile_dir;
+  // Same bits when a run is repeated, on CUDA too (engine/trainer.cc, Note [Deterministic mode]).
+  bool deterministic = false;
 };
 
 // name (adamw | adam | sgd), lr, weight_decay, beta1, beta2, eps, momentum, implementation

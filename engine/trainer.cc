@@ -1,5 +1,7 @@
 #include "engine/trainer.h"
 
+#include <stdlib.h>
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 
+#include <ATen/Context.h>
 #include <ATen/record_function.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
@@ -253,10 +256,41 @@ absl::Status CheckDeviceAvailable(const RunConfig& config) {
              "there is one"));
 }
 
+namespace {
+
+// Note [Deterministic mode]
+// training.deterministic: a run repeated gives the same bits on CUDA as well. CPU runs already
+// do (fixed reduction orders in the kernels, in Gloo's and in our own collectives); on a GPU the
+// differences come from kernels that accumulate with atomics or pick algorithms by timing.
+// Set before any CUDA work:
+//   - CUBLAS_WORKSPACE_CONFIG=:4096:8 (cuBLAS's documented requirement for reproducible GEMMs;
+//     not overridden when the environment already sets it);
+//   - ATen's deterministic algorithms: an op without a deterministic implementation is an error
+//     naming it, not a silent difference (warn_only false);
+//   - cuDNN deterministic, autotuning (benchmark) off;
+//   - scaled-dot-product attention restricted to flash and math: the memory-efficient and cuDNN
+//     backends' backward passes accumulate with atomics; flash's backward follows the
+//     deterministic flag.
+// NCCL's reductions are deterministic for a fixed world size and message sizes (its algorithm
+// choice depends on nothing else); the mode does not pin NCCL_ALGO. The cost on a GPU is not
+// measured yet (docs/benchmarks.md lists it with the GPU figures still to take).
+void ConfigureDeterminism() {
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::Context& context = at::globalContext();
+  context.setDeterministicAlgorithms(true, /*warn_only=*/false);
+  context.setDeterministicCuDNN(true);
+  context.setBenchmarkCuDNN(false);
+  context.setSDPUseMemEfficient(false);
+  context.setSDPUseCuDNN(false);
+}
+
+}  // namespace
+
 absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   // ===== setup: rendezvous, mesh, run folder ====================================================
   const TrainingSection& t = config.training;
   ConfigureHostAllocator(t.cpu_allocator == HostAllocator::kCaching);
+  if (t.deterministic) ConfigureDeterminism();  // Note [Deterministic mode]
   FSDP_RETURN_IF_ERROR(CheckDeviceAvailable(config));
   FSDP_ASSIGN_OR_RETURN(std::shared_ptr<DistContext> ctx,
                         DistContext::InitFromEnvironment(

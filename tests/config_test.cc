@@ -31,7 +31,7 @@ constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, grad_sync, max_grad_norm, mixed_precision, "
     "reduce_dtype, "
     "device, cpu_allocator, on_nonfinite, eval_interval, eval_batches, log_interval, "
-    "activation_checkpointing";
+    "activation_checkpointing, profile, profile_dir, deterministic";
 constexpr char kStrategies[] =
     "full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard, none";
 
@@ -88,7 +88,12 @@ void ExpectSameConfig(const RunConfig& a, const RunConfig& b) {
   EXPECT_EQ(a.training.eval_interval, b.training.eval_interval);
   EXPECT_EQ(a.training.eval_batches, b.training.eval_batches);
   EXPECT_EQ(a.training.log_interval, b.training.log_interval);
+  EXPECT_EQ(a.training.profile.start, b.training.profile.start);
+  EXPECT_EQ(a.training.profile.steps, b.training.profile.steps);
+  EXPECT_EQ(a.training.profile_dir, b.training.profile_dir);
+  EXPECT_EQ(a.training.deterministic, b.training.deterministic);
   EXPECT_EQ(a.optimizer.kind, b.optimizer.kind);
+  EXPECT_EQ(a.optimizer.implementation, b.optimizer.implementation);
   EXPECT_EQ(a.optimizer.lr, b.optimizer.lr);
   EXPECT_EQ(a.optimizer.weight_decay, b.optimizer.weight_decay);
   EXPECT_EQ(a.optimizer.beta1, b.optimizer.beta1);
@@ -627,9 +632,10 @@ TEST(RunConfigToYamlTest, EveryNonDefaultValueRoundTrips) {
       "synthetic_tokens: 4096}\n"
       "training: {steps: 3, micro_batch_size: 5, grad_accum_steps: 7, max_grad_norm: -1,"
       " mixed_precision: bf16, reduce_dtype: bf16, device: cuda, on_nonfinite: skip,"
-      " eval_interval: 0, eval_batches: 9, log_interval: 11}\n"
+      " eval_interval: 0, eval_batches: 9, log_interval: 11, profile: '1:2',"
+      " profile_dir: prof, deterministic: true}\n"
       "optimizer: {name: sgd, lr: 0.1, weight_decay: 0.333, beta1: 0, beta2: 0.999999,"
-      " eps: 1e-12, momentum: 0.5}\n"
+      " eps: 1e-12, momentum: 0.5, implementation: foreach}\n"
       "lr_scheduler: {warmup_steps: 0, decay: linear, min_lr: 0}\n"
       "parallelism: {nproc: 8, data_parallel_replicate_degree: -1, data_parallel_shard_degree: 2,"
       " strategy: hybrid_shard_zero2, reshard_after_forward: 2, wrap_policy: 'params:5000',"
@@ -640,6 +646,9 @@ TEST(RunConfigToYamlTest, EveryNonDefaultValueRoundTrips) {
   EXPECT_EQ(config->run.name, "true");
   EXPECT_EQ(config->run.dir, "out dir/#1: x");
   EXPECT_EQ(config->data.path, "tokens.bin");
+  EXPECT_EQ(config->training.profile.steps, 2);
+  EXPECT_TRUE(config->training.deterministic);
+  EXPECT_EQ(config->optimizer.implementation, OptimizerImplementation::kForeach);
   std::string yaml = config->ToYaml();
   absl::StatusOr<RunConfig> parsed = Parse(yaml);
   ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << yaml;

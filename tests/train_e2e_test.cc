@@ -132,6 +132,23 @@ TEST(TrainTest, UnwrappedModelMatchesOneRankFsdp) {
   }
 }
 
+// training.deterministic (Note [Deterministic mode]): every op of the llama step (RoPE, RMSNorm,
+// SwiGLU, SDPA, the fused AdamW) runs under ATen's deterministic algorithms without an error,
+// and a repeated run gives the same losses bitwise. (A CPU run is deterministic without the
+// mode too; what differs on CUDA needs the GPU tests.)
+TEST(TrainTest, DeterministicModeRunsAndRepeatsBitwise) {
+  std::vector<std::string> sets = Common(2);
+  sets.insert(sets.end(), {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
+                           "model.positions=rope", "model.tie_embeddings=false",
+                           "training.deterministic=true"});
+  TrainRun a = Train("default.yaml", sets, "det-a");
+  TrainRun b = Train("default.yaml", sets, "det-b");
+  ASSERT_TRUE(a.result.exit.ok()) << a.result.Output();
+  ASSERT_TRUE(b.result.exit.ok()) << b.result.Output();
+  ASSERT_EQ(a.losses.size(), 6u);
+  EXPECT_EQ(a.losses, b.losses);
+}
+
 TEST(TrainTest, UnwrappedModelNeedsOneRankAndNoCheckpoints) {
   TrainRun two = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=2"}, "plain2");
   EXPECT_NE(two.result.exit.code, 0) << two.result.Output();
@@ -169,7 +186,9 @@ TEST(TrainTest, QuietKeepsTheStepLinesAndMfuNeedsACpuPeak) {
   EXPECT_TRUE(quiet.result.StdoutHas("mfu n/a")) << quiet.result.Output();
   ASSERT_EQ(quiet.losses.size(), 4u);
   for (const nlohmann::json& r : quiet.records) {
-    if (r.contains("loss")) EXPECT_TRUE(r.at("mfu").is_null()) << r.dump();
+    if (r.contains("loss")) {
+      EXPECT_TRUE(r.at("mfu").is_null()) << r.dump();
+    }
   }
 
   // metrics.print_config: false drops only the dump; a CPU peak gives MFU figures.
