@@ -9,12 +9,13 @@
 //            step). Runs alternate, from the same initial weights (a safetensors file) and the
 //            same token batches (a file all read), so their losses must agree: to fp32 rounding
 //            for fsdp2-parity (1e-5 relative), looser for the others (LossTolerance); each
-//            mode's check is reported PASS or FAIL, and a FAIL makes the command exit 1. Reports the median step
-//            time after warm-up, tokens/s, MFU, peak memory per rank (RSS on CPU, the CUDA
-//            allocator's peak on GPU), time blocked in collectives, the ratios and the largest
-//            loss difference; writes compare.json / compare.csv / compare.png in the output
-//            folder. On one rank (--unwrapped) also (c) the plain model without any wrapper, and
-//            each wrapper's overhead against it.
+//            mode's check is reported PASS or FAIL, and a FAIL makes the command exit 1.
+//            Reports, per engine, the median step time after warm-up, tokens/s, MFU, peak
+//            memory per rank (RSS on CPU, the CUDA allocator's peak on GPU), time blocked in
+//            collectives and fsdp.cpp's ratio to it, and per mode the largest loss difference;
+//            writes compare.json / compare.csv / compare.png in the output folder. On one rank
+//            (--unwrapped) also (c) the plain model without any wrapper (fsdp train with
+//            parallelism.strategy none), and each wrapper's overhead against it.
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
 //            (throughput, peak and model-state memory, bytes on the wire per step) beside the
 //            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
