@@ -1,15 +1,21 @@
-// `fsdp bench`: fsdp.cpp measured against PyTorch FSDP2, and against itself across world
-// sizes, strategies and model sizes.
+// `fsdp bench`: fsdp.cpp measured against PyTorch (FSDP2, eager, torch.compile), and against
+// itself across world sizes, strategies and model sizes.
 //
-//   compare  one configuration through (a) fsdp.cpp and (b) PyTorch FSDP2 (bench/
-//            fsdp2_reference.py: fully_shard over a DeviceMesh, same torch wheel), alternating
-//            runs, from the same initial weights (a safetensors file) and the same token
-//            batches (a file both read), so their losses must agree. Reports the median step
-//            time after warm-up, tokens/s, MFU, peak memory per rank (RSS on CPU, the CUDA
-//            allocator's peak on GPU), time blocked in collectives, the ratios and the largest
-//            loss difference; writes compare.json / compare.csv / compare.png in the output
-//            folder. On one rank (--unwrapped) also (c) the plain model without any wrapper, and
-//            each wrapper's overhead against it.
+//   compare  one configuration through (a) fsdp.cpp and (b) each PyTorch reference mode of
+//            --reference (bench/fsdp2_reference.py, same torch wheel; Note [Reference modes]
+//            there): `fsdp2` (FSDP2 as torchtitan runs it: fused AdamW, no host sync per step),
+//            `eager` and `compile` (the plain model, one rank only) and `fsdp2-parity` (FSDP2
+//            doing fsdp.cpp's arithmetic: the same optimizer.implementation, the loss read every
+//            step). Runs alternate, from the same initial weights (a safetensors file) and the
+//            same token batches (a file all read), so their losses must agree: to fp32 rounding
+//            for fsdp2-parity (1e-5 relative), looser for the others (LossTolerance); each
+//            mode's check is reported PASS or FAIL, and a FAIL makes the command exit 1.
+//            Reports, per engine, the median step time after warm-up, tokens/s, MFU, peak
+//            memory per rank (RSS on CPU, the CUDA allocator's peak on GPU), time blocked in
+//            collectives and fsdp.cpp's ratio to it, and per mode the largest loss difference;
+//            writes compare.json / compare.csv / compare.png in the output folder. On one rank
+//            (--unwrapped) also (c) the plain model without any wrapper (fsdp train with
+//            parallelism.strategy none), and each wrapper's overhead against it.
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
 //            (throughput, peak and model-state memory, bytes on the wire per step) beside the
 //            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
@@ -21,7 +27,8 @@
 // Python they use (see Note [Bench Python]).
 //
 //   fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50
-//   fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30     # GPU: + unwrapped
+//   fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30     # GPU: + eager, compile
+//   fsdp bench compare configs/default.yaml --nproc 2 --reference fsdp2,fsdp2-parity
 //   fsdp bench sweep --world-sizes 1,2,4,8 --out runs/sweep
 #pragma once
 
@@ -48,7 +55,19 @@ struct CompareOptions {
   // Also run the plain model (fsdp train with parallelism.strategy none, engine/unwrapped.h) and
   // report each wrapper's overhead against it; one rank only. Unset: on when --nproc is 1.
   std::optional<bool> unwrapped;
+  // Reference modes (kReferenceModes), in the order run; empty: DefaultReferences(nproc).
+  std::vector<std::string> references;
 };
+
+// Every --reference mode, in the order reports list them.
+inline const std::vector<std::string> kReferenceModes = {"fsdp2", "eager", "compile",
+                                                         "fsdp2-parity"};
+// The fast modes: fsdp2, plus eager and compile on one rank.
+std::vector<std::string> DefaultReferences(int nproc);
+// Largest relative per-step loss difference from fsdp.cpp a mode may show: fsdp2-parity
+// mirrors fsdp.cpp's arithmetic (fp32: 1e-5); the fast modes fuse and reorder it (fp32: 1e-4);
+// bf16 compute: 2e-2 for every mode.
+double LossTolerance(const std::string& mode, bool bf16);
 
 struct SweepOptions {
   std::vector<std::string> configs;       // model sizes; empty: the two built-in ones

@@ -1,4 +1,5 @@
 // `fsdp bench compare`: see bench/bench.h.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -19,13 +20,17 @@ namespace fsdp::bench {
 namespace {
 
 constexpr const char* kCpp = "fsdp.cpp";
-constexpr const char* kFsdp2 = "fsdp2";
 constexpr const char* kUnwrapped = "unwrapped";  // fsdp train, parallelism.strategy none
+constexpr const char* kParity = "fsdp2-parity";
 
-std::string RunFolder(const char* engine, int repeat) {
-  const char* prefix = engine == kCpp ? "fsdp_cpp_" : engine == kFsdp2 ? "fsdp2_" : "unwrapped_";
-  return StrCat(prefix, repeat);
+// fsdp_cpp_0, fsdp2_0, fsdp2_parity_0, eager_0, compile_0, unwrapped_0, ...
+std::string RunFolder(const std::string& engine, int repeat) {
+  std::string prefix = engine == kCpp ? "fsdp_cpp" : engine;
+  std::replace(prefix.begin(), prefix.end(), '-', '_');
+  return StrCat(prefix, "_", repeat);
 }
+
+bool IsFsdpTrain(const std::string& engine) { return engine == kCpp || engine == kUnwrapped; }
 
 // What bench/fsdp2_reference.py reads (its --spec).
 nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std::string& init,
@@ -51,7 +56,8 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
        {{"name", c.Value("optimizer.name")}, {"lr", c.optimizer.lr},
         {"weight_decay", c.optimizer.weight_decay}, {"beta1", c.optimizer.beta1},
         {"beta2", c.optimizer.beta2}, {"eps", c.optimizer.eps},
-        {"momentum", c.optimizer.momentum}}},
+        {"momentum", c.optimizer.momentum},
+        {"implementation", c.Value("optimizer.implementation")}}},
       {"lr_scheduler",
        {{"warmup_steps", c.lr_scheduler.warmup_steps}, {"decay", c.Value("lr_scheduler.decay")},
         {"min_lr", c.lr_scheduler.min_lr}}},
@@ -105,7 +111,8 @@ struct LossDiff {
 };
 
 // Every run of engine `a` against every run of engine `b`, step by step.
-LossDiff CompareLosses(const std::vector<RunResult>& runs, const char* a, const char* b) {
+LossDiff CompareLosses(const std::vector<RunResult>& runs, const std::string& a,
+                       const std::string& b) {
   LossDiff d;
   for (const RunResult& x : runs) {
     for (const RunResult& y : runs) {
@@ -138,6 +145,16 @@ double RankZeroNumber(const std::vector<RunResult>& runs, const char* engine, co
 }
 
 }  // namespace
+
+std::vector<std::string> DefaultReferences(int nproc) {
+  if (nproc == 1) return {"fsdp2", "eager", "compile"};
+  return {"fsdp2"};
+}
+
+double LossTolerance(const std::string& mode, bool bf16) {
+  if (bf16) return 2e-2;
+  return mode == kParity ? 1e-5 : 1e-4;
+}
 
 int RunCompare(const CompareOptions& o) {
   // --- configuration -------------------------------------------------------------------------
@@ -182,6 +199,23 @@ int RunCompare(const CompareOptions& o) {
               << nproc << ")\n";
     return 2;
   }
+  std::vector<std::string> references;
+  for (const std::string& mode : o.references.empty() ? DefaultReferences(nproc) : o.references) {
+    if (std::find(kReferenceModes.begin(), kReferenceModes.end(), mode) == kReferenceModes.end()) {
+      std::cerr << "fsdp bench compare: --reference '" << mode << "' is not a reference mode; valid: "
+                << StrJoin(kReferenceModes, ", ") << "\n";
+      return 2;
+    }
+    if ((mode == "eager" || mode == "compile") && nproc != 1) {
+      std::cerr << "fsdp bench compare: --reference " << mode
+                << " runs the plain PyTorch model on one rank, so it needs --nproc 1 (got " << nproc
+                << "); valid with more ranks: fsdp2, fsdp2-parity\n";
+      return 2;
+    }
+    if (std::find(references.begin(), references.end(), mode) == references.end()) {
+      references.push_back(mode);
+    }
+  }
   if (absl::Status fits = config->ValidateForWorld(nproc); !fits.ok()) {
     std::cerr << "fsdp bench compare: " << fits.message() << " (--nproc " << nproc << ")\n";
     return 2;
@@ -222,17 +256,18 @@ int RunCompare(const CompareOptions& o) {
   std::ofstream(spec) << ReferenceSpec(*config, nproc, o.steps, init, batches).dump(1) << "\n";
 
   // --- alternating runs ------------------------------------------------------------------------
-  std::vector<const char*> engines = {kCpp, kFsdp2};
+  std::vector<std::string> engines = {kCpp};
+  engines.insert(engines.end(), references.begin(), references.end());
   if (unwrapped) engines.push_back(kUnwrapped);
   const int num_engines = static_cast<int>(engines.size());
   std::vector<RunResult> runs;
   for (int rep = 0; rep < o.repeats; ++rep) {
     for (int e = 0; e < num_engines; ++e) {
-      const char* engine = engines[e];
+      const std::string& engine = engines[e];
       std::string dir = (out / RunFolder(engine, rep)).string();
       fs::remove_all(dir, ec);
       std::vector<std::string> program;
-      if (engine != kFsdp2) {
+      if (IsFsdpTrain(engine)) {
         program = {"/proc/self/exe", "train", o.config_path};
         std::vector<std::string> run_sets = sets;
         for (std::string s : {StrCat("run.dir=", dir), StrCat("model.init_from=", init),
@@ -246,7 +281,8 @@ int RunCompare(const CompareOptions& o) {
         if (engine == kUnwrapped) run_sets.push_back("parallelism.strategy=none");
         for (const std::string& s : run_sets) program.insert(program.end(), {"--set", s});
       } else {
-        program = {python, ScriptPath("fsdp2_reference.py"), "--spec", spec, "--out", dir};
+        program = {python, ScriptPath("fsdp2_reference.py"), "--spec", spec, "--out", dir,
+                   "--mode", engine};
       }
       std::cout << fmt::format("fsdp bench compare: run {}/{}: {} on {} rank(s)\n",
                                rep * num_engines + e + 1, o.repeats * num_engines, engine, nproc);
@@ -279,16 +315,39 @@ int RunCompare(const CompareOptions& o) {
   const double flops_per_token = RankZeroNumber(runs, kCpp, "flops_per_token");
   const double peak_flops = on_cuda ? RankZeroNumber(runs, kCpp, "peak_flops_per_device") : std::nan("");
   std::map<std::string, EngineSummary> summary;
-  for (const char* engine : engines) {
+  for (const std::string& engine : engines) {
     EngineSummary s = Summarise(runs, engine, o.warmup, tokens_per_step, memory_key);
     s.mfu = flops_per_token * s.tokens_per_s / nproc / peak_flops;
     summary[engine] = s;
   }
-  const EngineSummary& cpp = summary[kCpp];
-  const EngineSummary& ref = summary[kFsdp2];
-  const LossDiff loss = CompareLosses(runs, kCpp, kFsdp2);
-  const double time_ratio = cpp.median_step_s / ref.median_step_s;
-  const double memory_ratio = static_cast<double>(cpp.peak_memory) / static_cast<double>(ref.peak_memory);
+  const double cpp_step_s = summary[kCpp].median_step_s;
+  // fsdp.cpp against each reference mode: the ratios and the loss check.
+  const bool bf16 = config->Value("training.mixed_precision") == "bf16";
+  struct VsReference {
+    double time_ratio, memory_ratio, rtol;
+    LossDiff loss;
+    bool pass;
+  };
+  std::map<std::string, VsReference> vs_reference;
+  bool all_pass = true;
+  for (const std::string& mode : references) {
+    const EngineSummary& cpp = summary[kCpp];
+    const EngineSummary& ref = summary[mode];
+    VsReference v{cpp.median_step_s / ref.median_step_s,
+                  static_cast<double>(cpp.peak_memory) / static_cast<double>(ref.peak_memory),
+                  LossTolerance(mode, bf16), CompareLosses(runs, kCpp, mode), false};
+    v.pass = v.loss.max_rel <= v.rtol;
+    all_pass = all_pass && v.pass;
+    vs_reference[mode] = v;
+  }
+  // The top-level loss difference and ratios (older reports' keys): against fsdp2-parity when it
+  // ran, else against the first mode.
+  const std::string primary =
+      std::find(references.begin(), references.end(), kParity) != references.end() ? kParity
+                                                                                     : references[0];
+  const LossDiff loss = vs_reference[primary].loss;
+  const double time_ratio = vs_reference[primary].time_ratio;
+  const double memory_ratio = vs_reference[primary].memory_ratio;
   std::string machine = MachineDescription();
   if (nlohmann::json gpu = RankZeroStat(runs, kCpp, "device"); on_cuda && gpu.is_string()) {
     machine = StrCat(gpu.get<std::string>(), "; host ", machine);
@@ -315,7 +374,19 @@ int RunCompare(const CompareOptions& o) {
       {"max_loss_rel_diff", Number(loss.max_rel)},
       {"max_loss_diff_step", loss.step},
       {"ratios", {{"step_time", Number(time_ratio)}, {"memory", Number(memory_ratio)}}},
+      {"primary_reference", primary},
+      {"loss_check", all_pass ? "PASS" : "FAIL"},
   };
+  for (const std::string& mode : references) {
+    const VsReference& v = vs_reference[mode];
+    report["references"][mode] = {{"step_time_ratio", Number(v.time_ratio)},
+                                  {"memory_ratio", Number(v.memory_ratio)},
+                                  {"max_loss_abs_diff", Number(v.loss.max_abs)},
+                                  {"max_loss_rel_diff", Number(v.loss.max_rel)},
+                                  {"max_loss_diff_step", v.loss.step},
+                                  {"loss_rtol", v.rtol},
+                                  {"loss_check", v.pass ? "PASS" : "FAIL"}};
+  }
   // Each wrapper against the plain model: the step time it adds (its overhead), its memory.
   struct VsUnwrapped {
     double overhead, memory_ratio;
@@ -324,7 +395,8 @@ int RunCompare(const CompareOptions& o) {
   std::map<std::string, VsUnwrapped> vs_unwrapped;
   if (unwrapped) {
     const EngineSummary& base = summary[kUnwrapped];
-    for (const char* engine : {kCpp, kFsdp2}) {
+    for (const std::string& engine : engines) {
+      if (engine == kUnwrapped) continue;
       const VsUnwrapped& v = vs_unwrapped[engine] = {
           summary[engine].median_step_s / base.median_step_s - 1,
           static_cast<double>(summary[engine].peak_memory) / static_cast<double>(base.peak_memory),
@@ -335,7 +407,7 @@ int RunCompare(const CompareOptions& o) {
                                         {"max_loss_rel_diff", Number(v.loss.max_rel)}};
     }
   }
-  for (const char* engine : engines) {
+  for (const std::string& engine : engines) {
     const EngineSummary& s = summary[engine];
     report["engines"][engine] = {{"metrics", RunFolder(engine, 0) + "/metrics.jsonl"},
                                  {"median_step_s", Number(s.median_step_s)},
@@ -368,21 +440,27 @@ int RunCompare(const CompareOptions& o) {
       o.config_path, config->model.arch, nproc, config->Value("parallelism.strategy"),
       config->Value("training.mixed_precision"), tokens_per_step, o.steps, o.warmup, o.repeats, machine,
       Today());
-  std::cout << fmt::format("  {:<10} {:>12} {:>12} {:>8} {:>16} {:>14} {:>16}\n", "engine",
+  std::cout << fmt::format("  {:<13} {:>12} {:>12} {:>8} {:>16} {:>14} {:>16} {:>14}\n", "engine",
                            "median step", "tokens/s", on_cuda ? "MFU" : "", memory_label,
-                           "comm wait", "comm bytes");
-  for (const char* engine : engines) {
+                           "comm wait", "comm bytes", "fsdp.cpp / it");
+  for (const std::string& engine : engines) {
     const EngineSummary& s = summary[engine];
-    std::cout << fmt::format("  {:<10} {:>10.1f}ms {:>12.0f} {:>8} {:>16} {:>12.1f}ms {:>16}\n",
-                             engine, s.median_step_s * 1e3, s.tokens_per_s,
-                             std::isfinite(s.mfu) ? fmt::format("{:.1f}%", 100 * s.mfu) : "",
-                             HumanBytes(static_cast<double>(s.peak_memory)), s.comm_wait_s * 1e3,
-                             HumanBytes(s.comm_bytes));
+    std::cout << fmt::format(
+        "  {:<13} {:>10.1f}ms {:>12.0f} {:>8} {:>16} {:>12.1f}ms {:>16} {:>14}\n", engine,
+        s.median_step_s * 1e3, s.tokens_per_s,
+        std::isfinite(s.mfu) ? fmt::format("{:.1f}%", 100 * s.mfu) : "",
+        HumanBytes(static_cast<double>(s.peak_memory)), s.comm_wait_s * 1e3,
+        HumanBytes(s.comm_bytes),
+        engine == kCpp ? "" : fmt::format("{:.3f}x", cpp_step_s / s.median_step_s));
   }
-  std::cout << fmt::format(
-      "  fsdp.cpp / FSDP2: step time {:.3f}x, {} {:.3f}x; largest loss difference {:.3g} "
-      "(relative {:.3g}, step {})\n",
-      time_ratio, memory_label, memory_ratio, loss.max_abs, loss.max_rel, loss.step);
+  for (const std::string& mode : references) {
+    const VsReference& v = vs_reference[mode];
+    std::cout << fmt::format(
+        "  fsdp.cpp / {}: step time {:.3f}x, {} {:.3f}x; largest loss difference {:.3g} "
+        "(relative {:.3g}, step {}; tolerance {:.0e}): {}\n",
+        mode, v.time_ratio, memory_label, v.memory_ratio, v.loss.max_abs, v.loss.max_rel,
+        v.loss.step, v.rtol, v.pass ? "PASS" : "FAIL");
+  }
   for (const auto& [engine, v] : vs_unwrapped) {
     std::cout << fmt::format(
         "  {} vs unwrapped: wrapper overhead {:+.2f}% of the step, {} {:.3f}x; largest loss "
@@ -392,6 +470,11 @@ int RunCompare(const CompareOptions& o) {
   std::cout << fmt::format("  results: {}/compare.json, compare.csv, compare.png\n", out.string());
   std::cout.flush();
   if (o.plot) Plot(python, "compare", out.string());
+  if (!all_pass) {
+    std::cerr << "fsdp bench compare: the losses of fsdp.cpp and a reference mode disagree beyond "
+                 "its tolerance (FAIL above); the timings compare different computations\n";
+    return 1;
+  }
   return 0;
 }
 

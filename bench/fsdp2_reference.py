@@ -1,14 +1,28 @@
 #!/usr/bin/env python3
-"""PyTorch FSDP2 running exactly the fsdp.cpp model and training step: the other side of
+"""PyTorch running the fsdp.cpp model and training step: the other side of
 `fsdp bench compare`.
 
     fsdp launch --nproc-per-node N -- PYTHON bench/fsdp2_reference.py --spec SPEC.json --out DIR
+        [--mode fsdp2-parity|fsdp2|eager|compile]
+
+Note [Reference modes]
+  fsdp2-parity  FSDP2 doing fsdp.cpp's arithmetic: the optimizer steps with the spec's
+                optimizer.implementation (fused -> torch.optim.*(fused=True), foreach ->
+                foreach=True, per_tensor -> foreach=False), clipping is a per-tensor loop, the
+                loss is all-reduced and read on the host every step. Losses agree with fsdp.cpp
+                to fp32 rounding. The default of this script (not of `fsdp bench compare`).
+  fsdp2         FSDP2 as torchtitan runs it: the same fully_shard units and
+                MixedPrecisionPolicy, fused optimizer, foreach clipping, no host sync in the
+                step (losses and norms stay on the device and are read once after the last
+                step; on CUDA each step is timed by CUDA events).
+  eager         one rank, no wrapper: the plain model, torch.autocast(bf16) when
+                mixed_precision is bf16, fused optimizer, no host sync per step.
+  compile       eager with torch.compile(model).
+  The fast modes (fsdp2, eager, compile) agree with fsdp.cpp to a looser tolerance only.
 
 The model (models/gpt.{h,cc}), the loss, the LR schedule (engine/schedule.cc), gradient
-clipping (FsdpModel::ClipGradNorm) and the optimizers (libtorch's per-tensor AdamW / Adam / SGD,
-here torch.optim with foreach=False) mirror the C++ code; parameters come from the spec's
-init.safetensors and batches from its batches.bin, so losses agree with fsdp.cpp within fp32
-tolerance. Sharding: torch.distributed.fsdp.fully_shard on each transformer block, then on the
+clipping (FsdpModel::ClipGradNorm) and the optimizers (AdamW / Adam / SGD) mirror the C++ code;
+parameters come from the spec's init.safetensors and batches from its batches.bin. Sharding: torch.distributed.fsdp.fully_shard on each transformer block, then on the
 root, over a DeviceMesh (1-D "shard" for full_shard / shard_grad_op, 2-D ("replicate", "shard")
 for hybrid_shard and for no_shard, the latter with shard size 1).
 
@@ -354,20 +368,31 @@ def learning_rate(s, peak_lr, step, total_steps):
     return min_lr + (peak_lr - min_lr) * factor
 
 
-def make_optimizer(o, params):
+IMPLEMENTATIONS = ("fused", "foreach", "per_tensor")
+
+
+def make_optimizer(o, params, implementation):
+    """torch.optim's AdamW / Adam / SGD stepping as fsdp.cpp's optimizer.implementation says:
+    fused -> fused=True (ATen's _fused_adamw_ / _fused_adam_ / _fused_sgd_, as engine/optimizer.cc
+    calls them), foreach -> foreach=True, per_tensor -> foreach=False (libtorch's loop)."""
     name = o.get("name", "adamw")
     lr = float(o["lr"])
     wd = float(o.get("weight_decay", 0.0))
     betas = (float(o.get("beta1", 0.9)), float(o.get("beta2", 0.999)))
     eps = float(o.get("eps", 1e-8))
+    if implementation not in IMPLEMENTATIONS:
+        die(f"optimizer.implementation '{implementation}' is not valid; valid: "
+            f"{', '.join(IMPLEMENTATIONS)}")
+    how = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+           "per_tensor": dict(foreach=False)}[implementation]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=float(o.get("momentum", 0.0)),
-                               weight_decay=wd, foreach=False)
+                               weight_decay=wd, **how)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **how)
     if name == "adamw":
         # torch.optim.AdamW: p *= 1 - lr * wd, then the Adam update (as libtorch's AdamW).
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **how)
     die(f"optimizer.name '{name}' is not valid; valid: adamw, adam, sgd")
 
 
@@ -389,6 +414,21 @@ def clip_grad_norm(params, max_norm, device, all_reduce_group=None, all_reduce_f
     coef = (max_norm / (norm + 1e-6)).clamp_max(1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_norm_fast(params, max_norm, all_reduce_group=None, all_reduce_fn=None):
+    """The same clipping with foreach kernels and no host sync (what torchtitan's
+    clip_grad_norm_ does): one norm per gradient, their squares summed, one all-reduce."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    norms = torch._foreach_norm([g.to(torch.float32) for g in grads])
+    sum_sq = torch.stack(norms).pow(2).sum()
+    if all_reduce_group is not None:
+        all_reduce_fn(sum_sq, group=all_reduce_group)
+    norm = sum_sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp_max(1.0)
+    torch._foreach_mul_(grads, coef)
     return norm
 
 
@@ -487,7 +527,18 @@ def set_threads():
         torch.set_num_threads(int(n))
 
 
+MODES = ("fsdp2-parity", "fsdp2", "eager", "compile")
+ONE_RANK_MODES = ("eager", "compile")
+
+
 def train(args, spec, reference=False):
+    """Trains as `args.mode` says (see Note [Reference modes] in the module docstring).
+    Returns True when a process group is left for the caller to abandon."""
+    mode = args.mode
+    if mode not in MODES:
+        die(f"--mode '{mode}' is not valid; valid: {', '.join(MODES)}")
+    fast = mode != "fsdp2-parity" and not reference
+    single = mode in ONE_RANK_MODES and not reference
     t, o = spec["training"], spec["optimizer"]
     p = spec["parallelism"]
     cfg = Config(spec["model"])
@@ -515,6 +566,11 @@ def train(args, spec, reference=False):
         torch.cuda.set_device(device)
     if reference:
         rank, world = 0, int(spec["batches"]["world_size"])
+    elif single:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != 1:
+            die(f"--mode {mode} runs the plain model on one rank; WORLD_SIZE is {world}")
+        rank = 0
     else:
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
@@ -553,8 +609,15 @@ def train(args, spec, reference=False):
     meter = CommMeter()
     orig_all_reduce = dist.all_reduce
     shard_group = None
-    hsdp = replicate > 1 and shard > 1 and not reference
-    if not reference:
+    hsdp = replicate > 1 and shard > 1 and not reference and not single
+    forward = model
+    autocast = None
+    if single:
+        if mp == "bf16":  # the plain model's mixed precision: fp32 weights, bf16 matmuls
+            autocast = lambda: torch.autocast(device_type, dtype=torch.bfloat16)  # noqa: E731
+        if mode == "compile":
+            forward = torch.compile(model)
+    elif not reference:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         if replicate == 1:
@@ -582,7 +645,9 @@ def train(args, spec, reference=False):
     ref_bf16 = reference and mp == "bf16"  # emulated: bf16 copies of the parameters
 
     params = list(model.parameters())
-    optimizer = make_optimizer(o, params)
+    # fsdp2-parity steps as fsdp.cpp does (optimizer.implementation); the fast modes as
+    # torchtitan does (fused).
+    optimizer = make_optimizer(o, params, "fused" if fast else o.get("implementation", "fused"))
     tokens_per_step = world * mb * ga * cfg.seq_len
     peak_lr = float(o["lr"])
 
@@ -591,11 +656,15 @@ def train(args, spec, reference=False):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         metrics_file = open(os.path.join(out, "metrics.jsonl"), "w")
-        mode = "reference (one process, no FSDP)" if reference else \
-            f"FSDP2 on {world} rank(s), mesh (replicate={replicate}, shard={shard}), strategy {strategy}"
+        what = ("reference (one process, no FSDP)" if reference else
+                f"{mode}: the plain model{' + torch.compile' if mode == 'compile' else ''}, "
+                f"fused {o.get('name', 'adamw')}, no host sync per step" if single else
+                f"{mode}: FSDP2 on {world} rank(s), mesh (replicate={replicate}, shard={shard}), "
+                f"strategy {strategy}, " + ("fused optimizer, no host sync per step" if fast else
+                f"{o.get('implementation', 'fused')} optimizer, loss read every step"))
         nparams = sum(q.numel() for q in params)
         where = torch.cuda.get_device_name(device) if on_cuda else "cpu"
-        print(f"fsdp2_reference: {mode}, model {cfg.arch} ({nparams} parameters), "
+        print(f"fsdp2_reference: {what}, model {cfg.arch} ({nparams} parameters), "
               f"{mp}, {tokens_per_step} tokens/step, on {where}, torch {torch.__version__}",
               flush=True)
     if on_cuda:
@@ -603,12 +672,35 @@ def train(args, spec, reference=False):
 
     comm_wait_total, comm_bytes_total = 0.0, 0
     clip = max_grad_norm if max_grad_norm > 0 else 1e30
+
+    def record(step, lr, loss_v, norm_v, step_time, wait_s, nbytes):
+        if rank == 0:
+            rec = {"step": step + 1, "loss": fmt_metric(loss_v), "grad_norm": fmt_metric(norm_v),
+                   "lr": lr, "step_time_s": step_time, "comm_wait_s": wait_s,
+                   "comm_bytes": nbytes, "tokens_per_s": tokens_per_step / step_time}
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            print(f"step {step + 1}/{steps} loss {loss_v:.6f} grad_norm {norm_v:.4f} lr {lr:.3e} "
+                  f"{step_time * 1e3:.1f} ms/step comm_wait {wait_s * 1e3:.1f} ms "
+                  f"comm {nbytes / 2**20:.2f} MiB {tokens_per_step / step_time:.0f} tok/s",
+                  flush=True)
+        if not math.isfinite(loss_v) or not math.isfinite(norm_v):
+            die(f"step {step + 1}: the loss or the gradient norm is not finite")
+
+    # The fast modes keep every step's loss and norm on the device and read them once at the
+    # end; their step times come from CUDA events on GPU (read after the final synchronize),
+    # from the wall clock on CPU, where every op has finished when it returns.
+    kept = []  # per step: (lr, loss, norm, t0 or start event, t1 or end event, wait_s, bytes)
     for step in range(steps):
         lr = learning_rate(spec["lr_scheduler"], peak_lr, step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         meter.reset()
-        t0 = time.perf_counter()
+        if fast and on_cuda:
+            t0 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+        else:
+            t0 = time.perf_counter()
         meter.active = True
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(ga):
@@ -622,15 +714,31 @@ def train(args, spec, reference=False):
                 # those of the global batch in bf16, so this agrees only to bf16 precision.
                 cast = {n: q.to(torch.bfloat16) for n, q in model.named_parameters()}
                 logits = torch.func.functional_call(model, cast, (x,)).to(torch.float32)
+            elif autocast is not None:
+                with autocast():
+                    logits = forward(x)
             else:
-                logits = model(x)
+                logits = forward(x)
             loss = F.cross_entropy(logits.flatten(0, 1).to(torch.float32), y.flatten()) / float(ga)
             loss.backward()
             loss_sum += loss.detach()
         meter.active = False
-        norm = clip_grad_norm(params, clip, device, shard_group, orig_all_reduce)
+        if fast:
+            norm = clip_grad_norm_fast(params, clip, shard_group, orig_all_reduce)
+        else:
+            norm = clip_grad_norm(params, clip, device, shard_group, orig_all_reduce)
         optimizer.step()
         optimizer.zero_grad()
+        comm_wait_total += meter.wait_s
+        comm_bytes_total += meter.bytes
+        if fast:
+            if on_cuda:
+                t1 = torch.cuda.Event(enable_timing=True)
+                t1.record()
+            else:
+                t1 = time.perf_counter()
+            kept.append((lr, loss_sum, norm, t0, t1, meter.wait_s, meter.bytes))
+            continue
         loss64 = loss_sum.to(torch.float64)
         if not reference:
             orig_all_reduce(loss64)
@@ -638,21 +746,20 @@ def train(args, spec, reference=False):
         if on_cuda:
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - t0
-        comm_wait_total += meter.wait_s
-        comm_bytes_total += meter.bytes
-        loss_v, norm_v = float(loss64.item()), float(norm.item())
-        if rank == 0:
-            rec = {"step": step + 1, "loss": fmt_metric(loss_v), "grad_norm": fmt_metric(norm_v),
-                   "lr": lr, "step_time_s": step_time, "comm_wait_s": meter.wait_s,
-                   "comm_bytes": meter.bytes, "tokens_per_s": tokens_per_step / step_time}
-            metrics_file.write(json.dumps(rec) + "\n")
-            metrics_file.flush()
-            print(f"step {step + 1}/{steps} loss {loss_v:.6f} grad_norm {norm_v:.4f} lr {lr:.3e} "
-                  f"{step_time * 1e3:.1f} ms/step comm_wait {meter.wait_s * 1e3:.1f} ms "
-                  f"comm {meter.bytes / 2**20:.2f} MiB {tokens_per_step / step_time:.0f} tok/s",
-                  flush=True)
-        if not math.isfinite(loss_v) or not math.isfinite(norm_v):
-            die(f"step {step + 1}: the loss or the gradient norm is not finite")
+        record(step, lr, float(loss64.item()), float(norm.item()), step_time, meter.wait_s,
+               meter.bytes)
+    if fast:
+        losses = torch.stack([k[1] for k in kept]).to(torch.float64)
+        if not single:  # one all-reduce for every step's loss: the mean over ranks
+            orig_all_reduce(losses)
+            losses = losses / world
+        norms = torch.stack([k[2] for k in kept]).to(torch.float64)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        losses, norms = losses.tolist(), norms.tolist()
+        for step, (lr, _, _, t0, t1, wait_s, nbytes) in enumerate(kept):
+            step_time = t0.elapsed_time(t1) / 1e3 if on_cuda else t1 - t0
+            record(step, lr, losses[step], norms[step], step_time, wait_s, nbytes)
 
     stats_dir = os.path.join(out, "rank_stats")
     os.makedirs(stats_dir, exist_ok=True)
@@ -667,7 +774,7 @@ def train(args, spec, reference=False):
         f.write("\n")
     if metrics_file:
         metrics_file.close()
-    if not reference:
+    if not reference and not single:
         # Every rank is past its last collective. Tearing the Gloo process group down
         # (destroy_process_group, or the interpreter's exit) can abort a rank with "terminate
         # called without an active exception" while a peer has already gone (seen 1 run in 4
@@ -789,6 +896,10 @@ def main():
     ap.add_argument("--make-test-inputs", metavar="DIR")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
     ap.add_argument("--rtol", type=float, default=1e-5)
+    ap.add_argument("--mode", default="fsdp2-parity", choices=MODES,
+                    help="fsdp2-parity (the default here): fsdp.cpp's arithmetic step for step; "
+                         "fsdp2: FSDP2 as torchtitan runs it; eager / compile: the plain model, "
+                         "one rank (see the module docstring)")
     g = ap.add_argument_group("--make-test-inputs options")
     g.add_argument("--preset", choices=sorted(PRESETS), default="gpt")
     g.add_argument("--world", type=int, default=2)

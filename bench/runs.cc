@@ -38,7 +38,9 @@ int LaunchRanks(int nproc, const std::vector<std::string>& program) {
   launch.program = program;
   launch.echo = [](int rank, bool is_stderr, std::string_view line) {
     if (is_stderr) return !StartsWith(line, "fsdp launch: starting");
-    return rank == 0 && (StartsWith(line, "step ") || StartsWith(line, "fsdp train: done"));
+    // Rank 0's step lines, and the reference's line saying which mode runs and how.
+    return rank == 0 && (StartsWith(line, "step ") || StartsWith(line, "fsdp train: done") ||
+                         StartsWith(line, "fsdp2_reference: "));
   };
   return RunLaunch(launch);
 }

@@ -4,17 +4,19 @@ namespace fsdp {
 
 CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   CLI::App* bench = app.add_subcommand(
-      "bench", "Benchmarks: fsdp.cpp against PyTorch FSDP2, and sweeps over world sizes");
+      "bench", "Benchmarks: fsdp.cpp against PyTorch (FSDP2, eager, torch.compile), and sweeps "
+               "over world sizes");
   bench->require_subcommand(1);
 
   bench::CompareOptions& o = c.compare;
   c.compare_cmd = bench->add_subcommand(
       "compare",
-      "Run CONFIG through fsdp.cpp and through PyTorch FSDP2 (bench/fsdp2_reference.py) from the "
-      "same weights and batches, alternating runs; report median step time, tokens/s, MFU, peak "
-      "memory per rank (RSS on CPU, allocator peak on GPU), communication wait, the ratios and the "
-      "largest loss difference (compare.json, compare.csv, compare.png in --out). On one rank "
-      "also the unwrapped model, and each wrapper's overhead against it.\n"
+      "Run CONFIG through fsdp.cpp and through each PyTorch reference mode of --reference "
+      "(bench/fsdp2_reference.py) from the same weights and batches, alternating runs; report "
+      "median step time, tokens/s, MFU, peak memory per rank (RSS on CPU, allocator peak on GPU), "
+      "communication wait, fsdp.cpp's ratio to each mode and each mode's loss check, PASS or FAIL "
+      "(compare.json, compare.csv, compare.png in --out). On one rank also the unwrapped model, "
+      "and each wrapper's overhead against it.\n"
       "Example: fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50\n"
       "         fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30   (GPU)");
   c.compare_cmd->add_option("config", o.config_path, "YAML configuration file")->required();
@@ -36,6 +38,13 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
       "--unwrapped", [&o] { o.unwrapped = true; },
       "Also run the plain model without a wrapper (parallelism.strategy none; one rank only). "
       "Default: on with --nproc 1");
+  c.compare_cmd->add_option(
+      "--reference", o.references,
+      "PyTorch reference modes, comma list: fsdp2 (FSDP2 as torchtitan runs it: fused AdamW, no "
+      "host sync per step), eager and compile (the plain model, torch.compile for the latter; one "
+      "rank only), fsdp2-parity (FSDP2 doing fsdp.cpp's arithmetic step for step: loss equality "
+      "to 1e-5). Default: fsdp2, plus eager,compile with --nproc 1")
+      ->delimiter(',');
   c.compare_cmd->add_flag_callback("--no-unwrapped", [&o] { o.unwrapped = false; },
                                    "Do not run the plain model");
 

@@ -103,27 +103,31 @@ struct CompareCase {
 
 class BenchCompareTest : public ::testing::TestWithParam<CompareCase> {};
 
-// The FSDP2 reference mirrors the model and the step: both engines start from the same weights
-// and batches, so the losses agree to fp32 rounding (a different reduction order).
-TEST_P(BenchCompareTest, LossesAgreeWithFsdp2) {
+// The fsdp2-parity reference mirrors the model and the step (the optimizer with the same
+// optimizer.implementation): both engines start from the same weights and batches, so the
+// losses agree to fp32 rounding (a different reduction order).
+TEST_P(BenchCompareTest, LossesAgreeWithFsdp2Parity) {
   const CompareCase& c = GetParam();
   std::string dir = FreshTempDir("compare-" + c.name);
   std::vector<std::string> argv = {FsdpBinary(), "bench", "compare",
                                    SourceDir() + "/configs/default.yaml", "--nproc",
                                    StrCat(c.nproc), "--steps", "5", "--warmup", "1", "--no-plot",
-                                   "--out", dir};
+                                   "--reference", "fsdp2-parity", "--out", dir};
   for (const std::string& s : c.sets) argv.insert(argv.end(), {"--set", s});
   CommandResult r = RunCommand(argv, {}, std::chrono::seconds(240));
   ASSERT_TRUE(r.exit.ok()) << r.Output();
   nlohmann::json report = ReadJson(dir + "/compare.json");
   EXPECT_LT(report["max_loss_rel_diff"].get<double>(), 1e-5) << report.dump(1);
-  for (const char* engine : {"fsdp.cpp", "fsdp2"}) {
+  EXPECT_EQ(report["primary_reference"], "fsdp2-parity");
+  EXPECT_EQ(report["references"]["fsdp2-parity"]["loss_check"], "PASS") << report.dump(1);
+  EXPECT_FALSE(report["engines"].contains("fsdp2")) << "only the modes asked for run";
+  for (const char* engine : {"fsdp.cpp", "fsdp2-parity"}) {
     EXPECT_GT(report["engines"][engine]["median_step_s"].get<double>(), 0) << engine;
     EXPECT_GT(report["engines"][engine]["peak_rss_bytes"].get<int64_t>(), 0) << engine;
   }
   // Both engines move the same bytes per step (full collective buffers, padding included).
   double cpp_bytes = report["engines"]["fsdp.cpp"]["comm_bytes_per_step"].get<double>();
-  double ref_bytes = report["engines"]["fsdp2"]["comm_bytes_per_step"].get<double>();
+  double ref_bytes = report["engines"]["fsdp2-parity"]["comm_bytes_per_step"].get<double>();
   if (c.nproc == 1) {
     EXPECT_EQ(cpp_bytes, 0);  // nothing to exchange
     EXPECT_EQ(ref_bytes, 0);
@@ -131,12 +135,12 @@ TEST_P(BenchCompareTest, LossesAgreeWithFsdp2) {
     EXPECT_NEAR(cpp_bytes / ref_bytes, 1.0, 0.02) << cpp_bytes << " vs " << ref_bytes;
   }
   EXPECT_TRUE(fs::exists(dir + "/compare.csv"));
-  EXPECT_TRUE(r.StdoutHas("fsdp.cpp / FSDP2: step time")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("fsdp.cpp / fsdp2-parity: step time")) << r.Output();
   // On one rank the plain model runs too (parallelism.strategy none): same losses, and each
   // wrapper's overhead against it.
   EXPECT_EQ(report["engines"].contains("unwrapped"), c.nproc == 1) << report.dump(1);
   if (c.nproc == 1) {
-    for (const char* engine : {"fsdp.cpp", "fsdp2"}) {
+    for (const char* engine : {"fsdp.cpp", "fsdp2-parity"}) {
       const nlohmann::json& v = report["vs_unwrapped"][engine];
       EXPECT_LT(v["max_loss_rel_diff"].get<double>(), 1e-5) << engine << " " << report.dump(1);
       EXPECT_TRUE(v["overhead"].is_number()) << engine;
@@ -151,8 +155,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         CompareCase{"gpt_full_shard", 2, {}},
         CompareCase{"gpt_one_rank_with_unwrapped", 1, {}},
-        CompareCase{"llama_shard_grad_op", 2,
-                    {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
+        // The per-tensor optimizer on both sides (fsdp.cpp's default is fused).
+        CompareCase{"llama_shard_grad_op_per_tensor_adamw", 2,
+                    {"optimizer.implementation=per_tensor", "model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
                      "model.positions=rope", "model.tie_embeddings=false",
                      "parallelism.strategy=shard_grad_op", "training.grad_accum_steps=2",
                      "training.micro_batch_size=4"}}),
@@ -165,6 +170,77 @@ TEST(BenchCompare, UnwrappedNeedsOneRank) {
   EXPECT_EQ(r.exit.code, 2) << r.Output();
   EXPECT_TRUE(r.StderrHas("--unwrapped runs the plain model on one rank, so it needs --nproc 1 (got 2)"))
       << r.Output();
+}
+
+// The fast FSDP2 mode (fused AdamW, no host sync per step) computes the same training to fp32
+// rounding of a different order: within its 1e-4 tolerance, and the report says which mode.
+TEST(BenchCompare, FastFsdp2AgreesWithinItsTolerance) {
+  std::string dir = FreshTempDir("compare-fsdp2");
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--nproc", "2", "--steps", "5", "--warmup", "1", "--no-plot",
+                                "--reference", "fsdp2", "--out", dir},
+                               {}, std::chrono::seconds(240));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  nlohmann::json report = ReadJson(dir + "/compare.json");
+  const nlohmann::json& v = report["references"]["fsdp2"];
+  EXPECT_EQ(v["loss_check"], "PASS") << report.dump(1);
+  EXPECT_EQ(v["loss_rtol"].get<double>(), 1e-4);
+  EXPECT_LT(v["max_loss_rel_diff"].get<double>(), 1e-4) << report.dump(1);
+  EXPECT_GT(v["step_time_ratio"].get<double>(), 0);
+  EXPECT_EQ(report["primary_reference"], "fsdp2");
+  EXPECT_FALSE(report["engines"].contains("fsdp2-parity"));
+  EXPECT_GT(report["engines"]["fsdp2"]["comm_bytes_per_step"].get<double>(), 0);
+  EXPECT_TRUE(r.StdoutHas("fsdp2: FSDP2 on 2 rank(s)")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("fused optimizer, no host sync per step")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("fsdp.cpp / fsdp2: step time")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("tolerance 1e-04): PASS")) << r.Output();
+  fs::remove_all(dir);
+}
+
+// The plain PyTorch model on one rank, no wrapper: the same losses, its own row.
+TEST(BenchCompare, EagerOnOneRank) {
+  std::string dir = FreshTempDir("compare-eager");
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--nproc", "1", "--steps", "4", "--warmup", "1", "--no-plot",
+                                "--no-unwrapped", "--reference", "eager", "--out", dir},
+                               {}, std::chrono::seconds(240));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  nlohmann::json report = ReadJson(dir + "/compare.json");
+  EXPECT_EQ(report["references"]["eager"]["loss_check"], "PASS") << report.dump(1);
+  EXPECT_GT(report["engines"]["eager"]["median_step_s"].get<double>(), 0);
+  EXPECT_EQ(report["engines"]["eager"]["comm_bytes_per_step"].get<double>(), 0);
+  EXPECT_EQ(report["engines"].size(), 2u) << report.dump(1);  // fsdp.cpp, eager
+  EXPECT_TRUE(r.StdoutHas("eager: the plain model, fused adamw")) << r.Output();
+  EXPECT_TRUE(fs::exists(dir + "/eager_0/metrics.jsonl"));
+  fs::remove_all(dir);
+}
+
+TEST(BenchCompare, UnknownReferenceModeIsAnError) {
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--reference", "fsdp2,torchtitan"},
+                               {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("--reference 'torchtitan' is not a reference mode; valid: fsdp2, eager, "
+                          "compile, fsdp2-parity"))
+      << r.Output();
+}
+
+TEST(BenchCompare, PlainModelModesNeedOneRank) {
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--nproc", "2", "--reference", "compile"},
+                               {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("--reference compile runs the plain PyTorch model on one rank, so it "
+                          "needs --nproc 1 (got 2)"))
+      << r.Output();
+}
+
+TEST(BenchCompare, DefaultModesAndTolerances) {
+  EXPECT_EQ(bench::DefaultReferences(2), std::vector<std::string>({"fsdp2"}));
+  EXPECT_EQ(bench::DefaultReferences(1), std::vector<std::string>({"fsdp2", "eager", "compile"}));
+  EXPECT_EQ(bench::LossTolerance("fsdp2-parity", false), 1e-5);
+  EXPECT_EQ(bench::LossTolerance("fsdp2", false), 1e-4);
+  EXPECT_EQ(bench::LossTolerance("compile", true), 2e-2);
 }
 
 TEST(BenchCompare, CudaConfigWithoutGpuWritesNothing) {

@@ -107,28 +107,33 @@ INSTANTIATE_TEST_SUITE_P(Cuda, GpuParityTest, ::testing::ValuesIn(GpuCases()),
                            return info.param.Name();
                          });
 
-// `fsdp bench compare` on the GPU: fsdp.cpp (NCCL, world size 1), FSDP2 and the unwrapped
-// model in bf16 from the same weights and batches; the report has the allocator's peak and MFU.
+// `fsdp bench compare` on the GPU: fsdp.cpp (NCCL, world size 1), the default reference modes
+// (fsdp2, eager, compile), fsdp2-parity and the unwrapped model in bf16 from the same weights
+// and batches; the report has the allocator's peak and MFU, and every mode's loss check passes.
 TEST(GpuBenchTest, CompareOneRankWithTheUnwrappedModel) {
   FSDP_SKIP_WITHOUT_GPU();
   std::string dir = testing::FreshTempDir("gpu-compare");
   testing::CommandResult r = testing::RunCommand(
       {testing::FsdpBinary(), "bench", "compare", testing::SourceDir() + "/configs/default.yaml",
        "--nproc", "1", "--steps", "6", "--warmup", "2", "--no-plot", "--out", dir, "--set",
-       "training.device=cuda", "--set", "training.mixed_precision=bf16"},
+       "training.device=cuda", "--set", "training.mixed_precision=bf16", "--reference",
+       "fsdp2,eager,compile,fsdp2-parity"},
       testing::WithGpus(), std::chrono::seconds(300));
   ASSERT_TRUE(r.exit.ok()) << r.Output();
   std::ifstream in(dir + "/compare.json");
   nlohmann::json report = nlohmann::json::parse(in);
   EXPECT_EQ(report["memory_kind"], "allocated (CUDA)");
-  for (const char* engine : {"fsdp.cpp", "fsdp2", "unwrapped"}) {
+  for (const char* engine : {"fsdp.cpp", "fsdp2", "eager", "compile", "fsdp2-parity", "unwrapped"}) {
     const nlohmann::json& e = report["engines"][engine];
     EXPECT_GT(e["peak_memory_bytes"].get<int64_t>(), 0) << engine;
     EXPECT_GT(e["mfu"].get<double>(), 0) << engine;
   }
   // bf16 compute, fp32 masters and reductions in all three: agreement to bf16 rounding.
   EXPECT_LT(report["max_loss_rel_diff"].get<double>(), 1e-2) << report.dump(1);
-  for (const char* engine : {"fsdp.cpp", "fsdp2"}) {
+  for (const char* mode : {"fsdp2", "eager", "compile", "fsdp2-parity"}) {
+    EXPECT_EQ(report["references"][mode]["loss_check"], "PASS") << mode << " " << report.dump(1);
+  }
+  for (const char* engine : {"fsdp.cpp", "fsdp2", "fsdp2-parity"}) {
     EXPECT_LT(report["vs_unwrapped"][engine]["max_loss_rel_diff"].get<double>(), 1e-2)
         << engine << " " << report.dump(1);
   }
