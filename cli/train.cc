@@ -60,19 +60,18 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
     // Gloo ranks may share a GPU (a one-GPU workstation); NCCL needs one GPU per rank.
     const bool nccl = !cpu && config->parallelism.backend != CudaBackend::kGloo;
     const int64_t limit = nccl ? CudaDeviceCount() : 4 * cores;
-    if (nproc > limit && nccl && !command.oversubscribe) {
-      std::cerr << fmt::format(
-          "fsdp train: parallelism.nproc={} is more ranks than this node's {} GPU(s), and NCCL "
-          "needs one GPU per rank: set parallelism.nproc={} or fewer, or "
-          "parallelism.backend=gloo (ranks share the GPUs)\n",
-          nproc, limit, limit);
-      return 2;
-    }
     if (nproc > limit && !command.oversubscribe) {
-      std::cerr << fmt::format(
-          "fsdp train: parallelism.nproc={} is more local ranks than this node can run (4 x {} "
-          "cores, {} ranks); lower it, or pass --oversubscribe\n",
-          nproc, cores, cpu ? "CPU" : "Gloo");
+      std::cerr << (nccl ? fmt::format(
+                               "fsdp train: parallelism.nproc={} is more ranks than this node's "
+                               "{} GPU(s), and NCCL needs one GPU per rank: set "
+                               "parallelism.nproc={} or fewer, or parallelism.backend=gloo (ranks "
+                               "share the GPUs)\n",
+                               nproc, limit, limit)
+                         : fmt::format(
+                               "fsdp train: parallelism.nproc={} is more local ranks than this "
+                               "node can run (4 x {} cores, {} ranks); lower it, or pass "
+                               "--oversubscribe\n",
+                               nproc, cores, cpu ? "CPU" : "Gloo"));
       return 2;
     }
     if (absl::Status fits = config->ValidateForWorld(static_cast<int>(nproc)); !fits.ok()) {

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "common/status.h"
 #include "common/strings.h"
@@ -77,8 +78,10 @@ absl::StatusOr<json> ReadJsonFile(const std::string& path, const std::string& wh
   }
   std::stringstream text;
   text << in.rdbuf();
-  json value = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded() || !value.is_object()) {
+  // The checkpoint layer's parser: nesting is bounded (a hostile config.json cannot overflow
+  // the stack), errors name the file.
+  absl::StatusOr<json> value = ckpt::ParseJson(text.str(), StrCat(what, ": ", path));
+  if (!value.ok() || !value->is_object()) {
     return absl::InvalidArgumentError(StrCat(what, ": ", path, " is not a JSON object"));
   }
   return value;

@@ -51,8 +51,7 @@ struct Batch {
   at::Device device;
   at::ScalarType dtype;
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, momentum_buffers, steps;
-  std::vector<int64_t> step_values;  // foreach Adam: the states' steps after this update
-  std::vector<bool> first_step;      // SGD: the momentum buffer is new this step
+  std::vector<int64_t> step_values;  // Adam: the states' steps after this update
 };
 
 Batch& BatchOf(std::vector<Batch>& batches, const at::Tensor& p) {

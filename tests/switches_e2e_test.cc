@@ -8,10 +8,10 @@
 //                             reproduces the straight run;
 //   step_ms                   every step record of metrics.jsonl has a positive step time (on
 //                             a GPU too, from CUDA events: skipped without one).
-#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -47,8 +47,9 @@ struct TrainRun {
 
 // `fsdp train` of the tiny default model on 2 ranks, 4 micro-batches per step, a checkpoint at
 // the end (and every `extra` asks for).
+// `env`: testing::WithGpus() for the run that means the GPU (RunCommand hides it otherwise).
 TrainRun Train(const std::string& dir, const std::string& strategy,
-               std::vector<std::string> extra) {
+               std::vector<std::string> extra, const std::map<std::string, std::string>& env = {}) {
   const bool ddp = strategy == "no_shard";
   std::vector<std::string> sets = {
       "run.dir=" + dir, "metrics.progress_bar=off", StrCat("training.steps=", kSteps),
@@ -65,9 +66,7 @@ TrainRun Train(const std::string& dir, const std::string& strategy,
   std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml"};
   for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
   TrainRun run;
-  const bool cuda = std::find(sets.begin(), sets.end(), "training.device=cuda") != sets.end();
-  run.result = RunCommand(argv, cuda ? testing::WithGpus() : std::map<std::string, std::string>{},
-                          std::chrono::seconds(120));
+  run.result = RunCommand(argv, env, std::chrono::seconds(120));
   std::ifstream in(dir + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     nlohmann::json r = nlohmann::json::parse(line);
@@ -245,7 +244,8 @@ TEST(StepTimingTest, CudaEventsTimeEveryStep) {
   const std::string dir = FreshTempDir("cuda");
   TrainRun run = Train(dir, "full_shard",
                        {"training.device=cuda", "parallelism.nproc=1", "parallelism.backend=gloo",
-                        "checkpoint.enabled=false"});
+                        "checkpoint.enabled=false"},
+                       testing::WithGpus());
   ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
   ExpectStepTimes(run);
   fs::remove_all(dir);
