@@ -1,6 +1,6 @@
 # `cmake --install <build> --prefix P`: fsdp.cpp as a CMake package for other projects.
 #
-#   P/include/{common,device_mesh,sharding,models,checkpoint,engine,planner,launcher}/...h
+#   P/include/{common,device_mesh,sharding,kernels,models,checkpoint,engine,planner,launcher}/...h
 #   P/lib/libfsdp_*.a                    the layer libraries
 #   P/bin/fsdp                           the CLI (its `fsdp launch` starts any program's ranks)
 #   P/lib/cmake/fsdp_cpp/                fsdp_cppConfig.cmake, ...ConfigVersion.cmake, the
@@ -16,8 +16,11 @@
 # may pass another -DFSDP_TORCH_DIR of the same torch version).
 include(CMakePackageConfigHelpers)
 
-set(_fsdp_layers fsdp_common fsdp_device_mesh fsdp_sharding fsdp_models fsdp_checkpoint
-                 fsdp_engine fsdp_planner fsdp_launcher)
+set(_fsdp_layers fsdp_common fsdp_device_mesh fsdp_sharding fsdp_kernels fsdp_models
+                 fsdp_checkpoint fsdp_engine fsdp_planner fsdp_launcher)
+if(TARGET fsdp_kernels_cuda)
+  list(APPEND _fsdp_layers fsdp_kernels_cuda)
+endif()
 
 # fsdp_cpp::fsdp: every layer library. Named fsdp_all here because `fsdp` is the CLI.
 add_library(fsdp_all INTERFACE)
@@ -29,7 +32,7 @@ install(TARGETS ${_fsdp_layers} fsdp_all EXPORT fsdp_cppTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS fsdp RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(_dir common device_mesh sharding models checkpoint engine planner launcher)
+foreach(_dir common device_mesh sharding kernels models checkpoint engine planner launcher)
   install(DIRECTORY "${PROJECT_SOURCE_DIR}/${_dir}/" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/${_dir}"
           FILES_MATCHING PATTERN "*.h")
 endforeach()

@@ -1,0 +1,56 @@
+#include "kernels/dispatch.h"
+
+#include <c10/util/Exception.h>
+
+#ifdef FSDP_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace fsdp::kernels {
+
+bool CudaKernelsBuilt() {
+#ifdef FSDP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool OnCuda(const at::Tensor& t, const char* kernel) {
+  if (!t.is_cuda()) return false;
+  TORCH_CHECK(CudaKernelsBuilt(), "fsdp kernel ", kernel,
+              ": a CUDA tensor, but this build of fsdp.cpp has no CUDA kernels (configured with "
+              "a CPU torch wheel or FSDP_CUDA_MODE=off)");
+  return true;
+}
+
+cuda::DType ToKernelDType(const at::Tensor& t, const char* kernel) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return cuda::DType::kFloat;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    case at::kHalf: return cuda::DType::kHalf;
+    default:
+      TORCH_CHECK(false, "fsdp kernel ", kernel, ": dtype ", t.scalar_type(),
+                  " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+cuda::Stream CurrentStream(const at::Tensor& t) {
+#ifdef FSDP_WITH_CUDA
+  return static_cast<cuda::Stream>(at::cuda::getCurrentCUDAStream(t.device().index()).stream());
+#else
+  TORCH_CHECK(false, "CurrentStream: this build has no CUDA");
+#endif
+}
+
+void CheckLaunch(cuda::LaunchStatus status, const char* kernel) {
+#ifdef FSDP_WITH_CUDA
+  TORCH_CHECK(status == 0, "fsdp kernel ", kernel, ": CUDA launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(status)));
+#else
+  TORCH_CHECK(status == 0, "fsdp kernel ", kernel, ": launch failed (", status, ")");
+#endif
+}
+
+}  // namespace fsdp::kernels
