@@ -292,6 +292,12 @@ ChoiceField OptimizerField(OptimizerKind* field) {
   return Enum(field, std::move(table));
 }
 
+ChoiceField AttentionField(AttentionBackend* field) {
+  NameTable<AttentionBackend> table;
+  for (AttentionBackend b : AttentionBackends()) table.emplace_back(b, AttentionBackendName(b));
+  return Enum(field, std::move(table));
+}
+
 ChoiceField OptimizerImplementationField(OptimizerImplementation* field) {
   NameTable<OptimizerImplementation> table;
   for (OptimizerImplementation i : {OptimizerImplementation::kFused,
@@ -322,6 +328,9 @@ std::vector<Section> Sections(RunConfig& c) {
         {"norm_eps", &c.model.norm_eps},
         {"rope_theta", &c.model.rope_theta},
         {"init_std", &c.model.init_std},
+        {"kernels", Enum(&c.model.kernels, {{KernelMode::kAuto, "auto"}, {KernelMode::kFused, "fused"}, {KernelMode::kComposite, "composite"}})},
+        {"loss_chunk_tokens", &c.model.loss_chunk_tokens},
+        {"attention", AttentionField(&c.model.attention)},
         {"deferred_init", &c.model.deferred_init},
         {"init_from", &c.model.init_from},
         {"freeze", &c.model.freeze}}},
@@ -683,6 +692,7 @@ absl::Status ValidateModel(const ModelSection& m, const Validator& v) {
               {"model.dim", "model.n_heads"}));
   FSDP_RETURN_IF_ERROR(v.Positive("model.norm_eps", m.norm_eps));
   FSDP_RETURN_IF_ERROR(v.Positive("model.rope_theta", m.rope_theta));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("model.loss_chunk_tokens", m.loss_chunk_tokens, 0));
   for (const std::string& pattern : m.freeze) {
     FSDP_RETURN_IF_ERROR(v.Check(!pattern.empty(), "model.freeze",
                                  "a pattern is empty (patterns are globs over parameter names, "

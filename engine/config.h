@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/attention.h"
 #include "engine/optimizer.h"
 #include "engine/profiler.h"
 #include "models/model.h"
@@ -81,9 +82,11 @@ struct RunSection {
 };
 
 // The model's own options (models/model.h: arch, vocab_size, dim, n_layers, n_heads, seq_len,
-// ffn_hidden, norm, activation, positions, tie_embeddings, norm_eps, rope_theta, init_std) and
-// how it is initialised.
+// ffn_hidden, norm, activation, positions, tie_embeddings, norm_eps, rope_theta, init_std,
+// kernels, loss_chunk_tokens), its attention backend and how it is initialised.
 struct ModelSection : ModelArgs {
+  // The scaled-dot-product attention backend, chosen at start (engine/attention.h).
+  AttentionBackend attention = AttentionBackend::kAuto;
   bool deferred_init = true;  // each rank creates only its shards (no full model anywhere)
   // A safetensors file to start from, read shard by shard, or a Hugging Face Llama folder (its
   // config.json sets the model keys left unset: engine/hf_llama.h).

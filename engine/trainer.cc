@@ -66,10 +66,7 @@ double Evaluate(Model& model, const DataLoader& loader, int64_t batches, Process
   at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (int64_t i = 0; i < n; ++i) {
     Batch b = loader.ValBatch(i);
-    at::Tensor logits = model.Forward(b.inputs.to(device));
-    sum += torch::nn::functional::cross_entropy(logits.flatten(0, 1).to(at::kFloat),
-                                                b.targets.to(device).flatten())
-               .to(at::kDouble);
+    sum += model.Loss(b.inputs.to(device), b.targets.to(device)).to(at::kDouble);
   }
   world.AllReduce(sum)->wait();
   return n > 0 ? sum.item<double>() / (n * world.size()) : std::nan("");
@@ -166,14 +163,12 @@ StepOutput TrainStep(Model& model, TrainableModel& trained, torch::optim::Optimi
     RECORD_FUNCTION("fsdp::micro_batch", std::vector<c10::IValue>());
     trained.BeginMicroBatch(m, static_cast<int>(t.grad_accum_steps));
     Batch b = loader.Get(m);
-    at::Tensor logits;
+    at::Tensor loss;
     {
       RECORD_FUNCTION("fsdp::forward", std::vector<c10::IValue>());
-      logits = model.Forward(b.inputs.to(device));
+      loss = model.Loss(b.inputs.to(device), b.targets.to(device)) /
+             static_cast<double>(t.grad_accum_steps);
     }
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1).to(at::kFloat),
-                                                           b.targets.to(device).flatten()) /
-                      static_cast<double>(t.grad_accum_steps);
     {
       RECORD_FUNCTION("fsdp::backward", std::vector<c10::IValue>());
       loss.backward();
@@ -284,6 +279,12 @@ void ConfigureDeterminism() {
   context.setSDPUseCuDNN(false);
 }
 
+// model.kernels as it resolves on `device` (auto: fused on CUDA, composite elsewhere).
+std::string KernelsLabel(KernelMode mode, c10::Device device) {
+  if (mode != KernelMode::kAuto) return KernelModeName(mode);
+  return device.is_cuda() ? "fused (auto)" : "composite (auto)";
+}
+
 }  // namespace
 
 absl::Status Train(const RunConfig& config, const TrainOptions& options) {
@@ -343,6 +344,15 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   }
 
   // ===== model (from the registry), wrapped, and its optimizer ==================================
+  // model.attention: one SDPA backend for the whole run, chosen here (engine/attention.h).
+  std::string attention = "none";
+  if (config.model.arch != "mlp") {
+    FSDP_ASSIGN_OR_RETURN(AttentionBackend backend,
+                          SelectAttentionBackend(config.model.attention, config.model,
+                                                 ScalarTypeOf(t.mixed_precision), device,
+                                                 t.deterministic));
+    attention = AttentionBackendName(backend);
+  }
   std::unique_ptr<Model> model = FindModelFamily(config.model.arch)->build(config.model);
   for (auto& buffer : model->module()->buffers()) buffer.set_data(buffer.to(device));
   if (!config.model.deferred_init || config.parallelism.Unwrapped()) {
@@ -409,10 +419,11 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   if (rank == 0 && !options.quiet) {
     std::cout << fmt::format(
         "fsdp train: {} on {} rank(s), mesh {}, strategy {}, model {} ({} parameters, {:.3g} "
-        "FLOPs/token), data {}, {} tokens/step\n",
+        "FLOPs/token), data {}, {} tokens/step, attention {}, kernels {}\n",
         config.run.name, world, shape.ToString(), StrategyLabel(config.parallelism.strategy),
         config.model.arch, model->NumParameters(), model->FlopsPerToken(), dataset->Describe(),
-        world * t.micro_batch_size * t.grad_accum_steps * config.model.seq_len);
+        world * t.micro_batch_size * t.grad_accum_steps * config.model.seq_len, attention,
+        KernelsLabel(config.model.kernels, device));
     std::cout.flush();
   }
 

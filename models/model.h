@@ -15,6 +15,7 @@
 //   std::unique_ptr<Model> model = family->build(ModelArgs{.arch = "llama", .dim = 256});
 //   model->MaterializeSeeded(1234);
 //   at::Tensor logits = model->Forward(tokens);          // [batch, seq, vocab]
+//   at::Tensor loss = model->Loss(tokens, targets);      // 0-dim fp32, what training minimises
 //   ModelCounts counts = family->count(args);             // == model->NumParameters()
 #pragma once
 
@@ -39,6 +40,13 @@ namespace fsdp {
 enum class NormKind { kLayerNorm, kRmsNorm };
 enum class Activation { kGelu, kSwiglu };
 enum class Positions { kLearned, kRope };
+// model.kernels: how a model's elementwise work runs (kernels/: RMSNorm, residual-add + RMSNorm,
+// RoPE, SwiGLU, the chunked LM head + cross-entropy):
+//   auto       the fused kernels on CUDA tensors, ATen's composite ops on the CPU;
+//   fused      the fused kernels everywhere (on the CPU, their reference implementations);
+//   composite  ATen's composite ops everywhere (the arithmetic of the PyTorch eager model).
+enum class KernelMode { kAuto, kFused, kComposite };
+const char* KernelModeName(KernelMode mode);
 
 // The YAML `model` section's shape keys, typed (engine/config.cc parses the names).
 struct ModelArgs {
@@ -59,6 +67,10 @@ struct ModelArgs {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
+  KernelMode kernels = KernelMode::kAuto;
+  // Tokens per chunk of the fused LM head + cross-entropy (kernels/cross_entropy.h); 0: chosen
+  // from the vocabulary and dim (kernels::DefaultChunkTokens).
+  int64_t loss_chunk_tokens = 0;
 
   int64_t head_dim() const { return dim / n_heads; }
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
@@ -97,6 +109,11 @@ class Model {
   virtual std::shared_ptr<torch::nn::Module> module() const = 0;
   // tokens [batch, seq] int64 -> logits [batch, seq, vocab].
   virtual at::Tensor Forward(const at::Tensor& tokens) = 0;
+  // The training loss: mean next-token cross-entropy of `tokens` [batch, seq] against
+  // `targets` [batch, seq] int64, a 0-dim fp32 tensor. The default computes it from Forward's
+  // logits in fp32 (ATen's cross_entropy); a model may override it to never hold the whole
+  // batch's logits (the GPT family's fused head: kernels/cross_entropy.h).
+  virtual at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets);
   // The submodules that become FSDP units (the root unit holds the rest).
   virtual std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const = 0;
   // FsdpOptions::param_init: each rank creates only its shards' values.

@@ -2,6 +2,8 @@
 // with a function returning its ModelFamily, and one line here.
 #include <vector>
 
+#include <ATen/ATen.h>
+
 #include "models/gpt/gpt.h"
 #include "models/model.h"
 
@@ -23,6 +25,20 @@ int64_t ModelArgs::ffn() const {
   if (ffn_hidden > 0) return ffn_hidden;
   if (activation == Activation::kSwiglu) return (8 * dim / 3 + 63) / 64 * 64;
   return 4 * dim;
+}
+
+const char* KernelModeName(KernelMode mode) {
+  switch (mode) {
+    case KernelMode::kAuto: return "auto";
+    case KernelMode::kFused: return "fused";
+    case KernelMode::kComposite: return "composite";
+  }
+  return "?";
+}
+
+at::Tensor Model::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  at::Tensor logits = Forward(tokens);
+  return at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
 }
 
 const ModelFamily* FindModelFamily(std::string_view arch) {

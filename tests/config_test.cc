@@ -26,7 +26,8 @@ constexpr char kSections[] =
     "run, model, data, training, optimizer, lr_scheduler, parallelism, metrics, checkpoint";
 constexpr char kModelKeys[] =
     "arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, seq_len, ffn_hidden, norm, activation, "
-    "positions, tie_embeddings, norm_eps, rope_theta, init_std, deferred_init, init_from, freeze";
+    "positions, tie_embeddings, norm_eps, rope_theta, init_std, kernels, loss_chunk_tokens, "
+    "attention, deferred_init, init_from, freeze";
 constexpr char kTrainingKeys[] =
     "steps, micro_batch_size, grad_accum_steps, grad_sync, max_grad_norm, mixed_precision, "
     "reduce_dtype, "

@@ -8,6 +8,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 
+#include "kernels/swiglu.h"
 #include "sharding/unit_forward.h"
 
 namespace fsdp {
@@ -34,6 +35,10 @@ torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 bool HasAttention(const ModelArgs& c) { return c.arch != "mlp"; }
 bool HasBiases(const ModelArgs& c) { return c.arch == "gpt" || c.arch == "mlp"; }
+
+bool UseFusedKernels(KernelMode mode, const at::Tensor& x) {
+  return mode == KernelMode::kFused || (mode == KernelMode::kAuto && x.is_cuda());
+}
 
 NormImpl::NormImpl(const GptConfig& c) : rms(c.norm == NormKind::kRmsNorm), eps(c.norm_eps) {
   weight = Param(*this, "weight", {c.dim});
@@ -83,7 +88,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return Linear(y.transpose(1, 2).reshape({b, t, n_heads * head_dim}), wo, bo);
 }
 
-FeedForwardImpl::FeedForwardImpl(const GptConfig& c) : swiglu(c.activation == Activation::kSwiglu) {
+FeedForwardImpl::FeedForwardImpl(const GptConfig& c)
+    : kernels(c.kernels), swiglu(c.activation == Activation::kSwiglu) {
   w1 = Param(*this, "w1", {c.ffn(), c.dim});
   w2 = Param(*this, "w2", {c.dim, c.ffn()});
   if (swiglu) w3 = Param(*this, "w3", {c.ffn(), c.dim});
@@ -94,6 +100,11 @@ FeedForwardImpl::FeedForwardImpl(const GptConfig& c) : swiglu(c.activation == Ac
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
+  if (swiglu && !b1.defined() && UseFusedKernels(kernels, x)) {
+    // [w1; w3] is a copy of 2 x ffn x dim weights per call (its backward two views): cheap
+    // next to the matmul it makes one.
+    return Linear(kernels::SwiGlu(Linear(x, at::cat({w1, w3}))), w2, b2);
+  }
   torch::Tensor h = swiglu ? torch::silu(Linear(x, w1, b1)) * Linear(x, w3, torch::Tensor())
                            : torch::gelu(Linear(x, w1, b1), "tanh");
   return Linear(h, w2, b2);
@@ -136,13 +147,25 @@ GptImpl::GptImpl(const GptConfig& c) : config(c) {
   if (!c.tie_embeddings) output = Param(*this, "output", {c.vocab_size, c.dim});
 }
 
+torch::Tensor GptImpl::Trunk(const torch::Tensor& tokens) {
+  torch::Tensor h = at::embedding(tok_embeddings, tokens);
+  if (pos_embeddings.defined()) h = h + pos_embeddings.narrow(0, 0, tokens.size(1));
+  for (const auto& layer : *layers) h = layer->as<TransformerBlockImpl>()->forward(h);
+  return norm->forward(h);
+}
+
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   return UnitForward(this, tokens, [&](const torch::Tensor& t) {
-    torch::Tensor h = at::embedding(tok_embeddings, t);
-    if (pos_embeddings.defined()) h = h + pos_embeddings.narrow(0, 0, t.size(1));
-    for (const auto& layer : *layers) h = layer->as<TransformerBlockImpl>()->forward(h);
-    h = norm->forward(h);
-    return torch::nn::functional::linear(h, output.defined() ? output : tok_embeddings);
+    return torch::nn::functional::linear(Trunk(t), HeadWeight());
+  });
+}
+
+torch::Tensor GptImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
+  return UnitForward(this, tokens, [&](const torch::Tensor& t) {
+    torch::Tensor h = Trunk(t);
+    return at::cross_entropy_loss(
+        torch::nn::functional::linear(h, HeadWeight()).flatten(0, 1).to(at::kFloat),
+        targets.flatten());
   });
 }
 
@@ -211,6 +234,9 @@ class GptModel final : public Model {
   explicit GptModel(const ModelArgs& args) : gpt_(args) {}
   std::shared_ptr<torch::nn::Module> module() const override { return gpt_.ptr(); }
   at::Tensor Forward(const at::Tensor& tokens) override { return gpt_->forward(tokens); }
+  at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets) override {
+    return gpt_->loss(tokens, targets);
+  }
   std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const override {
     return gpt_->FsdpUnits();
   }

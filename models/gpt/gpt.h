@@ -36,6 +36,9 @@ namespace fsdp {
 using GptConfig = ModelArgs;
 bool HasAttention(const ModelArgs& c);
 bool HasBiases(const ModelArgs& c);
+// Whether model.kernels asks for the fused kernels (kernels/) on tensors like `x`: fused, or
+// auto on a CUDA tensor.
+bool UseFusedKernels(KernelMode mode, const at::Tensor& x);
 
 // LayerNorm (weight, bias) or RMSNorm (weight) over the last dimension.
 struct NormImpl : torch::nn::Module {
@@ -61,7 +64,9 @@ TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   explicit FeedForwardImpl(const GptConfig& c);
+  // SwiGLU with fused kernels: one matmul against [w1; w3] and kernels::SwiGlu.
   torch::Tensor forward(const torch::Tensor& x);
+  KernelMode kernels;
   bool swiglu;
   torch::Tensor w1, w2, w3, b1, b2;
 };
@@ -81,6 +86,10 @@ struct GptImpl : torch::nn::Module {
   explicit GptImpl(const GptConfig& config);
   // tokens: [batch, seq] int64 -> logits [batch, seq, vocab].
   torch::Tensor forward(const torch::Tensor& tokens);
+  // Mean cross-entropy against targets [batch, seq] (0-dim fp32). With fused kernels the head
+  // and the loss run in chunks of tokens (kernels/cross_entropy.h): no [batch, seq, vocab]
+  // logits.
+  torch::Tensor loss(const torch::Tensor& tokens, const torch::Tensor& targets);
 
   // The modules that become FSDP units (the transformer blocks).
   std::vector<std::shared_ptr<torch::nn::Module>> FsdpUnits() const;
@@ -96,6 +105,10 @@ struct GptImpl : torch::nn::Module {
   int64_t NumParameters() const;  // each tensor once
 
   GptConfig config;
+  // Embeddings, blocks and the final norm: [batch, seq, dim].
+  torch::Tensor Trunk(const torch::Tensor& tokens);
+  const torch::Tensor& HeadWeight() const { return output.defined() ? output : tok_embeddings; }
+
   torch::Tensor tok_embeddings, pos_embeddings, output;  // output undefined when tied
   torch::Tensor rope_cos, rope_sin;                      // buffers (rope only)
   torch::nn::ModuleList layers{nullptr};
