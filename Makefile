@@ -3,6 +3,7 @@
 #   make test    build, then the whole suite through ctest (labels: unit, multirank, gpu)
 #   make train   build, then train the tiny default GPT (configs/default.yaml); TRAIN_ARGS adds
 #                options, e.g. TRAIN_ARGS="--set training.steps=50"
+#   make gpu-check  on a GPU machine: scripts/gpu_check.sh (GPU tests, llama_1b benchmarks)
 #   make clean   remove the build folder
 # Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
 # wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
@@ -11,7 +12,7 @@ JOBS ?= $(shell nproc)
 CTEST_ARGS ?=
 FSDP_CUDA_MODE ?= auto
 
-.PHONY: all build test train bootstrap configure clean
+.PHONY: all build test train bootstrap configure clean gpu-check
 
 all: build
 
@@ -32,6 +33,10 @@ train: build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 300 $(CTEST_ARGS)
+
+# On a machine with a GPU: build with its torch, ctest -L gpu, llama_1b runs, one table.
+gpu-check:
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).bootstrap.out

@@ -16,6 +16,8 @@
 //            writes compare.json / compare.csv / compare.png in the output folder. On one rank
 //            (--unwrapped) also (c) the plain model without any wrapper (fsdp train with
 //            parallelism.strategy none), and each wrapper's overhead against it.
+//   kernels  the fused kernels (kernels/) against their composite references at a model's
+//            shapes, on one device (KernelsOptions).
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
 //            (throughput, peak and model-state memory, bytes on the wire per step) beside the
 //            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
@@ -83,8 +85,23 @@ struct SweepOptions {
   bool plot = true;
 };
 
+// `fsdp bench kernels`: each fused kernel of kernels/ against its composite ATen reference at
+// CONFIG's shapes (micro-batch x seq_len tokens, the compute dtype of
+// training.mixed_precision), forward + backward, median milliseconds and the ratio, one device.
+// A microbenchmark of the pieces; `compare` measures the whole step.
+struct KernelsOptions {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  std::string device = "auto";  // auto (cuda when visible) | cpu | cuda
+  int64_t tokens = 0;           // 0: training.micro_batch_size x model.seq_len
+  int warmup = 3;
+  int repeats = 20;
+  std::string out;              // "": no JSON file
+};
+
 int RunCompare(const CompareOptions& options);
 int RunSweep(const SweepOptions& options);
+int RunKernels(const KernelsOptions& options);
 
 // --- shared inputs (bench/inputs.cc) -------------------------------------------------------
 

@@ -4,8 +4,8 @@ namespace fsdp {
 
 CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   CLI::App* bench = app.add_subcommand(
-      "bench", "Benchmarks: fsdp.cpp against PyTorch (FSDP2, eager, torch.compile), and sweeps "
-               "over world sizes");
+      "bench", "Benchmarks: fsdp.cpp against PyTorch (FSDP2, eager, torch.compile), sweeps over "
+               "world sizes, the fused kernels against their composite references");
   bench->require_subcommand(1);
 
   bench::CompareOptions& o = c.compare;
@@ -48,6 +48,27 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.compare_cmd->add_flag_callback("--no-unwrapped", [&o] { o.unwrapped = false; },
                                    "Do not run the plain model");
 
+  bench::KernelsOptions& k = c.kernels;
+  c.kernels_cmd = bench->add_subcommand(
+      "kernels",
+      "Time each fused kernel (kernels/: RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, the "
+      "chunked LM head + cross-entropy) against its composite ATen reference at CONFIG's shapes "
+      "(micro_batch_size x seq_len tokens, training.mixed_precision), forward + backward, on one "
+      "device; print median ms and the ratio (JSON with --out).\n"
+      "Example: fsdp bench kernels configs/llama_1b.yaml   (GPU; on a CPU the CPU references)");
+  c.kernels_cmd->add_option("config", k.config_path, "YAML configuration file")->required();
+  c.kernels_cmd->add_option("--set", k.overrides, "Override a key: --set section.key=value");
+  c.kernels_cmd->add_option("--device", k.device, "auto (cuda when visible), cpu or cuda")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  c.kernels_cmd->add_option("--tokens", k.tokens,
+                            "Tokens per call (default micro_batch_size x seq_len)")
+      ->check(CLI::NonNegativeNumber);
+  c.kernels_cmd->add_option("--warmup", k.warmup, "Calls left out")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c.kernels_cmd->add_option("--repeats", k.repeats, "Timed calls")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c.kernels_cmd->add_option("--out", k.out, "Write the table as JSON to this file");
+
   bench::SweepOptions& s = c.sweep;
   c.sweep_cmd = bench->add_subcommand(
       "sweep",
@@ -81,6 +102,7 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
 int RunBenchCommand(const BenchCommand& c) {
   if (c.compare_cmd->parsed()) return bench::RunCompare(c.compare);
   if (c.sweep_cmd->parsed()) return bench::RunSweep(c.sweep);
+  if (c.kernels_cmd->parsed()) return bench::RunKernels(c.kernels);
   return 2;
 }
 

@@ -1,5 +1,5 @@
-// `fsdp bench compare CONFIG ...` and `fsdp bench sweep ...` (bench/bench.h): options and
-// dispatch, kept out of main.cc.
+// `fsdp bench compare CONFIG ...`, `fsdp bench sweep ...` and `fsdp bench kernels CONFIG`
+// (bench/bench.h): options and dispatch, kept out of main.cc.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -11,8 +11,10 @@ namespace fsdp {
 struct BenchCommand {
   bench::CompareOptions compare;
   bench::SweepOptions sweep;
+  bench::KernelsOptions kernels;
   CLI::App* compare_cmd = nullptr;
   CLI::App* sweep_cmd = nullptr;
+  CLI::App* kernels_cmd = nullptr;
 };
 
 // Adds `bench` and its subcommands to `app`; returns the `bench` subcommand.

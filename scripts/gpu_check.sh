@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: build with the machine's own torch, run the GPU tests, then
-# the llama_1b comparison and a profile, and print one table. Meant for one call on a fresh
+# the llama_1b comparison (fused kernels, composite, unwrapped, FSDP2, eager, compile), the
+# kernel microbenchmark and a profile, and print one table. Meant for one call on a fresh
 # H100 (../shared/GPU.md: the device tool; carry .device/ made by ../shared/device/pack-deps.sh).
 #
 #   scripts/gpu_check.sh                 # build + ctest -L gpu + llama_1b runs + table
@@ -56,12 +57,18 @@ run() {  # run NAME ARGS...: one fsdp train, its output in $out/NAME.log, its fo
 }
 run fsdp_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4
 run fsdp_8x1 --set training.micro_batch_size=8 --set training.grad_accum_steps=1
+run composite_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
+  --set model.kernels=composite
 run unwrapped_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
   --set parallelism.strategy=none
 run per_tensor_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
   --set optimizer.implementation=per_tensor
 run profile_2x4 --set training.micro_batch_size=2 --set training.grad_accum_steps=4 \
   --set training.steps=8 --set training.profile=5:2
+
+# ---- each fused kernel against its composite reference at llama_1b's shapes ------------------
+"$bin" bench kernels configs/llama_1b.yaml --set training.micro_batch_size=2 \
+  --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
 
 # ---- FSDP2 as users run it, eager and compile (bench compare's reference modes) --------------
 "$bin" bench compare configs/llama_1b.yaml --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
@@ -74,7 +81,7 @@ python3 - "$out" <<'EOF'
 import json, os, statistics, sys
 out = sys.argv[1]
 rows = []
-for name in ("fsdp_2x4", "fsdp_8x1", "unwrapped_2x4", "per_tensor_2x4"):
+for name in ("fsdp_2x4", "fsdp_8x1", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         rows.append((name, "failed", "", "")); continue
@@ -94,6 +101,9 @@ if os.path.exists(compare):
         print(f"{'bench ' + engine:<18} {1000 * e.get('median_step_s', float('nan')):>15.1f} "
               f"{100 * (e.get('mfu') or float('nan')):>7.1f}% "
               f"{e.get('peak_memory_bytes', 0) / 2**30:>9.1f}")
+kernels = os.path.join(out, "kernels.log")
+if os.path.exists(kernels):
+    print(open(kernels).read().rstrip())
 summary = os.path.join(out, "profile_2x4", "profile", "rank0_summary.txt")
 if os.path.exists(summary):
     print(open(summary).read().rstrip())
