@@ -63,6 +63,7 @@ struct AcCase {
   int replicate = 1;
   int reshard_group = 0;
   bool bf16 = false;
+  bool fused = false;  // model.kernels=fused (the CPU references) and the model's Loss
   std::string Name() const {
     std::string mode = ac.mode == Mode::kSelective ? "selective"
                        : ac.every == 1             ? "full"
@@ -70,6 +71,7 @@ struct AcCase {
     std::string n = StrCat(mode, "_", strategy, "_w", world);
     if (reshard_group) n += StrCat("_k", reshard_group);
     if (bf16) n += "_bf16";
+    if (fused) n += "_fused";
     return n;
   }
 };
@@ -87,7 +89,8 @@ void CompareWithoutCheckpointing(const AcCase& c, int rank) {
     options.mixed_precision.reduce_dtype = at::kFloat;
     options.mixed_precision.output_dtype = at::kFloat;
   }
-  const ModelArgs args = TinyLlama();
+  ModelArgs args = TinyLlama();
+  if (c.fused) args.kernels = KernelMode::kFused;
   Built plain = Build(args, mesh, options);
   options.activation_checkpointing = c.ac;
   Built ac = Build(args, mesh, options);
@@ -108,9 +111,11 @@ void CompareWithoutCheckpointing(const AcCase& c, int rank) {
       double losses[2];
       for (int i = 0; i < 2; ++i) {
         Built& b = i == 0 ? plain : ac;
-        torch::Tensor logits = b.model->Forward(tokens);
-        torch::Tensor loss = torch::nn::functional::cross_entropy(
-            logits.reshape({-1, args.vocab_size}), targets.reshape({-1}));
+        torch::Tensor loss =
+            c.fused ? b.model->Loss(tokens, targets)
+                    : torch::nn::functional::cross_entropy(
+                          b.model->Forward(tokens).reshape({-1, args.vocab_size}),
+                          targets.reshape({-1}));
         loss.backward();
         losses[i] = loss.item<double>();
       }
@@ -171,6 +176,8 @@ std::vector<AcCase> Cases() {
       {"full_shard", 4, full, 1, 2},
       {"full_shard", 2, selective, 1, 0, true},
       {"full_shard", 1, every2, 1, 0, true},
+      {"full_shard", 2, selective, 1, 0, false, true},
+      {"shard_grad_op", 2, full, 1, 0, true, true},
   };
 }
 
