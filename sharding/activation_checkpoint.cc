@@ -169,6 +169,8 @@ at::Tensor RngState(const c10::Device& device) {
   return generator.get_state();
 }
 
+bool KeepsMatmulOutputs() { return active_tape != nullptr; }
+
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   MatmulTape* tape = active_tape;
   if (tape == nullptr) return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);

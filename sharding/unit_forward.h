@@ -43,6 +43,12 @@ at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
 // just linear.
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
+// True while a unit's forward (or its recompute) runs under selective activation checkpointing
+// on this thread: fsdp::Linear's outputs are then kept for the recompute and must not be
+// modified in place (an in-place op on them is an error in backward), so model code picks an
+// out-of-place variant (e.g. kernels::Rope instead of kernels::RopeInPlace).
+bool KeepsMatmulOutputs();
+
 // Forward through a torch::nn::Sequential whose children may be units.
 at::Tensor SequentialForward(torch::nn::Module& sequential, const at::Tensor& input);
 
