@@ -3,13 +3,19 @@
 // CPU reference in the same .cc. Internal to kernels/.
 //
 //   if (OnCuda(x, "rms_norm")) {
-//     CheckLaunch(cuda::RmsNormForward(..., ToKernelDType(x), CurrentStream(x)), "rms_norm");
+//     FSDP_CUDA_LAUNCH(x, "rms_norm", cuda::RmsNormForward(..., ToKernelDType(x), CurrentStream(x)));
 //   } else {
 //     RmsNormForwardCpu(...);
 //   }
+//
+// Note [CUDA launchers in a CPU build]
+// kernels/cuda/*.cu are compiled only in a CUDA build (FSDP_WITH_CUDA), so the calls to the
+// cuda:: launchers are compiled only there too: otherwise fsdp_kernels would not link. Without
+// them the CUDA branch is empty, and never taken: OnCuda throws for a CUDA tensor.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceGuard.h>
 
 #include "kernels/cuda/types.h"
 
@@ -32,3 +38,17 @@ cuda::Stream CurrentStream(const at::Tensor& t);
 void CheckLaunch(cuda::LaunchStatus status, const char* kernel);
 
 }  // namespace fsdp::kernels
+
+// Runs `launch` (a cuda:: launcher call) on the device of `like` and checks its status, naming
+// `kernel`; compiled to nothing in a build without CUDA (Note [CUDA launchers in a CPU build]).
+#ifdef FSDP_WITH_CUDA
+#define FSDP_CUDA_LAUNCH(like, kernel, launch)                        \
+  do {                                                                \
+    c10::DeviceGuard fsdp_device_guard((like).device());              \
+    ::fsdp::kernels::CheckLaunch((launch), (kernel));                 \
+  } while (0)
+#else
+#define FSDP_CUDA_LAUNCH(like, kernel, launch) \
+  do {                                         \
+  } while (0)
+#endif

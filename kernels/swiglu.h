@@ -1,13 +1,17 @@
-// SwiGLU in one kernel each way: silu(gate) * up, reading the fused w1/w3 projection.
+// SwiGLU in one kernel each way: silu(gate) * up and its two gradients, instead of silu, mul
+// and their backward ops (five elementwise kernels and two saved intermediates). fp32
+// arithmetic whatever the dtype, one rounding.
 //
-// The Llama feed-forward computes silu(x W1^T) * (x W3^T). With W1 and W3 stacked into one
-// [2F, dim] weight, one matmul gives gate_up [..., 2F] (gate in the first F columns, up in
-// the last), and this function reads both halves in one pass: one kernel forward, one backward
-// (which writes the gradient of the whole gate_up, so the matmul's backward stays one GEMM),
-// instead of silu, mul and their backward ops. fp32 arithmetic whatever the dtype.
+// The Llama feed-forward computes silu(x W1^T) * (x W3^T). The kernel reads either the two
+// projections as two tensors, or the fused projection: one matmul against W1 and W3 stacked
+// ([2F, dim]) gives gate_up [..., 2F], gate in the first F columns and up in the last, and the
+// backward writes the gradient of the whole gate_up (so the matmul's backward stays one GEMM).
+// The model uses two tensors (Note [SwiGLU projections] in models/gpt/gpt.cc: its w1 and w3
+// are separate parameters, and stacking them per call would keep a [2F, dim] copy per block
+// alive from forward to backward).
 //
-//   at::Tensor gate_up = at::linear(x, at::cat({w1, w3}));   // [b, t, 2F]
-//   at::Tensor h = fsdp::kernels::SwiGlu(gate_up);           // [b, t, F] = silu(g) * u
+//   at::Tensor h = fsdp::kernels::SwiGlu(Linear(x, w1), Linear(x, w3));  // [b, t, F]
+//   at::Tensor h2 = fsdp::kernels::SwiGlu(gate_up);                      // fused projection
 //
 // CUDA tensors run kernels/cuda/swiglu.cu; others the CPU reference (kernels/swiglu.cc).
 // Tolerances against the composite silu(g) * u: tests/kernels_swiglu_test.cc.
@@ -17,10 +21,14 @@
 
 namespace fsdp::kernels {
 
-// gate_up: [..., 2F], float32 / bfloat16 / float16 -> [..., F], same dtype. Differentiable.
+// gate, up: [..., F], one shape, float32 / bfloat16 / float16 -> [..., F], same dtype.
+// Differentiable in both.
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+// gate_up: [..., 2F] (the fused projection) -> [..., F]. Differentiable.
 at::Tensor SwiGlu(const at::Tensor& gate_up);
 
-// The composite reference: silu(gate_up[..., :F]) * gate_up[..., F:] in ATen ops.
+// The composite references: silu(gate) * up in ATen ops; the same on the halves of gate_up.
+at::Tensor SwiGluComposite(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor SwiGluComposite(const at::Tensor& gate_up);
 
 }  // namespace fsdp::kernels

@@ -34,6 +34,17 @@ void CheckAgainstComposite(const Case& c, c10::Device device) {
   y.backward(dy);
   y_ref.backward(dy.to(at::kFloat));
   EXPECT_TRUE(AllClose(fused_in.grad(), ref_in.grad(), c.rtol, c.atol, "grad of gate_up"));
+
+  // The two-tensor form on the same values: the same results.
+  auto halves = x.chunk(2, -1);
+  at::Tensor gate = halves[0].clone().requires_grad_(true);
+  at::Tensor up = halves[1].clone().requires_grad_(true);
+  at::Tensor y2 = SwiGlu(gate, up);
+  EXPECT_TRUE(AllClose(y2, y, 0, 0, "two tensors: forward"));
+  y2.backward(dy);
+  auto grad_halves = fused_in.grad().chunk(2, -1);
+  EXPECT_TRUE(AllClose(gate.grad(), grad_halves[0], 0, 0, "two tensors: grad of gate"));
+  EXPECT_TRUE(AllClose(up.grad(), grad_halves[1], 0, 0, "two tensors: grad of up"));
 }
 
 std::vector<Case> Cases() {
@@ -53,9 +64,11 @@ TEST(KernelsSwiGluTest, CudaMatchesComposite) {
   for (const Case& c : Cases()) CheckAgainstComposite(c, c10::Device(c10::kCUDA, 0));
 }
 
-TEST(KernelsSwiGluTest, RejectsOddWidthAndIntegerInput) {
+TEST(KernelsSwiGluTest, RejectsOddWidthMismatchedHalvesAndIntegerInput) {
   EXPECT_THROW(SwiGlu(torch::zeros({2, 3})), c10::Error);
   EXPECT_THROW(SwiGlu(torch::zeros({2, 4}, torch::kInt)), c10::Error);
+  EXPECT_THROW(SwiGlu(torch::zeros({2, 4}), torch::zeros({2, 5})), c10::Error);
+  EXPECT_THROW(SwiGlu(torch::zeros({2, 4}), torch::zeros({2, 4}, torch::kDouble)), c10::Error);
 }
 
 TEST(KernelsSwiGluTest, NonContiguousInputIsRead) {

@@ -64,7 +64,7 @@ TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   explicit FeedForwardImpl(const GptConfig& c);
-  // SwiGLU with fused kernels: one matmul against [w1; w3] and kernels::SwiGlu.
+  // SwiGLU with fused kernels: Linear(x, w1), Linear(x, w3) and one kernels::SwiGlu.
   torch::Tensor forward(const torch::Tensor& x);
   KernelMode kernels;
   bool swiglu;
