@@ -1,0 +1,264 @@
+// kernels::RmsNorm and kernels::AddRmsNorm against the model's composite in ATen ops: forward
+// and backward (x, residual, weight), fp32 and bf16, an fp32 weight with bf16 x, sizes that are
+// not multiples of any block size (D = 1, 33, 1000, 4099; rows = 1, 7, 513), no rows, bad
+// weights. CPU reference always; the CUDA kernels with a GPU, against the composite and
+// against the CPU reference.
+#include "kernels/rms_norm.h"
+
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tests/kernels_testing.h"
+
+namespace fsdp::kernels {
+namespace {
+
+using testing::AllClose;
+using ::testing::HasSubstr;
+
+constexpr double kEps = 1e-5;
+
+struct Case {
+  std::vector<int64_t> shape;  // of x; the last dimension is D
+  at::ScalarType dtype;
+  at::ScalarType weight_dtype;
+  double rtol, atol;  // y and the gradients of x and residual; the weight's: see WeightTol
+
+  std::string Name() const {
+    return std::string(c10::toString(dtype)) + " x, " + c10::toString(weight_dtype) +
+           " weight, shape " + c10::str(at::IntArrayRef(shape));
+  }
+};
+
+// The weight's gradient sums rows: its error grows with the sum's scale, not each element's.
+double WeightAtol(const Case& c, const at::Tensor& expected) {
+  return c.atol * std::max(1.0, expected.abs().max().item<double>());
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int64_t d : {1, 33, 1000, 4099}) {
+    for (int64_t rows : {1, 7, 513}) {
+      cases.push_back({{rows, d}, at::kFloat, at::kFloat, 1e-5, 1e-5});
+      cases.push_back({{rows, d}, at::kBFloat16, at::kBFloat16, 1e-2, 1e-2});
+      cases.push_back({{rows, d}, at::kBFloat16, at::kFloat, 1e-2, 1e-2});
+    }
+  }
+  cases.push_back({{3, 5, 129}, at::kFloat, at::kFloat, 1e-5, 1e-5});
+  cases.push_back({{2, 9, 257}, at::kHalf, at::kHalf, 1e-2, 1e-2});
+  return cases;
+}
+
+struct Inputs {
+  at::Tensor x, residual, weight, dy, dh;  // in the case's dtypes, on the device
+};
+
+Inputs MakeInputs(const Case& c, c10::Device device) {
+  torch::manual_seed(11);
+  int64_t d = c.shape.back();
+  Inputs in;
+  in.x = (torch::randn(c.shape) * 2).to(device, c.dtype);
+  in.residual = torch::randn(c.shape).to(device, c.dtype);
+  in.weight = (1 + 0.5 * torch::randn({d})).to(device, c.weight_dtype);
+  in.dy = torch::randn(c.shape).to(device, c.dtype);
+  in.dh = torch::randn(c.shape).to(device, c.dtype);
+  return in;
+}
+
+at::Tensor Leaf(const at::Tensor& t, at::ScalarType dtype) {
+  return t.to(dtype).clone().requires_grad_(true);
+}
+
+// RmsNorm against the composite run in fp32 on the same (rounded) inputs.
+void CheckRmsNorm(const Case& c, c10::Device device) {
+  SCOPED_TRACE(c.Name());
+  Inputs in = MakeInputs(c, device);
+  at::Tensor x = Leaf(in.x, c.dtype), w = Leaf(in.weight, c.weight_dtype);
+  at::Tensor x_ref = Leaf(in.x, at::kFloat), w_ref = Leaf(in.weight, at::kFloat);
+  at::Tensor y = RmsNorm(x, w, kEps);
+  at::Tensor y_ref = RmsNormComposite(x_ref, w_ref, kEps);
+  EXPECT_EQ(y.scalar_type(), c.dtype);
+  EXPECT_TRUE(AllClose(y, y_ref, c.rtol, c.atol, "y"));
+  y.backward(in.dy);
+  y_ref.backward(in.dy.to(at::kFloat));
+  EXPECT_EQ(x.grad().scalar_type(), c.dtype);
+  EXPECT_EQ(w.grad().scalar_type(), c.weight_dtype);
+  EXPECT_TRUE(AllClose(x.grad(), x_ref.grad(), c.rtol, c.atol, "grad of x"));
+  EXPECT_TRUE(
+      AllClose(w.grad(), w_ref.grad(), c.rtol, WeightAtol(c, w_ref.grad()), "grad of weight"));
+}
+
+// AddRmsNorm against the composite in fp32: with gradients for y only, or for h and y.
+void CheckAddRmsNorm(const Case& c, c10::Device device, bool grad_of_h) {
+  SCOPED_TRACE(c.Name() + (grad_of_h ? ", gradients of h and y" : ", gradient of y"));
+  Inputs in = MakeInputs(c, device);
+  at::Tensor x = Leaf(in.x, c.dtype), r = Leaf(in.residual, c.dtype);
+  at::Tensor w = Leaf(in.weight, c.weight_dtype);
+  at::Tensor x_ref = Leaf(in.x, at::kFloat), r_ref = Leaf(in.residual, at::kFloat);
+  at::Tensor w_ref = Leaf(in.weight, at::kFloat);
+  auto [h, y] = AddRmsNorm(x, r, w, kEps);
+  auto [h_ref, y_ref] = AddRmsNormComposite(x_ref, r_ref, w_ref, kEps);
+  EXPECT_EQ(h.scalar_type(), c.dtype);
+  EXPECT_EQ(y.scalar_type(), c.dtype);
+  // h is exactly ATen's add in the dtype.
+  EXPECT_TRUE(at::equal(h.detach(), in.x + in.residual)) << "h is not x + residual";
+  EXPECT_TRUE(AllClose(y, y_ref, c.rtol, c.atol, "y"));
+  if (grad_of_h) {
+    torch::autograd::backward({h, y}, {in.dh, in.dy});
+    torch::autograd::backward({h_ref, y_ref}, {in.dh.to(at::kFloat), in.dy.to(at::kFloat)});
+  } else {
+    y.backward(in.dy);
+    y_ref.backward(in.dy.to(at::kFloat));
+  }
+  EXPECT_TRUE(AllClose(x.grad(), x_ref.grad(), c.rtol, c.atol, "grad of x"));
+  EXPECT_TRUE(AllClose(r.grad(), r_ref.grad(), c.rtol, c.atol, "grad of residual"));
+  EXPECT_TRUE(
+      AllClose(w.grad(), w_ref.grad(), c.rtol, WeightAtol(c, w_ref.grad()), "grad of weight"));
+}
+
+void CheckAll(c10::Device device) {
+  for (const Case& c : Cases()) {
+    CheckRmsNorm(c, device);
+    CheckAddRmsNorm(c, device, /*grad_of_h=*/false);
+    CheckAddRmsNorm(c, device, /*grad_of_h=*/true);
+  }
+}
+
+// The composite in the dtype itself rounds twice (normalised x, then times weight): the kernel
+// is within about one bf16 rounding of it.
+void CheckAgainstCompositeInDtype(c10::Device device) {
+  torch::manual_seed(3);
+  at::Tensor x = torch::randn({7, 1000}).to(device, at::kBFloat16);
+  at::Tensor w = (1 + 0.5 * torch::randn({1000})).to(device, at::kBFloat16);
+  EXPECT_TRUE(AllClose(RmsNorm(x, w, kEps), RmsNormComposite(x, w, kEps), 1e-2, 1e-2, "bf16"));
+}
+
+TEST(KernelsRmsNormTest, CpuMatchesComposite) { CheckAll(c10::kCPU); }
+
+TEST(KernelsRmsNormTest, CudaMatchesComposite) {
+  FSDP_REQUIRE_CUDA();
+  CheckAll(c10::Device(c10::kCUDA, 0));
+}
+
+TEST(KernelsRmsNormTest, CpuWithinOneRoundingOfBf16Composite) {
+  CheckAgainstCompositeInDtype(c10::kCPU);
+}
+
+TEST(KernelsRmsNormTest, CudaWithinOneRoundingOfBf16Composite) {
+  FSDP_REQUIRE_CUDA();
+  CheckAgainstCompositeInDtype(c10::Device(c10::kCUDA, 0));
+}
+
+// The two implementations agree closely on the same inputs, including sizes that take the
+// CUDA kernels' other paths: rows past the 65535 of a grid's y (and many rows per backward
+// block), and a row too long for the weight gradient's partial row in shared memory.
+TEST(KernelsRmsNormTest, CudaMatchesCpuReference) {
+  FSDP_REQUIRE_CUDA();
+  c10::Device cuda(c10::kCUDA, 0);
+  std::vector<Case> cases = {{{70001, 8}, at::kFloat, at::kFloat, 1e-5, 1e-5},
+                             {{17, 13000}, at::kFloat, at::kFloat, 1e-5, 1e-5},
+                             {{4096, 2048}, at::kBFloat16, at::kBFloat16, 1e-2, 1e-2},
+                             {{33, 4099}, at::kBFloat16, at::kFloat, 1e-2, 1e-2}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.Name());
+    Inputs in = MakeInputs(c, c10::kCPU);
+    std::vector<at::Tensor> results;
+    for (c10::Device device : {c10::Device(c10::kCPU), cuda}) {
+      at::Tensor x = Leaf(in.x.to(device), c.dtype), r = Leaf(in.residual.to(device), c.dtype);
+      at::Tensor w = Leaf(in.weight.to(device), c.weight_dtype);
+      auto [h, y] = AddRmsNorm(x, r, w, kEps);
+      torch::autograd::backward({h, y}, {in.dh.to(device), in.dy.to(device)});
+      for (const at::Tensor& t : {h, y, x.grad(), w.grad()}) results.push_back(t.detach().cpu());
+    }
+    const char* names[] = {"h", "y", "grad of x", "grad of weight"};
+    for (int i = 0; i < 4; ++i) {
+      double atol = i == 3 ? WeightAtol(c, results[i]) : c.atol;
+      EXPECT_TRUE(AllClose(results[4 + i], results[i], c.rtol, atol, names[i]));
+    }
+  }
+}
+
+TEST(KernelsRmsNormTest, GradientOfHOnlyPassesThrough) {
+  at::Tensor x = torch::randn({5, 33}, torch::requires_grad());
+  at::Tensor r = torch::randn({5, 33}, torch::requires_grad());
+  at::Tensor w = torch::randn({33}, torch::requires_grad());
+  auto [h, y] = AddRmsNorm(x, r, w, kEps);
+  at::Tensor dh = torch::randn({5, 33});
+  h.backward(dh);
+  EXPECT_TRUE(at::equal(x.grad(), dh));
+  EXPECT_TRUE(at::equal(r.grad(), dh));
+  EXPECT_FALSE(w.grad().defined() && w.grad().abs().max().item<float>() != 0);
+}
+
+TEST(KernelsRmsNormTest, WeightWithoutGradient) {
+  at::Tensor x = torch::randn({7, 33}, torch::requires_grad());
+  at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  at::Tensor w = torch::randn({33});
+  at::Tensor dy = torch::randn({7, 33});
+  RmsNorm(x, w, kEps).backward(dy);
+  RmsNormComposite(x_ref, w, kEps).backward(dy);
+  EXPECT_TRUE(AllClose(x.grad(), x_ref.grad(), 1e-5, 1e-5, "grad of x"));
+}
+
+// No rows (and no weight-gradient rows to sum): empty outputs, a zero weight gradient.
+void CheckNoRows(c10::Device device) {
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{0, 16}, {2, 0, 16}}) {
+    auto options = torch::TensorOptions().device(device).requires_grad(true);
+    at::Tensor x = torch::randn(shape, options), r = torch::randn(shape, options);
+    at::Tensor w = torch::randn({16}, options);
+    at::Tensor y = RmsNorm(x, w, kEps);
+    EXPECT_EQ(y.sizes(), x.sizes());
+    y.sum().backward();
+    EXPECT_EQ(x.grad().sizes(), x.sizes());
+    EXPECT_TRUE(at::equal(w.grad().cpu(), torch::zeros({16})));
+    auto [h, y2] = AddRmsNorm(x, r, w, kEps);
+    (h.sum() + y2.sum()).backward();
+    EXPECT_EQ(r.grad().sizes(), x.sizes());
+  }
+}
+
+TEST(KernelsRmsNormTest, NoRows) { CheckNoRows(c10::kCPU); }
+
+TEST(KernelsRmsNormTest, CudaNoRows) {
+  FSDP_REQUIRE_CUDA();
+  CheckNoRows(c10::Device(c10::kCUDA, 0));
+}
+
+TEST(KernelsRmsNormTest, WrongWeightSizeNamesBoth) {
+  at::Tensor x = torch::randn({4, 999});
+  try {
+    RmsNorm(x, torch::ones({1000}), kEps);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rms_norm: weight has sizes [1000] but x [4, 999]"));
+    EXPECT_THAT(e.what(), HasSubstr("weight must be [999]"));
+  }
+  EXPECT_THROW(AddRmsNorm(x, x, torch::ones({4, 999}), kEps), c10::Error);
+}
+
+TEST(KernelsRmsNormTest, RejectsBadDtypesAndResiduals) {
+  at::Tensor x = torch::randn({2, 8});
+  EXPECT_THROW(RmsNorm(x.to(at::kInt), torch::ones({8}, at::kInt), kEps), c10::Error);
+  EXPECT_THROW(RmsNorm(x, torch::ones({8}, at::kBFloat16), kEps), c10::Error);
+  EXPECT_THROW(AddRmsNorm(x, x.to(at::kBFloat16), torch::ones({8}), kEps), c10::Error);
+  EXPECT_THROW(AddRmsNorm(x, torch::randn({2, 1, 8}), torch::ones({8}), kEps), c10::Error);
+}
+
+TEST(KernelsRmsNormTest, NonContiguousInputIsRead) {
+  at::Tensor base = torch::randn({6, 8});
+  at::Tensor strided = base.t();  // [8, 6], not contiguous
+  at::Tensor w = torch::randn({6});
+  EXPECT_TRUE(AllClose(RmsNorm(strided, w, kEps), RmsNormComposite(strided, w, kEps), 1e-5, 1e-5,
+                       "strided"));
+  EXPECT_TRUE(AllClose(AddRmsNorm(strided, strided, w, kEps).second,
+                       AddRmsNormComposite(strided, strided, w, kEps).second, 1e-5, 1e-5,
+                       "strided, add"));
+}
+
+}  // namespace
+}  // namespace fsdp::kernels
