@@ -8,6 +8,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 
+#include "kernels/rms_norm.h"
 #include "kernels/swiglu.h"
 #include "sharding/unit_forward.h"
 
@@ -40,16 +41,25 @@ bool UseFusedKernels(KernelMode mode, const at::Tensor& x) {
   return mode == KernelMode::kFused || (mode == KernelMode::kAuto && x.is_cuda());
 }
 
-NormImpl::NormImpl(const GptConfig& c) : rms(c.norm == NormKind::kRmsNorm), eps(c.norm_eps) {
+NormImpl::NormImpl(const GptConfig& c)
+    : kernels(c.kernels), rms(c.norm == NormKind::kRmsNorm), eps(c.norm_eps) {
   weight = Param(*this, "weight", {c.dim});
   if (!rms) bias = Param(*this, "bias", {c.dim});
 }
 
 torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   if (!rms) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  if (UseFusedKernels(kernels, x)) return kernels::RmsNorm(x, weight, eps);
   auto xf = x.to(at::kFloat);
   auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return y.to(x.scalar_type()) * weight;
+}
+
+std::pair<torch::Tensor, torch::Tensor> NormImpl::AddAndNorm(const torch::Tensor& x,
+                                                             const torch::Tensor& residual) {
+  if (rms && UseFusedKernels(kernels, x)) return kernels::AddRmsNorm(x, residual, weight, eps);
+  torch::Tensor h = residual + x;
+  return {h, forward(h)};
 }
 
 AttentionImpl::AttentionImpl(const GptConfig& c)
@@ -128,9 +138,10 @@ TransformerBlockImpl::TransformerBlockImpl(const GptConfig& c, const torch::Tens
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   return UnitForward(this, x, [&](const torch::Tensor& input) {
-    torch::Tensor h = input;
-    if (attention) h = h + attention->forward(attention_norm->forward(h), cos, sin);
-    return h + feed_forward->forward(ffn_norm->forward(h));
+    if (!attention) return input + feed_forward->forward(ffn_norm->forward(input));
+    auto [h, normed] =
+        ffn_norm->AddAndNorm(attention->forward(attention_norm->forward(input), cos, sin), input);
+    return h + feed_forward->forward(normed);
   });
 }
 

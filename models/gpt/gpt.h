@@ -44,6 +44,10 @@ bool UseFusedKernels(KernelMode mode, const at::Tensor& x);
 struct NormImpl : torch::nn::Module {
   NormImpl(const GptConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
+  // (x + residual, norm of it); RMSNorm with fused kernels does both in one pass.
+  std::pair<torch::Tensor, torch::Tensor> AddAndNorm(const torch::Tensor& x,
+                                                     const torch::Tensor& residual);
+  KernelMode kernels;
   bool rms;
   double eps;
   torch::Tensor weight, bias;
