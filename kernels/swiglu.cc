@@ -70,9 +70,11 @@ at::Tensor Forward(const at::Tensor& gate_up) {
   shape.back() = cols;
   at::Tensor out = at::empty(shape, gate_up.options());
   if (OnCuda(gate_up, kName)) {
+#ifdef FSDP_WITH_CUDA  // else OnCuda has thrown: the launchers are not built
     CheckLaunch(cuda::SwiGluForward(gate_up.const_data_ptr(), out.mutable_data_ptr(), rows, cols,
                                     ToKernelDType(gate_up, kName), CurrentStream(gate_up)),
                 kName);
+#endif
   } else {
     ForwardCpu(gate_up, out, rows, cols);
   }
@@ -84,10 +86,12 @@ at::Tensor Backward(const at::Tensor& gate_up, const at::Tensor& grad_out) {
   at::Tensor grad = grad_out.contiguous().to(gate_up.scalar_type());
   at::Tensor grad_gate_up = at::empty_like(gate_up);
   if (OnCuda(gate_up, kName)) {
+#ifdef FSDP_WITH_CUDA  // else OnCuda has thrown: the launchers are not built
     CheckLaunch(cuda::SwiGluBackward(gate_up.const_data_ptr(), grad.const_data_ptr(),
                                      grad_gate_up.mutable_data_ptr(), rows, cols,
                                      ToKernelDType(gate_up, kName), CurrentStream(gate_up)),
                 kName);
+#endif
   } else {
     BackwardCpu(gate_up, grad, grad_gate_up, rows, cols);
   }
