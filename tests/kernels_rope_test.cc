@@ -167,6 +167,41 @@ TEST(KernelsRopeTest, CudaBf16CloseToBf16Composite) {
   CheckAgainstBf16Composite(c10::Device(c10::kCUDA, 0));
 }
 
+// The model's use (gpt.cc AttentionImpl::forward): q, k, v from their projections, the
+// rotation, grouped-query causal SDPA over transposed views, the output projection.
+TEST(KernelsRopeTest, CpuAttentionBlockMatchesComposite) {
+  torch::manual_seed(4);
+  const int64_t b = 2, t = 9, heads = 4, kv_heads = 2, head_dim = 8, dim = heads * head_dim;
+  auto [cos, sin] = Tables(16, head_dim, c10::kCPU);
+  at::Tensor x0 = torch::randn({b, t, dim});
+  at::Tensor wq0 = torch::randn({dim, dim}) / 6, wk0 = torch::randn({kv_heads * head_dim, dim}) / 6;
+  at::Tensor wv0 = torch::randn({kv_heads * head_dim, dim}) / 6, wo0 = torch::randn({dim, dim}) / 6;
+  auto run = [&](bool fused) {
+    at::Tensor x = x0.clone().requires_grad_(true), wq = wq0.clone().requires_grad_(true);
+    at::Tensor wk = wk0.clone().requires_grad_(true), wv = wv0.clone().requires_grad_(true);
+    at::Tensor q = at::linear(x, wq).view({b, t, heads, head_dim});
+    at::Tensor k = at::linear(x, wk).view({b, t, kv_heads, head_dim});
+    at::Tensor v = at::linear(x, wv).view({b, t, kv_heads, head_dim});
+    if (fused) {
+      RopeInPlace(q, k, cos, sin);
+    } else {
+      q = RopeComposite(q, cos, sin);
+      k = RopeComposite(k, cos, sin);
+    }
+    at::Tensor y =
+        at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         {}, 0.0, true, std::nullopt, /*enable_gqa=*/true);
+    at::Tensor out = at::linear(y.transpose(1, 2).reshape({b, t, dim}), wo0);
+    (out * out).sum().backward();
+    return std::vector<at::Tensor>{out, x.grad(), wq.grad(), wk.grad(), wv.grad()};
+  };
+  std::vector<at::Tensor> fused = run(true), ref = run(false);
+  const char* names[] = {"output", "grad of x", "grad of wq", "grad of wk", "grad of wv"};
+  for (size_t i = 0; i < fused.size(); ++i) {
+    EXPECT_TRUE(AllClose(fused[i], ref[i], 1e-5, 1e-5, names[i]));
+  }
+}
+
 // In place means the projection's memory: the old handle reads the rotated values, the
 // version counter moved, and the data pointer is the projection's.
 TEST(KernelsRopeTest, RotatesTheProjectionsMemory) {
