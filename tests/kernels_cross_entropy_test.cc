@@ -1,0 +1,287 @@
+// kernels::LinearCrossEntropy against cross_entropy(linear(hidden, weight).float(), targets)
+// in ATen ops (the trainer's loss): loss and the gradients of hidden and weight, fp32 (tight)
+// and bf16 (against the same composite in bf16), chunks that do not divide N, one chunk, odd
+// vocab sizes, ignored rows, a tied embedding, a non-1 incoming gradient, no-grad use, bad
+// targets. CPU reference always; CUDA kernel with a GPU.
+#include "kernels/cross_entropy.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tests/kernels_testing.h"
+
+namespace fsdp::kernels {
+namespace {
+
+using testing::AllClose;
+
+struct Case {
+  int64_t n, d, vocab, chunk;
+  at::ScalarType dtype;
+  int64_t ignored;  // rows whose target is kIgnoreIndex (every 3rd row from the start)
+};
+
+struct Inputs {
+  at::Tensor hidden, weight, targets;
+};
+
+Inputs MakeInputs(const Case& c, c10::Device device) {
+  torch::manual_seed(5);
+  Inputs in;
+  in.hidden = torch::randn({c.n, c.d}).to(device, c.dtype);
+  in.weight = (torch::randn({c.vocab, c.d}) * 0.5).to(device, c.dtype);
+  at::Tensor targets = torch::randint(0, c.vocab, {c.n}, torch::kLong);
+  for (int64_t i = 0; i < c.ignored; ++i) targets[(3 * i) % c.n] = kIgnoreIndex;
+  in.targets = targets.to(device);
+  return in;
+}
+
+// Tolerances: fp32 tight; bf16 against the composite run on the same bf16 tensors (logits
+// rounded to bf16 alike, the loss in fp32 alike; the gradients differ by bf16 roundings of
+// d logits and the GEMMs' outputs, and by our fp32 accumulation of grad_weight across chunks).
+struct Tolerance {
+  double loss_rtol, grad_rtol, grad_atol_of_max;
+};
+
+Tolerance TolFor(at::ScalarType dtype) {
+  return dtype == at::kFloat ? Tolerance{1e-5, 1e-5, 1e-5} : Tolerance{1e-4, 1e-2, 1e-2};
+}
+
+void CheckAgainstComposite(const Case& c, c10::Device device, double grad_output = 1.0) {
+  SCOPED_TRACE(::testing::Message()
+               << "N " << c.n << " D " << c.d << " V " << c.vocab << " chunk " << c.chunk << " "
+               << c.dtype << " ignored " << c.ignored << " grad_output " << grad_output);
+  Inputs in = MakeInputs(c, device);
+  Tolerance tol = TolFor(c.dtype);
+  at::Tensor h = in.hidden.clone().requires_grad_(true);
+  at::Tensor w = in.weight.clone().requires_grad_(true);
+  at::Tensor loss = LinearCrossEntropy(h, w, in.targets, c.chunk);
+  EXPECT_EQ(loss.scalar_type(), at::kFloat);
+  EXPECT_EQ(loss.dim(), 0);
+  (loss * grad_output).backward();
+
+  at::Tensor hr = in.hidden.clone().requires_grad_(true);
+  at::Tensor wr = in.weight.clone().requires_grad_(true);
+  at::Tensor loss_ref = LinearCrossEntropyComposite(hr, wr, in.targets);
+  (loss_ref * grad_output).backward();
+
+  EXPECT_TRUE(AllClose(loss, loss_ref, tol.loss_rtol, 1e-6, "loss"));
+  ASSERT_TRUE(h.grad().defined() && w.grad().defined());
+  EXPECT_EQ(h.grad().scalar_type(), c.dtype);
+  EXPECT_EQ(w.grad().scalar_type(), c.dtype);
+  auto atol = [&](const at::Tensor& ref) {
+    return tol.grad_atol_of_max * ref.abs().max().item<double>();
+  };
+  EXPECT_TRUE(AllClose(h.grad(), hr.grad(), tol.grad_rtol, atol(hr.grad()), "grad of hidden"));
+  EXPECT_TRUE(AllClose(w.grad(), wr.grad(), tol.grad_rtol, atol(wr.grad()), "grad of weight"));
+}
+
+std::vector<Case> Cases() {
+  return {
+      {37, 16, 97, 8, at::kFloat, 0},        // chunk does not divide N, V odd
+      {37, 16, 97, 8, at::kFloat, 5},        // ignored rows, one of them in the last chunk
+      {64, 32, 1000, 64, at::kFloat, 0},     // chunk == N
+      {50, 24, 1000, 4096, at::kFloat, 3},   // chunk > N: one chunk
+      {9, 8, 1, 2, at::kFloat, 0},           // V = 1: loss 0, gradient 0
+      {5, 8, 33, 1, at::kFloat, 1},          // one row per chunk
+      {50, 24, 1000, 16, at::kBFloat16, 4},  // fp32 accumulation of grad_weight over chunks
+      {37, 16, 97, 64, at::kBFloat16, 0},    // bf16, one chunk
+      {64, 64, 1024, 24, at::kBFloat16, 2},  // V a multiple of 8 (the vector loads on CUDA)
+  };
+}
+
+TEST(KernelsCrossEntropyTest, CpuMatchesComposite) {
+  for (const Case& c : Cases()) CheckAgainstComposite(c, c10::kCPU);
+}
+
+TEST(KernelsCrossEntropyTest, CudaMatchesComposite) {
+  FSDP_REQUIRE_CUDA();
+  for (const Case& c : Cases()) CheckAgainstComposite(c, c10::Device(c10::kCUDA, 0));
+}
+
+// loss * 3: the backward scales the kept gradients by the incoming one.
+TEST(KernelsCrossEntropyTest, CpuScalesByIncomingGradient) {
+  CheckAgainstComposite({37, 16, 97, 8, at::kFloat, 2}, c10::kCPU, 3.0);
+  CheckAgainstComposite({37, 16, 97, 8, at::kBFloat16, 2}, c10::kCPU, -0.5);
+}
+
+TEST(KernelsCrossEntropyTest, CudaScalesByIncomingGradient) {
+  FSDP_REQUIRE_CUDA();
+  CheckAgainstComposite({37, 16, 97, 8, at::kFloat, 2}, c10::Device(c10::kCUDA, 0), 3.0);
+  CheckAgainstComposite({37, 16, 97, 8, at::kBFloat16, 2}, c10::Device(c10::kCUDA, 0), -0.5);
+}
+
+// As ATen: every row ignored gives loss nan and zero gradients.
+void CheckAllIgnored(c10::Device device) {
+  Case c{12, 8, 19, 5, at::kFloat, 0};
+  Inputs in = MakeInputs(c, device);
+  in.targets.fill_(kIgnoreIndex);
+  at::Tensor h = in.hidden.clone().requires_grad_(true);
+  at::Tensor w = in.weight.clone().requires_grad_(true);
+  at::Tensor loss = LinearCrossEntropy(h, w, in.targets, c.chunk);
+  loss.backward();
+  at::Tensor hr = in.hidden.clone().requires_grad_(true);
+  at::Tensor wr = in.weight.clone().requires_grad_(true);
+  at::Tensor loss_ref = LinearCrossEntropyComposite(hr, wr, in.targets);
+  loss_ref.backward();
+  EXPECT_TRUE(std::isnan(loss_ref.item<float>()));  // ATen's behaviour, which we match
+  EXPECT_TRUE(std::isnan(loss.item<float>()));
+  EXPECT_TRUE(at::equal(h.grad(), hr.grad()));
+  EXPECT_TRUE(at::equal(w.grad(), wr.grad()));
+  EXPECT_EQ(h.grad().abs().max().item<float>(), 0.0f);
+}
+
+TEST(KernelsCrossEntropyTest, CpuAllIgnoredIsNanWithZeroGradients) { CheckAllIgnored(c10::kCPU); }
+
+TEST(KernelsCrossEntropyTest, CudaAllIgnoredIsNanWithZeroGradients) {
+  FSDP_REQUIRE_CUDA();
+  CheckAllIgnored(c10::Device(c10::kCUDA, 0));
+}
+
+// Tied embedding: the head's weight is also the input embedding; its two gradients add up.
+void CheckTiedEmbedding(at::ScalarType dtype, c10::Device device) {
+  SCOPED_TRACE(::testing::Message() << dtype);
+  torch::manual_seed(9);
+  const int64_t n = 29, d = 16, vocab = 97;
+  at::Tensor table0 = (torch::randn({vocab, d}) * 0.5).to(device, dtype);
+  at::Tensor mix0 = (torch::randn({d, d}) / 4).to(device, dtype);
+  at::Tensor tokens = torch::randint(0, vocab, {n}, torch::kLong).to(device);
+  at::Tensor targets = torch::randint(0, vocab, {n}, torch::kLong).to(device);
+  auto run = [&](bool fused) {
+    at::Tensor table = table0.clone().requires_grad_(true);
+    at::Tensor mix = mix0.clone().requires_grad_(true);
+    at::Tensor hidden = at::tanh(at::linear(at::embedding(table, tokens), mix));
+    at::Tensor loss = fused ? LinearCrossEntropy(hidden, table, targets, 8)
+                            : LinearCrossEntropyComposite(hidden, table, targets);
+    loss.backward();
+    return std::make_tuple(loss, table.grad(), mix.grad());
+  };
+  auto [loss, table_grad, mix_grad] = run(true);
+  auto [loss_ref, table_grad_ref, mix_grad_ref] = run(false);
+  Tolerance tol = TolFor(dtype);
+  EXPECT_TRUE(AllClose(loss, loss_ref, tol.loss_rtol, 1e-6, "loss"));
+  EXPECT_TRUE(AllClose(table_grad, table_grad_ref, tol.grad_rtol,
+                       tol.grad_atol_of_max * table_grad_ref.abs().max().item<double>(),
+                       "grad of the tied table"));
+  EXPECT_TRUE(AllClose(mix_grad, mix_grad_ref, tol.grad_rtol,
+                       tol.grad_atol_of_max * mix_grad_ref.abs().max().item<double>(),
+                       "grad of the layer before the head"));
+}
+
+TEST(KernelsCrossEntropyTest, CpuTiedEmbeddingGradientsAdd) {
+  CheckTiedEmbedding(at::kFloat, c10::kCPU);
+  CheckTiedEmbedding(at::kBFloat16, c10::kCPU);
+}
+
+TEST(KernelsCrossEntropyTest, CudaTiedEmbeddingGradientsAdd) {
+  FSDP_REQUIRE_CUDA();
+  CheckTiedEmbedding(at::kFloat, c10::Device(c10::kCUDA, 0));
+  CheckTiedEmbedding(at::kBFloat16, c10::Device(c10::kCUDA, 0));
+}
+
+// Without a gradient to compute (NoGradGuard, or no input requires grad) only the loss.
+TEST(KernelsCrossEntropyTest, NoGradGivesTheLossOnly) {
+  Case c{37, 16, 97, 8, at::kFloat, 3};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  at::Tensor expected = LinearCrossEntropyComposite(in.hidden, in.weight, in.targets);
+  at::Tensor plain = LinearCrossEntropy(in.hidden, in.weight, in.targets, c.chunk);
+  EXPECT_FALSE(plain.requires_grad());
+  EXPECT_TRUE(AllClose(plain, expected, 1e-5, 1e-6, "loss, inputs without grad"));
+  at::Tensor h = in.hidden.clone().requires_grad_(true);
+  torch::NoGradGuard no_grad;
+  at::Tensor guarded = LinearCrossEntropy(h, in.weight, in.targets, c.chunk);
+  EXPECT_FALSE(guarded.requires_grad());
+  EXPECT_TRUE(AllClose(guarded, expected, 1e-5, 1e-6, "loss under NoGradGuard"));
+}
+
+// A frozen head: only hidden's gradient is computed and returned.
+TEST(KernelsCrossEntropyTest, OnlyHiddenRequiresGrad) {
+  Case c{37, 16, 97, 8, at::kFloat, 0};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  at::Tensor h = in.hidden.clone().requires_grad_(true);
+  LinearCrossEntropy(h, in.weight, in.targets, c.chunk).backward();
+  at::Tensor hr = in.hidden.clone().requires_grad_(true);
+  LinearCrossEntropyComposite(hr, in.weight, in.targets).backward();
+  EXPECT_FALSE(in.weight.grad().defined());
+  EXPECT_TRUE(AllClose(h.grad(), hr.grad(), 1e-4, 1e-7, "grad of hidden"));
+}
+
+TEST(KernelsCrossEntropyTest, OutOfRangeTargetNamesItAndV) {
+  Case c{6, 8, 19, 4, at::kFloat, 0};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  in.targets[4] = 19;
+  EXPECT_THAT([&] { LinearCrossEntropy(in.hidden, in.weight, in.targets, 4); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::AllOf(
+                  ::testing::HasSubstr("target 19 of row 4"), ::testing::HasSubstr("V = 19"))));
+  in.targets[4] = -5;
+  EXPECT_THAT([&] { LinearCrossEntropy(in.hidden, in.weight, in.targets, 4); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("target -5 of row 4")));
+}
+
+TEST(KernelsCrossEntropyTest, RejectsBadArguments) {
+  Case c{6, 8, 19, 4, at::kFloat, 0};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  EXPECT_THROW(LinearCrossEntropy(in.hidden, in.weight, in.targets, 0), c10::Error);
+  EXPECT_THROW(LinearCrossEntropy(in.hidden, in.weight.t(), in.targets, 4), c10::Error);
+  EXPECT_THROW(LinearCrossEntropy(in.hidden, in.weight.to(at::kBFloat16), in.targets, 4),
+               c10::Error);
+  EXPECT_THROW(LinearCrossEntropy(in.hidden, in.weight, in.targets.to(at::kInt), 4), c10::Error);
+  EXPECT_THROW(LinearCrossEntropy(in.hidden, in.weight, in.targets.narrow(0, 0, 5), 4), c10::Error);
+}
+
+// The gradients are handed over by the first backward: a second one says so.
+TEST(KernelsCrossEntropyTest, SecondBackwardIsAnError) {
+  Case c{6, 8, 19, 4, at::kFloat, 0};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  at::Tensor h = in.hidden.clone().requires_grad_(true);
+  at::Tensor loss = LinearCrossEntropy(h, in.weight, in.targets, 4);
+  loss.backward({}, /*retain_graph=*/true);
+  EXPECT_THAT([&] { loss.backward(); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("second time")));
+}
+
+// Not a check: CPU fp32 time of LinearCrossEntropy against the composite, forward + backward,
+// median of 10 after a warm-up. Run by hand:
+//   fsdp_kernels_tests --gtest_also_run_disabled_tests --gtest_filter='*DISABLED_CpuTime*'
+TEST(KernelsCrossEntropyTest, DISABLED_CpuTime) {
+  const int64_t n = 2048, vocab = 8192, d = 512, chunk = 512;
+  Case c{n, d, vocab, chunk, at::kFloat, 0};
+  Inputs in = MakeInputs(c, c10::kCPU);
+  // Alternating, so that a change in the machine's load falls on both alike.
+  auto time_ms = [&](bool fused) {
+    at::Tensor h = in.hidden.clone().requires_grad_(true);
+    at::Tensor w = in.weight.clone().requires_grad_(true);
+    auto start = std::chrono::steady_clock::now();
+    at::Tensor loss = fused ? LinearCrossEntropy(h, w, in.targets, chunk)
+                            : LinearCrossEntropyComposite(h, w, in.targets);
+    loss.backward();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  time_ms(true);  // warm-up
+  time_ms(false);
+  std::vector<double> fused_ms, composite_ms;
+  for (int i = 0; i < 10; ++i) {
+    fused_ms.push_back(time_ms(true));
+    composite_ms.push_back(time_ms(false));
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  const double fused = median(fused_ms), composite = median(composite_ms);
+  std::printf(
+      "N %lld V %lld D %lld chunk %lld fp32, %d threads: LinearCrossEntropy %.1f ms, "
+      "composite %.1f ms (forward + backward, median of 10)\n",
+      static_cast<long long>(n), static_cast<long long>(vocab), static_cast<long long>(d),
+      static_cast<long long>(chunk), at::get_num_threads(), fused, composite);
+}
+
+}  // namespace
+}  // namespace fsdp::kernels
