@@ -52,10 +52,10 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const LaunchEnv& en
   c10::intrusive_ptr<c10d::Store> store;
   std::string address = StrCat(env.master_addr, ":", env.master_port);
   absl::Status status = CallTorch(
-      opts.isServer ? StrCat("rank 0 could not host the rendezvous store on port ",
-                                   env.master_port)
-                    : StrCat("rank ", env.rank,
-                                   " could not connect to the rendezvous store at ", address),
+      // The messages do not name this rank: the failure line does ("rank 1: timeout: ...",
+      // common/failure.h), and so does the rank prefix of the logs.
+      opts.isServer ? StrCat("could not host the rendezvous store on port ", env.master_port)
+                    : StrCat("could not connect to the rendezvous store at ", address),
       [&] { store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts); });
   if (!status.ok()) {
     std::string hint;
@@ -126,12 +126,12 @@ absl::Status WaitForPeers(c10d::Store& store, const LaunchEnv& env,
     }
   }
   if (!missing.empty()) {
-    return absl::DeadlineExceededError(StrCat(
-        "rank ", env.rank, ": rendezvous timed out after ", Seconds(timeout), ": ",
-        env.world_size - static_cast<int>(missing.size()), " of ", env.world_size,
-        " ranks arrived; still waiting for rank(s) ", StrJoin(missing, ", "),
-        " (store at ", env.master_addr, ":", env.master_port, ", launched via ", env.source,
-        "). Were all ", env.world_size, " ranks started with the same MASTER_ADDR/MASTER_PORT?"));
+    return absl::DeadlineExceededError(
+        StrCat("rendezvous timed out after ", Seconds(timeout), ": ",
+               env.world_size - static_cast<int>(missing.size()), " of ", env.world_size,
+               " ranks arrived; still waiting for rank(s) ", StrJoin(missing, ", "), " (store at ",
+               env.master_addr, ":", env.master_port, ", launched via ", env.source, "). Were all ",
+               env.world_size, " ranks started with the same MASTER_ADDR/MASTER_PORT?"));
   }
   return absl::OkStatus();
 }
@@ -190,11 +190,12 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> RendezvousWithDeadline(
   }).detach();
   std::unique_lock<std::mutex> lock(shared->mu);
   if (!shared->cv.wait_for(lock, timeout + std::chrono::seconds(2), [&] { return shared->done; })) {
-    return absl::DeadlineExceededError(StrCat(
-        "rank ", env.rank, ": rendezvous timed out after ", Seconds(timeout),
-        ": the store at ", env.master_addr, ":", env.master_port,
-        " accepted the connection but did not answer (is MASTER_ADDR/MASTER_PORT the "
-        "rendezvous store of this job, launched via ", env.source, "?)"));
+    return absl::DeadlineExceededError(
+        StrCat("rendezvous timed out after ", Seconds(timeout), ": the store at ", env.master_addr,
+               ":", env.master_port,
+               " accepted the connection but did not answer (is MASTER_ADDR/MASTER_PORT the "
+               "rendezvous store of this job, launched via ",
+               env.source, "?)"));
   }
   return std::move(shared->result);
 }

@@ -27,7 +27,7 @@ namespace fsdp {
 struct Checkpointer::Pending {
   struct Item {
     std::string name;
-    at::Tensor rows;  // CPU copy
+    at::Tensor rows;  // host copy: a staging buffer, valid after copies.Wait()
     int64_t row_begin;
     std::vector<int64_t> shape;
   };
@@ -37,6 +37,7 @@ struct Checkpointer::Pending {
   int64_t step = 0;
   DataPosition data;
   std::vector<Item> items;
+  StagedCopies copies;  // the device->host copies into the items' rows
   std::chrono::steady_clock::time_point started;
 };
 
@@ -110,6 +111,7 @@ absl::Status Checkpointer::Finish() {
 absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
   auto start = Clock::now();
   FSDP_RETURN_IF_ERROR(Finish());  // one save in flight at a time
+  last_waiting_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
   if (saved_step_ == step) {
     last_blocking_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
     return absl::OkStatus();
@@ -122,6 +124,7 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
   pending->data = data;
   {
     at::NoGradGuard no_grad;
+    staging_.Begin();  // the previous save's writer is done (Finish above): buffers are free
     const bool rank0 = ctx_->rank() == 0;
     for (const auto& [name, shard] : model_.named_parameters()) {
       const FsdpParam* p = model_.FindParam(name);
@@ -129,7 +132,7 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
       const std::vector<int64_t>& shape = p->sharding.shape;
       auto add = [&](const std::string& key, const at::Tensor& t) {
         if (!writes_shards_ || !t.defined() || t.size(0) == 0) return;
-        at::Tensor rows = t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+        at::Tensor rows = staging_.Stage(key, t.detach());
         if (shape.empty()) rows = rows.reshape({});
         pending->items.push_back({key, rows, first, shape});
       };
@@ -145,13 +148,18 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
         pending->items.push_back({StrCat("optim/", name, "/step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
       }
     }
+    pending->copies = staging_.End();  // the device's next writes wait for the copies
   }
   if (config_.checkpoint.async) {
     worker_ = std::thread([this, pending, status = worker_status_] {
-      absl::Status s = CallTorch("checkpoint", [&] { *status = WriteAndCommit(*pending); });
+      absl::Status s = CallTorch("checkpoint", [&] {
+        pending->copies.Wait();  // Note [Checkpoint staging], point 4
+        *status = WriteAndCommit(*pending);
+      });
       if (!s.ok()) *status = s;
     });
   } else {
+    pending->copies.Wait();
     absl::Status status = WriteAndCommit(*pending);
     if (!status.ok()) return status;
   }
@@ -454,9 +462,23 @@ absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const Data
   }
   FSDP_RETURN_IF_ERROR(Save(step, data));
   if (ctx_->rank() == 0) {
-    std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms)\n", step,
+    // The first save allocates the staging buffers (pinned: page-locking is slow), later ones
+    // reuse them: say so, or the first save's blocked time reads as the steady state.
+    const int64_t allocated = staging_.last_allocated_bytes();
+    const int64_t pinned = staging_.last_allocated_pinned_bytes();
+    std::string staged;
+    if (allocated > 0) {
+      staged = fmt::format("; {:.1f} MiB of {}host staging allocated", allocated / 1048576.0,
+                           pinned == allocated ? "pinned " : pinned > 0 ? "partly pinned " : "");
+    }
+    // Blocked waiting for the previous save to commit: the interval is shorter than a write.
+    std::string waited;
+    if (last_waiting_seconds_ >= 1e-3) {
+      waited = fmt::format(", {:.1f} ms of it for the previous save", last_waiting_seconds_ * 1e3);
+    }
+    std::cout << fmt::format("checkpoint: step {} {} (loop blocked {:.1f} ms{}{})\n", step,
                              cs.async ? "saving in the background" : "saved",
-                             last_blocking_seconds_ * 1e3);
+                             last_blocking_seconds_ * 1e3, waited, staged);
   }
   if (last) FSDP_RETURN_IF_ERROR(Finish());
   return true;

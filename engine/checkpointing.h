@@ -2,9 +2,10 @@
 // and data position, written by each rank without gathering (replicas write once), committed
 // atomically by rank 0, loadable at any world size, mesh or strategy.
 //
-// Collective: every rank calls Save / Load at the same step. With async saves the shards are
-// copied to host memory in Save (the time the loop is blocked) and written by a background
-// thread; the ranks report to rank 0 through the rendezvous store (not the process groups,
+// Collective: every rank calls Save / Load at the same step. With async saves Save stages the
+// shards in host buffers kept across saves (device tensors: non_blocking copies into pinned
+// memory on a side stream, Note [Checkpoint staging]; the loop is blocked only while they are
+// issued) and a background thread writes them once the copies are done; the ranks report to rank 0 through the rendezvous store (not the process groups,
 // whose collectives must stay in the training loop's order), and rank 0's thread merges the
 // manifests, writes metadata.json last and renames the folder into place.
 //
@@ -25,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "device_mesh/device_mesh.h"
+#include "engine/checkpoint_staging.h"
 #include "engine/config.h"
 #include "engine/data.h"
 #include "sharding/fsdp_model.h"
@@ -46,8 +48,9 @@ class Checkpointer {
   // Loads checkpoint.load ("latest": the newest committed in the folder, none: nullopt; a
   // path; empty: nullopt) into the shards and the optimizer. Errors name the file and tensor.
   absl::StatusOr<std::optional<ResumePoint>> Load();
-  // Saves the state after `step` completed steps. Returns when the shards are copied to host
-  // memory (async) or written and committed (sync). A step already saved or being saved by this
+  // Saves the state after `step` completed steps. Returns when the copies to host memory are
+  // issued (async: the device's current stream waits for them, the host does not) or when the
+  // state is written and committed (sync). A step already saved or being saved by this
   // checkpointer is not saved again: Save waits for it instead (Note [One save per step]).
   absl::Status Save(int64_t step, const DataPosition& data);
   // Waits for a background save to finish and reports its error.
@@ -60,8 +63,14 @@ class Checkpointer {
   // Whether MaybeSave(step, last) would save.
   bool Due(int64_t step, bool last) const;
 
-  // Seconds the last Save kept the caller (the training loop) waiting.
+  // Seconds the last Save kept the caller (the training loop) waiting, and how many of them it
+  // waited for the previous save to finish (one save in flight).
   double last_blocking_seconds() const { return last_blocking_seconds_; }
+  double last_waiting_seconds() const { return last_waiting_seconds_; }
+  // Host bytes the last Save allocated for staging (0 when it reused every buffer), and the
+  // bytes the staging holds between saves.
+  int64_t last_staging_allocated_bytes() const { return staging_.last_allocated_bytes(); }
+  int64_t staging_held_bytes() const { return staging_.held_bytes(); }
   bool enabled() const { return config_.checkpoint.enabled; }
   std::string root() const { return root_; }
 
@@ -81,6 +90,10 @@ class Checkpointer {
   std::optional<int64_t> saved_step_;  // the step of the last of them
   std::shared_ptr<absl::Status> worker_status_;
   double last_blocking_seconds_ = 0;
+  double last_waiting_seconds_ = 0;
+  // The host buffers saves write from (Note [Checkpoint staging]); ~Checkpointer joins the
+  // worker, which waited for the copies into them, before they are freed.
+  CheckpointStaging staging_;
 };
 
 // Fills tensors from a safetensors file (model.init_from): for each target, the rows

@@ -29,21 +29,32 @@ std::string AttemptKey(int attempt, std::string_view what) {
   return StrCat("fsdp/launch/attempt_", attempt, "/", what);
 }
 
+// A failing rank's own "<class>: <what>" from its record line ("rank R: <what>"), cut to a
+// length that keeps the headline one readable line.
+std::string OwnFailure(const FailureRecord& r) {
+  constexpr size_t kMaxChars = 120;
+  std::string what = r.line;
+  const std::string prefix = StrCat("rank ", r.rank, ": ");
+  if (StartsWith(what, prefix)) what = what.substr(prefix.size());
+  if (what.size() > kMaxChars) what = what.substr(0, kMaxChars) + "...";
+  return what;
+}
+
+}  // namespace
+
 // Note [The first failure]
 // When one rank fails, the others fail soon after (a collective with a peer gone, a timeout
 // naming it) or are stopped by the launcher; the first exit the launcher reaps is often one
 // of those. So each failing rank leaves its one line with the time it failed in
 // FSDP_FAILURE_DIR (common/failure.h), and the headline names the earliest failure that was
 // not caused by another rank: a record with another code than 7 (peer lost), or a rank that
-// died by a signal the launcher did not send (its time: when it was reaped). Ranks that only
-// followed are summarised ("ranks 0,1,3 stopped after rank 2 failed").
-struct Headline {
-  int rank = -1;
-  std::string text;  // "rank 2 failed first: rank 2: checkpoint: ...; ranks 0,1 stopped after"
-  int code = 1;
-};
-
-Headline FirstFailure(const GroupResult& result, const std::vector<FailureRecord>& records) {
+// died by a signal the launcher did not send (its time: when it was reaped). Every other rank
+// that failed on its own account (its record's class is not peer lost, or a signal nobody
+// sent) is named with its own class and what ("rank 2 also failed: collective timeout: ...":
+// two ranks timing out in one collective both say so); ranks that only followed (peer lost,
+// or stopped by the launcher) are summarised ("ranks 0,1,3 stopped after rank 2 failed").
+FailureHeadline SummarizeFailures(const GroupResult& result,
+                                  const std::vector<FailureRecord>& records) {
   struct Candidate {
     int rank;
     int64_t time_ns;
@@ -64,7 +75,7 @@ Headline FirstFailure(const GroupResult& result, const std::vector<FailureRecord
     candidates.push_back({e.rank, e.exit_time_ns, true, StrCat("rank ", e.rank, " ", e.Describe()),
                           e.exited ? e.code : 128 + e.code});
   }
-  Headline h;
+  FailureHeadline h;
   const Candidate* first = nullptr;
   for (bool want_primary : {true, false}) {
     for (const Candidate& c : candidates) {
@@ -82,16 +93,35 @@ Headline FirstFailure(const GroupResult& result, const std::vector<FailureRecord
   h.rank = first->rank;
   h.code = first->code;
   h.text = StrCat("rank ", first->rank, " failed first: ", first->line);
-  std::vector<int> others;
+  std::vector<std::string> own;  // "rank 2 also failed: timeout: ..."
+  std::vector<int> followers;
   for (const WorkerExit& e : result.exits) {
-    if (e.rank != h.rank && !e.ok()) others.push_back(e.rank);
+    if (e.rank == h.rank || e.ok()) continue;
+    const FailureRecord* record = nullptr;
+    for (const FailureRecord& r : records) {
+      if (r.rank == e.rank) record = &r;
+    }
+    if (record != nullptr) {
+      if (FailureClassOfExitCode(record->exit_code) == FailureClass::kPeerLost) {
+        followers.push_back(e.rank);
+      } else {
+        own.push_back(StrCat("rank ", e.rank, " also failed: ", OwnFailure(*record)));
+      }
+    } else if (e.killed_by_us) {
+      followers.push_back(e.rank);
+    } else {  // a signal nobody sent, or an exit without a record
+      own.push_back(StrCat("rank ", e.rank, " ", e.Describe()));
+    }
   }
-  if (!others.empty()) {
-    h.text += StrCat("; rank", others.size() > 1 ? "s " : " ", StrJoin(others, ","),
+  for (const std::string& o : own) h.text += "; " + o;
+  if (!followers.empty()) {
+    h.text += StrCat("; rank", followers.size() > 1 ? "s " : " ", StrJoin(followers, ","),
                      " stopped after rank ", h.rank, " failed");
   }
   return h;
 }
+
+namespace {
 
 // A fresh folder for the ranks' failure records; empty when none could be made.
 std::string MakeFailureDir() {
@@ -268,8 +298,9 @@ int RunLaunch(const LaunchOptions& o) {
     std::string why;
     int code = 1;
     if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
-      Headline headline = FirstFailure(
-          result, failure_dir.empty() ? std::vector<FailureRecord>() : ReadFailureRecords(failure_dir));
+      FailureHeadline headline =
+          SummarizeFailures(result, failure_dir.empty() ? std::vector<FailureRecord>()
+                                                        : ReadFailureRecords(failure_dir));
       why = headline.text;
       code = headline.code;
       std::string value = StrCat("node ", o.node_rank, ": ", why);

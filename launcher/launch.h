@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/failure.h"
+#include "launcher/worker_group.h"
 
 namespace fsdp {
 
@@ -48,6 +50,18 @@ struct LaunchOptions {
   // kInvalidArgument naming the option and what would be valid.
   absl::Status Validate() const;
 };
+
+// The launcher's line when a local rank failed (Note [The first failure], launch.cc): the
+// first rank to fail on its own account with its line, every other rank that failed on its
+// own with its class and what, then the ranks that only followed. `code`: the exit code to
+// return (the first failure's).
+struct FailureHeadline {
+  int rank = -1;
+  std::string text;  // "rank 2 failed first: rank 2: checkpoint: ...; ranks 0,1 stopped after ..."
+  int code = 1;
+};
+FailureHeadline SummarizeFailures(const GroupResult& result,
+                                  const std::vector<FailureRecord>& records);
 
 // Runs the job; returns the process exit code: 0 when every local rank succeeded, otherwise the
 // failed rank's exit code (128 + signal if it was killed), 1 for launcher errors, 128 + signal

@@ -146,6 +146,18 @@ TEST(FailSafeTest, StoppedRankIsNamedByTheWatchdog) {
   EXPECT_TRUE(StartsWith(headline, "fsdp launch: rank 0 failed first") ||
               StartsWith(headline, "fsdp launch: rank 2 failed first"))
       << headline;
+  // Both waiting ranks time out (each writes its flight record, below): the second is named
+  // with its own failure, not as one that "stopped after" the first (issue 15); rank 1, which
+  // the launcher stopped, is.
+  const int first = StartsWith(headline, "fsdp launch: rank 0 failed first") ? 0 : 2;
+  EXPECT_NE(headline.find(StrCat("rank ", 2 - first, " also failed: collective timeout: ")),
+            std::string::npos)
+      << headline;
+  EXPECT_NE(headline.find(StrCat("; rank 1 stopped after rank ", first, " failed")),
+            std::string::npos)
+      << headline;
+  EXPECT_EQ(headline.find("ranks 1,2 stopped after"), std::string::npos) << headline;
+  EXPECT_EQ(headline.find("ranks 0,1 stopped after"), std::string::npos) << headline;
   // Startup and two steps take a few seconds; then the timeout, the watchdog's look at the
   // heartbeats (2-3 s) and the launcher's failure grace (5 s) for the stopped rank.
   EXPECT_LT(took, kTimeoutS + 25.0) << r.Output();
@@ -202,6 +214,9 @@ TEST(FailSafeTest, SilentRendezvousStoreFailsWithinTheDeadline) {
     if (StartsWith(l, "rank 1: timeout: ")) {
       ++lines;
       EXPECT_NE(l.find(StrCat("127.0.0.1:", port)), std::string::npos) << l;
+      // Issue 15: the line named the rank twice ("rank 1: timeout: rank 1: rendezvous ...").
+      EXPECT_TRUE(StartsWith(l, "rank 1: timeout: rendezvous timed out after ")) << l;
+      EXPECT_EQ(l.find("rank 1", 1), std::string::npos) << l;
     }
   }
   EXPECT_EQ(lines, 1) << r.Output();

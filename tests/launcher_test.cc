@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "common/strings.h"
+#include "launcher/launch.h"
 #include "launcher/worker_group.h"
 #include "tests/multirank.h"
 
@@ -198,6 +199,45 @@ TEST(LaunchTest, OurProgramsRunUnderRealMpirun) {
   std::string all = r.Output();
   EXPECT_THAT(all, ::testing::HasSubstr("rank 2: rank 2 of 3 (local 2 of 3, node 0) via openmpi"));
   EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
+}
+
+// Note [The first failure]: each rank that failed on its own is named with its own class and
+// what; only the ranks that followed (peer lost, stopped by the launcher) are summarised.
+TEST(LaunchHeadlineTest, EachRankThatFailedOnItsOwnIsNamed) {
+  GroupResult result;
+  result.outcome = GroupResult::Outcome::kWorkerFailed;
+  auto exit = [](int rank, bool exited, int code, bool killed_by_us) {
+    WorkerExit e;
+    e.rank = rank;
+    e.exited = exited;
+    e.code = code;
+    e.killed_by_us = killed_by_us;
+    return e;
+  };
+  result.exits = {exit(0, true, 6, false), exit(1, false, 9, true), exit(2, true, 6, false),
+                  exit(3, true, 7, false), exit(4, true, 0, false)};
+  result.first_failure = result.exits[2];
+  std::vector<FailureRecord> records = {
+      {2, 200, 6, "rank 2: collective timeout: all_gather #7 (unit 'b', step 3) did not complete"},
+      {0, 100, 6, "rank 0: collective timeout: all_gather #7 (unit 'b', step 3) did not complete"},
+      {3, 50, 7, "rank 3: peer lost: rank 0 closed the connection"},
+  };
+  FailureHeadline h = SummarizeFailures(result, records);
+  EXPECT_EQ(h.rank, 0);
+  EXPECT_EQ(h.code, 6);
+  EXPECT_EQ(h.text,
+            "rank 0 failed first: rank 0: collective timeout: all_gather #7 (unit 'b', step 3) did "
+            "not complete; rank 2 also failed: collective timeout: all_gather #7 (unit 'b', step "
+            "3) did not complete; ranks 1,3 stopped after rank 0 failed");
+
+  // A long line is cut; a rank killed by a signal nobody sent is named with it.
+  records[0].line = "rank 2: timeout: " + std::string(300, 'x');
+  result.exits[1] = exit(1, false, 11, false);
+  result.exits[1].exit_time_ns = 300;
+  h = SummarizeFailures(result, records);
+  EXPECT_THAT(h.text, ::testing::HasSubstr("complete; rank 1 was killed by signal 11 ("));
+  EXPECT_THAT(h.text, ::testing::HasSubstr("; rank 2 also failed: timeout: xxx"));
+  EXPECT_THAT(h.text, ::testing::EndsWith("xxx...; rank 3 stopped after rank 0 failed"));
 }
 
 }  // namespace
