@@ -225,6 +225,11 @@ at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight
   return LinearCrossEntropyFunction::apply(hidden, weight, targets, chunk_tokens);
 }
 
+int64_t DefaultChunkTokens(int64_t tokens, int64_t vocab, int64_t dim) {
+  const int64_t limit = std::max<int64_t>(1, 2 * dim);
+  return tokens <= limit ? std::max<int64_t>(tokens, 1) : limit;
+}
+
 at::Tensor LinearCrossEntropyComposite(const at::Tensor& hidden, const at::Tensor& weight,
                                        const at::Tensor& targets) {
   return at::cross_entropy_loss(at::linear(hidden, weight).to(at::kFloat), targets,

@@ -2,13 +2,16 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <set>
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 
+#include "kernels/cross_entropy.h"
 #include "kernels/rms_norm.h"
+#include "kernels/rope.h"
 #include "kernels/swiglu.h"
 #include "sharding/unit_forward.h"
 
@@ -63,7 +66,7 @@ std::pair<torch::Tensor, torch::Tensor> NormImpl::AddAndNorm(const torch::Tensor
 }
 
 AttentionImpl::AttentionImpl(const GptConfig& c)
-    : n_heads(c.n_heads), n_kv_heads(c.kv_heads()), head_dim(c.head_dim()) {
+    : kernels(c.kernels), n_heads(c.n_heads), n_kv_heads(c.kv_heads()), head_dim(c.head_dim()) {
   wq = Param(*this, "wq", {c.dim, c.dim});
   wk = Param(*this, "wk", {c.kv_dim(), c.dim});
   wv = Param(*this, "wv", {c.kv_dim(), c.dim});
@@ -82,7 +85,15 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   auto q = Linear(x, wq, bq).view({b, t, n_heads, head_dim});
   auto k = Linear(x, wk, bk).view({b, t, n_kv_heads, head_dim});
   auto v = Linear(x, wv, bv).view({b, t, n_kv_heads, head_dim});
-  if (cos.defined()) {
+  if (cos.defined() && UseFusedKernels(kernels, x)) {
+    // In place on the projections' memory, unless selective checkpointing keeps those outputs
+    // for the recompute (then they must stay as the matmul wrote them).
+    if (KeepsMatmulOutputs()) {
+      std::tie(q, k) = kernels::Rope(q, k, cos, sin);
+    } else {
+      kernels::RopeInPlace(q, k, cos, sin);
+    }
+  } else if (cos.defined()) {
     q = Rotate(q, cos, sin);
     k = Rotate(k, cos, sin);
   }
@@ -179,6 +190,15 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
 torch::Tensor GptImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
   return UnitForward(this, tokens, [&](const torch::Tensor& t) {
     torch::Tensor h = Trunk(t);
+    if (UseFusedKernels(config.kernels, h)) {
+      const int64_t tokens = h.numel() / h.size(-1);
+      const int64_t chunk =
+          config.loss_chunk_tokens > 0
+              ? config.loss_chunk_tokens
+              : kernels::DefaultChunkTokens(tokens, config.vocab_size, config.dim);
+      return kernels::LinearCrossEntropy(h.reshape({tokens, h.size(-1)}), HeadWeight(),
+                                         targets.reshape({tokens}), chunk);
+    }
     return at::cross_entropy_loss(
         torch::nn::functional::linear(h, HeadWeight()).flatten(0, 1).to(at::kFloat),
         targets.flatten());

@@ -61,6 +61,7 @@ struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const GptConfig& c);
   // x: [batch, seq, dim]; rope: [seq_max, head_dim / 2] cos and sin tables, or undefined.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  KernelMode kernels;
   int64_t n_heads, n_kv_heads, head_dim;
   torch::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
 };
