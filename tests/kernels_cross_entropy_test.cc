@@ -6,7 +6,6 @@
 #include "kernels/cross_entropy.h"
 
 #include <algorithm>
-#include <chrono>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -244,43 +243,6 @@ TEST(KernelsCrossEntropyTest, SecondBackwardIsAnError) {
   loss.backward({}, /*retain_graph=*/true);
   EXPECT_THAT([&] { loss.backward(); },
               ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("second time")));
-}
-
-// Not a check: CPU fp32 time of LinearCrossEntropy against the composite, forward + backward,
-// median of 10 after a warm-up. Run by hand:
-//   fsdp_kernels_tests --gtest_also_run_disabled_tests --gtest_filter='*DISABLED_CpuTime*'
-TEST(KernelsCrossEntropyTest, DISABLED_CpuTime) {
-  const int64_t n = 2048, vocab = 8192, d = 512, chunk = 512;
-  Case c{n, d, vocab, chunk, at::kFloat, 0};
-  Inputs in = MakeInputs(c, c10::kCPU);
-  // Alternating, so that a change in the machine's load falls on both alike.
-  auto time_ms = [&](bool fused) {
-    at::Tensor h = in.hidden.clone().requires_grad_(true);
-    at::Tensor w = in.weight.clone().requires_grad_(true);
-    auto start = std::chrono::steady_clock::now();
-    at::Tensor loss = fused ? LinearCrossEntropy(h, w, in.targets, chunk)
-                            : LinearCrossEntropyComposite(h, w, in.targets);
-    loss.backward();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-        .count();
-  };
-  time_ms(true);  // warm-up
-  time_ms(false);
-  std::vector<double> fused_ms, composite_ms;
-  for (int i = 0; i < 10; ++i) {
-    fused_ms.push_back(time_ms(true));
-    composite_ms.push_back(time_ms(false));
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
-  const double fused = median(fused_ms), composite = median(composite_ms);
-  std::printf(
-      "N %lld V %lld D %lld chunk %lld fp32, %d threads: LinearCrossEntropy %.1f ms, "
-      "composite %.1f ms (forward + backward, median of 10)\n",
-      static_cast<long long>(n), static_cast<long long>(vocab), static_cast<long long>(d),
-      static_cast<long long>(chunk), at::get_num_threads(), fused, composite);
 }
 
 }  // namespace
