@@ -285,8 +285,14 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   }
   mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
                         (num_blocks > 0 ? block * cb + block * rb : 0);
+  // model.kernels as it resolves on this hardware (auto: fused on a GPU, composite on a CPU):
+  // the fused kernels keep less per token (Note [Activation bytes] in gpt_counts.cc).
+  ModelArgs resolved = model;
+  if (resolved.kernels == KernelMode::kAuto) {
+    resolved.kernels = hw.cores_per_node > 0 ? KernelMode::kComposite : KernelMode::kFused;
+  }
   const Activations acts =
-      CheckpointedActivations(model, family, counts, ac, num_blocks, cb);
+      CheckpointedActivations(resolved, family, counts, ac, num_blocks, cb);
   mem.activations = tokens_micro * acts.peak;
   double backward_start = mem.unsharded_units + mem.activations;
   const double backward_end = (grads_on_device ? mem.grads : 0) + largest_unit / n * rb;

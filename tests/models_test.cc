@@ -215,10 +215,29 @@ TEST(ActivationBytesTest, CheckpointingKeepsLess) {
   EXPECT_NEAR(GptBlockActivationBytes(gpt2, 2).none, 16 * 32 * 2 + 2 * 2 * 4 + 4 * 4, 1e-9);
 }
 
+TEST(ActivationBytesTest, FusedKernelsKeepLessForLlamaAndTheSameForGpt2) {
+  GptConfig llama = Small("llama");
+  GptConfig fused = llama;
+  fused.kernels = KernelMode::kFused;
+  for (double cb : {2.0, 4.0}) {
+    // RMSNorm keeps no fp32 copy (dim x 4 per norm, two norms), SwiGLU one ffn less.
+    EXPECT_DOUBLE_EQ(GptBlockActivationBytes(llama, cb).none -
+                         GptBlockActivationBytes(fused, cb).none,
+                     2 * 4.0 * llama.dim + llama.ffn() * cb);
+    // The head keeps the hidden's gradient instead of 16 bytes per vocabulary entry.
+    EXPECT_LT(GptHeadBytesPerToken(fused, cb),
+              GptHeadBytesPerToken(llama, cb) - 15.0 * llama.vocab_size);
+  }
+  GptConfig gpt2 = Small("gpt"), gpt2_fused = gpt2;
+  gpt2_fused.kernels = KernelMode::kFused;
+  EXPECT_DOUBLE_EQ(GptBlockActivationBytes(gpt2_fused, 2).none,
+                   GptBlockActivationBytes(gpt2, 2).none);
+}
+
 // model.kernels=fused against composite on the CPU (the kernels' CPU references): same loss and
 // gradients for every parameter of a GQA Llama, fp32. The kernels' own tests compare each one
-// with its composite; this checks how the model wires them (fused [w1; w3] projection, the
-// loss path, and so on).
+// with its composite; this checks how the model wires them (RMSNorm, the add + norm pass,
+// RoPE in place, SwiGLU over two projections, the chunked head and loss).
 TEST(GptKernelsTest, FusedEqualsCompositeLossAndGradients) {
   GptConfig c = Small("llama");
   c.n_kv_heads = 2;

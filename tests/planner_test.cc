@@ -133,7 +133,7 @@ TEST(MemoryTest, PaddingOfDim0Sharding) {
 }
 
 TEST(MemoryTest, ActivationsScaleWithMicroBatch) {
-  PlanRequest r = Request("gpt_125m", 8, 8, "h100");
+  PlanRequest r = Request("gpt_125m", 8, 8, "h100", {"model.kernels=composite"});
   double a8 = Predict(r, {Strategy::kFullShard, 1, 8})->memory.activations;
   r.config.training.micro_batch_size = 16;
   double a16 = Predict(r, {Strategy::kFullShard, 1, 8})->memory.activations;
@@ -185,7 +185,8 @@ TEST(CheckpointingTest, MemoryFallsAndTimeRisesWithRecompute) {
 TEST(CheckpointingTest, TheHeadOrOneRecomputedBlockMakesThePeak) {
   // Full checkpointing of a small-vocabulary model: the peak is the recompute of the last
   // block (every block's input plus one block's whole set), not the start of backward.
-  PlanRequest r = Request("llama_1b", 8, 8, "h100", {"model.vocab_size=256"});
+  PlanRequest r =
+      Request("llama_1b", 8, 8, "h100", {"model.vocab_size=256", "model.kernels=composite"});
   const ModelArgs& m = r.config.model;
   const ModelFamily& family = *FindModelFamily(m.arch);
   const BlockActivationBytes b = family.block_activation_bytes(m, 2);
@@ -298,10 +299,36 @@ TEST(RecommendTest, PrefersTheSimplerRunWithinTheModelsPrecision) {
   EXPECT_EQ(rec->alternatives.size(), 9u);
 }
 
+// model.kernels: auto plans the fused kernels on a GPU (no batch-sized logits, no fp32 RMSNorm
+// copies, one SwiGLU intermediate less) and the composite ops on a CPU.
+TEST(RecommendTest, FusedHeadChangesWhatFits) {
+  const Layout layout{Strategy::kFullShard, 1, 64};
+  PlanRequest fused = Request("llama3_8b", 64, 8, "h100", {"training.micro_batch_size=8"});
+  PlanRequest composite = Request("llama3_8b", 64, 8, "h100",
+                                  {"training.micro_batch_size=8", "model.kernels=composite"});
+  const double a_fused = Predict(fused, layout)->memory.activations;
+  const double a_composite = Predict(composite, layout)->memory.activations;
+  const double tokens = 8 * 8192;
+  // At least the 16 bytes per vocabulary entry of the composite head.
+  EXPECT_LT(a_fused, a_composite - tokens * 16.0 * 128256);
+  // The 8 x 8192 micro-batch fits with activation checkpointing once the logits are gone.
+  absl::StatusOr<Recommendation> rec = Recommend(fused);
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  ASSERT_TRUE(rec->best.has_value()) << rec->message;
+  EXPECT_TRUE(rec->best->activation_checkpointing.enabled());
+  // On a CPU profile auto is the composite arithmetic.
+  PlanRequest cpu = Request("default", 2, 2, "cpu");
+  PlanRequest cpu_composite = Request("default", 2, 2, "cpu", {"model.kernels=composite"});
+  EXPECT_EQ(Predict(cpu, {Strategy::kFullShard, 1, 2})->memory.activations,
+            Predict(cpu_composite, {Strategy::kFullShard, 1, 2})->memory.activations);
+}
+
 TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
-  // A micro-batch of 8 x 8192 tokens: the 128K-vocabulary head alone is ~140 GiB. More GPUs
-  // cannot shrink it and the run is bf16 already: a smaller micro-batch is what helps.
-  PlanRequest r = Request("llama3_8b", 64, 8, "h100", {"training.micro_batch_size=8"});
+  // A micro-batch of 8 x 8192 tokens: the 128K-vocabulary head alone is ~140 GiB (with the
+  // composite loss: the fused one keeps no logits, FusedHeadChangesWhatFits). More GPUs cannot
+  // shrink it and the run is bf16 already: a smaller micro-batch is what helps.
+  PlanRequest r = Request("llama3_8b", 64, 8, "h100",
+                          {"training.micro_batch_size=8", "model.kernels=composite"});
   absl::StatusOr<Recommendation> rec = Recommend(r);
   ASSERT_TRUE(rec.ok()) << rec.status();
   EXPECT_FALSE(rec->best.has_value());
@@ -313,7 +340,8 @@ TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
 
   // A sequence so long that one of them does not fit: only a shorter one or a bigger GPU.
   PlanRequest hopeless = Request("llama3_8b", 8, 8, "h100",
-                                 {"model.seq_len=262144", "training.micro_batch_size=1"});
+                                 {"model.seq_len=262144", "training.micro_batch_size=1",
+                                  "model.kernels=composite"});
   rec = Recommend(hopeless);
   ASSERT_TRUE(rec.ok()) << rec.status();
   EXPECT_FALSE(rec->best.has_value());
@@ -322,7 +350,8 @@ TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
   EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("--world-size")));
 
   // fp32, but what does not fit is the loss's fp32 logits, the same in bf16: no "bf16" either.
-  PlanRequest fp32 = Request("llama3_8b", 64, 8, "a100-40gb", {"training.mixed_precision=fp32"});
+  PlanRequest fp32 = Request("llama3_8b", 64, 8, "a100-40gb",
+                             {"training.mixed_precision=fp32", "model.kernels=composite"});
   rec = Recommend(fp32);
   ASSERT_TRUE(rec.ok()) << rec.status();
   EXPECT_FALSE(rec->best.has_value());
@@ -333,7 +362,8 @@ TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
   // bf16 halves it; more GPUs do not.
   PlanRequest root = Request("llama3_8b", 64, 8, "a100-40gb",
                              {"training.mixed_precision=fp32", "model.vocab_size=512000",
-                              "model.seq_len=1024", "training.micro_batch_size=1"});
+                              "model.seq_len=1024", "training.micro_batch_size=1",
+                              "model.kernels=composite"});
   rec = Recommend(root);
   ASSERT_TRUE(rec.ok()) << rec.status();
   EXPECT_FALSE(rec->best.has_value());

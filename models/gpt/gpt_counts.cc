@@ -36,11 +36,23 @@ namespace fsdp {
 // backward), log_softmax keeps its fp32 output, and its backward adds two fp32 vocab-sized
 // gradients (nll's and its own): 16 bytes per vocabulary entry at the start of backward, in
 // bf16 as in fp32. See GptHeadBytesPerToken.
+//
+// With model.kernels fused (kernels/), per block and token: RMSNorm keeps its input (cb) and
+// one fp32 rstd per row, the residual add + ffn_norm pass keeps its sum (cb) and rstd; SwiGLU
+// keeps gate and up (2 ffn) and no silu output or product, so the MLP keeps the norm output,
+// gate, up and w2's input (dim + 3 ffn); RoPE in place adds nothing (as above). The head: the
+// final norm (fused) and, from the chunked LM head + cross-entropy, the gradient of its input
+// (dim, cb) instead of vocab-sized fp32 logits and gradients; its [vocab, dim] weight gradient
+// and [chunk, vocab] logits buffer do not grow with the tokens (a weight-sized term, next to
+// the unsharded gradients the planner counts).
 namespace {
+
+bool Fused(const ModelArgs& m) { return m.kernels == KernelMode::kFused; }
 
 double NormBytes(const ModelArgs& m, double cb) {
   const double d = static_cast<double>(m.dim);
-  return m.norm == NormKind::kRmsNorm ? d * 4 + d * cb + 4 : d * cb + 2 * 4;
+  if (m.norm != NormKind::kRmsNorm) return d * cb + 2 * 4;
+  return Fused(m) ? d * cb + 4 : d * 4 + d * cb + 4;
 }
 
 }  // namespace
@@ -50,7 +62,7 @@ BlockActivationBytes GptBlockActivationBytes(const ModelArgs& m, double cb) {
   const double kv = static_cast<double>(m.kv_dim());
   const bool swiglu = m.activation == Activation::kSwiglu;
   BlockActivationBytes b;
-  b.none = NormBytes(m, cb) + (d + (swiglu ? 4 : 2) * f) * cb;
+  b.none = NormBytes(m, cb) + (d + (swiglu ? (Fused(m) ? 3 : 4) : 2) * f) * cb;
   b.selective = (d /*input*/ + (swiglu ? 2 : 1) * f /*w1, w3*/ + d /*w2*/) * cb;
   if (HasAttention(m)) {
     b.none += NormBytes(m, cb) + (3 * d + 2 * kv) * cb + 4.0 * m.n_heads;
@@ -62,6 +74,7 @@ BlockActivationBytes GptBlockActivationBytes(const ModelArgs& m, double cb) {
 
 double GptHeadBytesPerToken(const ModelArgs& m, double cb) {
   const double d = static_cast<double>(m.dim), v = static_cast<double>(m.vocab_size);
+  if (Fused(m)) return NormBytes(m, cb) + d * cb /*the hidden's gradient*/ + 16;
   return NormBytes(m, cb) + d * cb + 4 * v /*fp32 logits*/ + 4 * v /*log_softmax*/ +
          2 * 4 * v /*bwd grads*/ + 16 /*int64 inputs and targets*/;
 }
