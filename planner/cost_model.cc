@@ -393,16 +393,17 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
     double ar_r = ddp && reduces ? ar_root : (hybrid && last_micro ? ar_root : 0);
     double rs_b = reduces ? rs_block : 0, rs_r = reduces ? rs_root : 0;
     if (num_blocks == 0) return (gathers ? ag_root : 0) + rs_r + ar_r;
-    double fwd = gathers ? ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd)
-                         : 0;
+    double fwd =
+        gathers ? ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd) : 0;
     double bwd_comm = (reshard ? ag_block : 0) + rs_b + ar_b;
     double bwd = (num_blocks - 1) * std::max(0.0, bwd_comm - block_bwd) + rs_b + ar_b + rs_r + ar_r;
     return fwd + bwd;
   };
   // Kept units gather in the first micro-batch only.
-  double exposed = accum > 1 ? exposed_micro(false, true) + (accum - 2) * exposed_micro(false, !keep) +
-                                   exposed_micro(true, !keep)
-                             : exposed_micro(true, true);
+  double exposed = accum > 1
+                       ? exposed_micro(false, true) + (accum - 2) * exposed_micro(false, !keep) +
+                             exposed_micro(true, !keep)
+                       : exposed_micro(true, true);
   exposed += clip;
   exposed = std::min(exposed, time.comm_s);
   time.exposed_comm_s = hw.comm_overlap * exposed + (1 - hw.comm_overlap) * time.comm_s;

@@ -616,8 +616,8 @@ TEST(ShardingPlanTest, KeepingUnitsAcrossMicroBatchesIsAnOption) {
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->options.reshard_between_micro_batches);
   EXPECT_EQ(plan->effective, "full_shard, unsharded parameters kept through the step");
-  EXPECT_TRUE(ShardingPlanFor(RunConfig{}, Strategy::kFullShard, 4)
-                  ->options.reshard_between_micro_batches);
+  EXPECT_TRUE(
+      ShardingPlanFor(RunConfig{}, Strategy::kFullShard, 4)->options.reshard_between_micro_batches);
 }
 
 // --- ToYaml ----------------------------------------------------------------------------------

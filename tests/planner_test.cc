@@ -136,8 +136,7 @@ TEST(MemoryTest, KeepingUnitsAcrossMicroBatchesHoldsEveryBlock) {
   EXPECT_NEAR(kept.memory.unsharded_units - full.memory.unsharded_units, 14 * block_bf16,
               1e-6 * block_bf16);
   EXPECT_DOUBLE_EQ(kept.memory.unsharded_units, zero2.memory.unsharded_units);
-  EXPECT_NEAR(kept.time.all_gather_s * 4, zero2.time.all_gather_s,
-              1e-9 * zero2.time.all_gather_s);
+  EXPECT_NEAR(kept.time.all_gather_s * 4, zero2.time.all_gather_s, 1e-9 * zero2.time.all_gather_s);
   EXPECT_LT(kept.time.exposed_comm_s, zero2.time.exposed_comm_s);
   EXPECT_GT(kept.memory.total, full.memory.total);
   EXPECT_THAT(kept.runs_as, ::testing::HasSubstr("kept through the step"));
