@@ -380,6 +380,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"reshard_after_forward", ReshardField(&c.parallelism.reshard_after_forward)},
         {"wrap_policy", UnitPolicyField(&c.parallelism.wrap_policy)},
         {"max_unsharded_units", &c.parallelism.max_unsharded_units},
+        {"reshard_between_micro_batches", &c.parallelism.reshard_between_micro_batches},
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
         {"offload", Enum(&c.parallelism.offload, OffloadNames())},
@@ -1021,6 +1022,7 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   options.max_unsharded_units = static_cast<int>(config.parallelism.max_unsharded_units);
   options.activation_checkpointing = config.training.activation_checkpointing;
   options.offload = config.parallelism.offload;
+  options.reshard_between_micro_batches = config.parallelism.reshard_between_micro_batches;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {
     options.mixed_precision.param_dtype = c10::kBFloat16;
@@ -1044,6 +1046,9 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   if (!ddp && options.reshard_group_size > 0) {
     plan.effective += StrCat(", resharded to groups of ", options.reshard_group_size,
                              " after forward");
+  }
+  if (!options.reshard_between_micro_batches) {
+    plan.effective += ", unsharded parameters kept through the step";
   }
   return plan;
 }

@@ -153,6 +153,10 @@ struct ParallelismSection {
   ReshardPolicy reshard_after_forward;
   UnitPolicy wrap_policy;
   int64_t max_unsharded_units = 2;
+  // false: each unit's unsharded (compute-dtype) parameters are gathered once per step and
+  // kept until the last micro-batch's backward (sharding/fsdp_model.h: Note [Keeping parameters
+  // across micro-batches]); costs the whole model's unsharded parameters per rank.
+  bool reshard_between_micro_batches = true;
   CudaBackend backend = CudaBackend::kAuto;  // auto | nccl | gloo (CUDA tensors; CPU: gloo)
   // CPU all-gather / reduce-scatter: p2p (ring / direct exchange over Gloo's send/recv) | gloo
   // (c10d's Gloo collectives; its reduce-scatter is an all-reduce underneath).

@@ -16,6 +16,12 @@ class FsdpTrainable final : public TrainableModel {
     const bool last = index == count - 1;
     // See Note [No-sync accumulation]: no communication before the last micro-batch.
     if (!sync_every_micro_batch_) model_->set_requires_gradient_sync(last);
+    // See Note [Keeping parameters across micro-batches] (fsdp_model.h): the unsharded
+    // parameters stay until the last micro-batch's backward, and are gathered afresh after the
+    // optimizer step.
+    if (!model_->context().options.reshard_between_micro_batches) {
+      model_->set_reshard_after_backward(last);
+    }
     // HSDP accumulation: reduce-scatter every micro-batch, all-reduce over replicas once.
     if (model_->context().replicate_group != nullptr && model_->context().num_shards > 1) {
       model_->set_requires_all_reduce(last);
@@ -23,6 +29,10 @@ class FsdpTrainable final : public TrainableModel {
   }
   at::Tensor ClipGradNorm(double max_norm) override { return model_->ClipGradNorm(max_norm); }
   void AfterStep() override {
+    // The step's last backward resharded every unit: the next forward gathers the new values.
+    TORCH_CHECK(model_->NumUnshardedUnits() == 0,
+                "FSDP: unsharded parameters kept past the optimizer step (stale copies); the "
+                "last micro-batch must run with set_reshard_after_backward(true)");
     model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
     state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
   }

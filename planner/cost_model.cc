@@ -225,7 +225,11 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
   const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
   const double n = s;
-  const bool reshard = sharding.options.reshard_after_forward;
+  // parallelism.reshard_between_micro_batches false (Note [Keeping parameters across
+  // micro-batches] in sharding/fsdp_model.h): every unit gathered once per step and kept
+  // unsharded until the last backward, as if never resharded after forward.
+  const bool keep = !sharding.options.reshard_between_micro_batches;
+  const bool reshard = sharding.options.reshard_after_forward && !keep;
   const int num_units = static_cast<int>(counts.unit_shapes.size());
   const int num_blocks = num_units - 1;
   const double tokens_micro = static_cast<double>(t.micro_batch_size) * model.seq_len;
@@ -278,7 +282,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
     case Offload::kParams:
       // The shards of the units being gathered: the root's at the start of forward (it stays
       // unsharded), the prefetched blocks' in backward.
-      mem.params = std::max(root, blocks_unsharded * block) / n * 4;
+      mem.params = keep ? padded_total / n * 4 : std::max(root, blocks_unsharded * block) / n * 4;
       mem.grads = largest_unit / n * 4;
       mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
       break;
@@ -379,7 +383,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const double gathers_per_block = reshard ? 2 : 1;
   const double ag_micro = ag_root + num_blocks * gathers_per_block * ag_block;
   const double rs_micro = rs_root + num_blocks * rs_block;
-  time.all_gather_s = accum * ag_micro;
+  time.all_gather_s = (keep ? 1 : accum) * ag_micro;
   time.reduce_scatter_s = reductions * rs_micro;
   time.all_reduce_s = reductions * ar_micro + ar_step;
   // Clipping: one scalar all-reduce over the shard axis per step.
@@ -389,18 +393,24 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // Overlap: a block's gather hides behind the previous block's compute (prefetch), a block's
   // backward collectives behind the next block's backward; the first gathers and the last
   // reductions have nothing to hide behind.
-  auto exposed_micro = [&](bool last_micro) {
+  auto exposed_micro = [&](bool last_micro, bool gathers) {
     const bool reduces = last_micro || !no_sync;
     double ar_b = ddp && reduces ? ar_block : (hybrid && last_micro ? ar_block : 0);
     double ar_r = ddp && reduces ? ar_root : (hybrid && last_micro ? ar_root : 0);
     double rs_b = reduces ? rs_block : 0, rs_r = reduces ? rs_root : 0;
-    if (num_blocks == 0) return ag_root + rs_r + ar_r;
-    double fwd = ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd);
+    if (num_blocks == 0) return (gathers ? ag_root : 0) + rs_r + ar_r;
+    double fwd =
+        gathers ? ag_root + ag_block + (num_blocks - 1) * std::max(0.0, ag_block - block_fwd) : 0;
     double bwd_comm = (reshard ? ag_block : 0) + rs_b + ar_b;
     double bwd = (num_blocks - 1) * std::max(0.0, bwd_comm - block_bwd) + rs_b + ar_b + rs_r + ar_r;
     return fwd + bwd;
   };
-  double exposed = (accum - 1) * exposed_micro(false) + exposed_micro(true) + clip;
+  // Kept units gather in the first micro-batch only.
+  double exposed = accum > 1
+                       ? exposed_micro(false, true) + (accum - 2) * exposed_micro(false, !keep) +
+                             exposed_micro(true, !keep)
+                       : exposed_micro(true, true);
+  exposed += clip;
   exposed = std::min(exposed, time.comm_s);
   time.exposed_comm_s = hw.comm_overlap * exposed + (1 - hw.comm_overlap) * time.comm_s;
 
@@ -414,7 +424,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
     // micro-batch), offload optimizer each updated shard once per step.
     const double h2d_root = root / n * 4 / link;
     const double h2d_block = block / n * 4 / link;
-    const double h2d_passes = params ? accum : 1;
+    const double h2d_passes = params && !keep ? accum : 1;
     const double h2d_blocks = params ? gathers_per_block : 1;
     // Device to host, the reduced gradient shards: every micro-batch (HSDP: the last one).
     const double d2h_root = counts.unit_params[0] / n * rb / link;

@@ -13,6 +13,8 @@
 //     micro-batch;
 //   - at most parallelism.max_unsharded_units blocks unsharded at once with reshard after
 //     forward (all of them without), the root unsharded for the whole step;
+//   - parallelism.reshard_between_micro_batches: false: every unit gathered once per step and
+//     all of them unsharded through the step (offload params: every shard on the device);
 //   - activation checkpointing (none, full, every:k, selective: what each block keeps, the
 //     recompute's FLOPs) and CPU offload (optimizer: states, master copy and step on the host;
 //     params: the shards too, copied over PCIe around each collective).

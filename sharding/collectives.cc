@@ -224,6 +224,16 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
   for (int index : grad_params) {
     FsdpParam& p = params[index];
     at::Tensor& grad = p.param.mutable_grad();
+    at::Tensor& dst = p.sharded.mutable_grad();
+    if (offload == nullptr && grad.defined() && dst.defined() &&
+        (reduce_dtype == grad.scalar_type() || reduce_dtype == p.sharded.scalar_type())) {
+      // Accumulation (the second micro-batch on): the rounding to reduce_dtype is exact or
+      // none, so adding the gradient in place, promoted as it is read, gives the values of
+      // the casts below without their temporary (a full-size fp32 copy per micro-batch).
+      dst.add_(grad.reshape(dst.sizes()));
+      grad.reset();
+      continue;
+    }
     at::Tensor g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())
                                   : at::zeros_like(p.sharded);
     grad.reset();

@@ -146,9 +146,11 @@ FsdpUnit* FsdpModel::Neighbour(const FsdpUnit& unit, int step) const {
 // gathers up to max_unsharded_units - 1 units ahead (in forward order during forward, in
 // reverse during backward), so peak memory is bounded by that many units. Without resharding
 // after forward (ZeRO-2) every unit stays unsharded until its backward by design, and one unit
-// is prefetched ahead.
+// is prefetched ahead; so with units kept across micro-batches (Note [Keeping parameters
+// across micro-batches] in fsdp_model.h).
 void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
-  const bool limited = ctx_.options.reshard_after_forward;
+  const bool limited =
+      ctx_.options.reshard_after_forward && ctx_.options.reshard_between_micro_batches;
   const int depth = limited ? ctx_.options.max_unsharded_units - 1 : 1;
   // Offloaded shards (Note [CPU offload]): their host->device copies run one unit ahead.
   for (int step = 1; ctx_.offload && step <= depth + 1; ++step) {
@@ -329,7 +331,10 @@ at::Tensor FsdpModel::PostForward(FsdpUnit& unit, at::Tensor output) {
     if (out_dtype && output.defined() && at::isFloatingType(output.scalar_type())) {
       output = output.to(*out_dtype);
     }
-  } else if (ctx_.options.reshard_after_forward) {
+  } else if (ctx_.options.reshard_after_forward &&
+             (ctx_.options.reshard_between_micro_batches || !backward_follows)) {
+    // Kept for the backward and the next micro-batches otherwise: Note [Keeping parameters
+    // across micro-batches] (fsdp_model.h).
     // See Note [Reshard to a sub-group] (collectives.h): only worth its memory for a backward.
     if (ctx_.reshard_group && backward_follows) {
       unit.ReshardAfterForward();
@@ -360,7 +365,7 @@ void FsdpModel::PreBackward(FsdpUnit& unit) {
 void FsdpModel::OnGradAccumulated(FsdpUnit& unit) {
   if (unit.CountGradAccumulated() == 0 &&
       unit.training_state() != FsdpUnit::TrainingState::kPostBackward) {
-    ReshardFully(unit);
+    if (ctx_.reshard_after_backward) ReshardFully(unit);
     unit.PostBackward();
     // At most two units' reduce-scatters in flight: the one just issued overlaps the wait
     // for the previous one, whose full-size gradient buffer is then freed.
@@ -369,11 +374,27 @@ void FsdpModel::OnGradAccumulated(FsdpUnit& unit) {
   }
 }
 
+namespace {
+
+// End of a backward that keeps the parameters for the next micro-batch: a gather in flight is
+// finished (kept), a post-forward shard (a unit resharded to a sub-group whose backward did not
+// run) dropped; kUnsharded and kSharded stay as they are.
+void KeepUnsharded(FsdpUnit& unit) {
+  if (unit.state() == FsdpUnit::ShardedState::kGathering) unit.WaitForUnshard();
+  if (unit.state() == FsdpUnit::ShardedState::kShardedPostForward) unit.DropPostForwardShard();
+}
+
+}  // namespace
+
 void FsdpModel::FinishBackward() {
   // Units whose parameters did not all get gradients (unused, frozen-only) finish here.
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
     FsdpUnit* unit = *it;
-    ReshardFully(*unit);
+    if (ctx_.reshard_after_backward) {
+      ReshardFully(*unit);
+    } else {
+      KeepUnsharded(*unit);  // See Note [Keeping parameters across micro-batches].
+    }
     if (unit->num_trainable() > 0 &&
         unit->training_state() != FsdpUnit::TrainingState::kPostBackward) {
       unit->PostBackward();

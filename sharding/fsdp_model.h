@@ -81,6 +81,26 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 // a forward in this iteration, those with a parameter of the failing sizes, the first in
 // wrapping order (a model's forward order). No cost on the success path: one flag per unit.
 // A root whose own forward skips UnitForward cannot be diagnosed this way (nothing catches).
+// Note [Keeping parameters across micro-batches]
+// FsdpOptions::reshard_between_micro_batches = false (parallelism.reshard_between_micro_batches)
+// with FSDP2's set_reshard_after_backward: under gradient accumulation the parameters do not
+// change between micro-batches, so gathering them again (or, with one shard and bf16 compute,
+// casting the fp32 shards again) for every micro-batch's forward and backward is pure overhead.
+// With the option false, no unit reshards after a training forward (as shard_grad_op), and a
+// backward run with set_reshard_after_backward(false) leaves every unit unsharded (its
+// gradients are reduced as usual: the parameters' state and the gradients' are independent);
+// the next forward and backward find the units unsharded and gather nothing. The backward run
+// with set_reshard_after_backward(true), the step's last, reshards every unit as it finishes,
+// so the optimizer step finds only shards and the next step gathers the updated values.
+// Per step: one gather (cast) per unit instead of micro-batches x (2 for full_shard, 1 for
+// shard_grad_op); EngineContext::unshards counts them. The price: from its first gather to the
+// end of the last backward every unit holds its unsharded parameters, i.e. the whole model's
+// parameter count x the compute dtype's bytes per rank (not divided by the shard degree; the
+// planner counts it), plus with offload: params every unit's device shard. The arithmetic is
+// unchanged (bit for bit on the CPU). The engine's default for set_reshard_after_backward is
+// true, so a loop that never calls it reshards after every backward (a shard_grad_op step);
+// the trainer calls it per micro-batch (engine/trainable.cc). A caller that steps the optimizer
+// after a backward with false would run the next forward on stale parameters: don't.
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
@@ -114,6 +134,12 @@ class FsdpModel {
   // HSDP: false reduce-scatters but leaves the all-reduce over replicas to the next backward
   // with true (FSDP2's set_requires_all_reduce).
   void set_requires_all_reduce(bool all_reduce) { ctx_.requires_all_reduce = all_reduce; }
+  // false: the next backwards leave every unit's unsharded parameters in place for the next
+  // micro-batch; true (default): the step's last backward reshards them (FSDP2's
+  // set_reshard_after_backward). See Note [Keeping parameters across micro-batches].
+  void set_reshard_after_backward(bool reshard) { ctx_.reshard_after_backward = reshard; }
+  // Unshard() calls (all-gathers, or casts with one shard) on units with parameters so far.
+  int64_t unshards() const { return ctx_.unshards; }
 
   // Offload (Note [CPU offload] in offload.h): copies the host masters (the optimizer's
   // tensors) into the device shards. Call after the optimizer step and after writing the

@@ -89,6 +89,7 @@ void FsdpUnit::Unshard() {
     state_ = ShardedState::kUnsharded;  // nothing to gather
     return;
   }
+  ++ctx_->unshards;
   if (ctx_->num_shards == 1) {
     // See Note [One shard]: no collective, so no kGathering either.
     if (ctx_->offload) {
@@ -218,7 +219,11 @@ void FsdpUnit::PostBackward() {
       training_state_ == TrainingState::kIdle || training_state_ == TrainingState::kPreBackward,
       "FSDP unit '", name_, "': PostBackward called in training state ", StateName(training_state_),
       " (needs kIdle or kPreBackward)");
-  CheckState("PostBackward", ShardedState::kSharded);
+  if (ctx_->reshard_after_backward) {
+    CheckState("PostBackward", ShardedState::kSharded);
+  } else {
+    CheckState("PostBackward", ShardedState::kSharded, ShardedState::kUnsharded);
+  }
   training_state_ = TrainingState::kPostBackward;
   if (!ctx_->requires_gradient_sync || grad_params_.empty()) return;
   CollectiveTag tag(name_);

@@ -87,6 +87,12 @@ struct EngineContext {
   CommStats stats;
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
+  // false: backward leaves the units unsharded (Note [Keeping parameters across micro-batches]
+  // in fsdp_model.h).
+  bool reshard_after_backward = true;
+  // Unshard() calls on units with parameters since wrapping: each is an all-gather, or with one
+  // shard under mixed precision a cast of the unit's shards.
+  int64_t unshards = 0;
   std::unique_ptr<DeviceStreams> streams;  // copy-in stream on CUDA; no-op on CPU
   std::unique_ptr<HostOffload> offload;    // Note [CPU offload] (offload.h); null without
 };
@@ -148,7 +154,9 @@ class FsdpUnit {
   void EndForward();
   // kIdle -> kPreBackward.
   void BeginPreBackward();
-  // kIdle | kPreBackward -> kPostBackward; the unit must be kSharded. With gradient sync,
+  // kIdle | kPreBackward -> kPostBackward; the unit must be kSharded, or kUnsharded when its
+  // parameters are kept for the next micro-batch (EngineContext::reshard_after_backward false:
+  // Note [Keeping parameters across micro-batches] in fsdp_model.h). With gradient sync,
   // issues the reduce-scatter of the unit's gradients (or, with one rank, writes them).
   void PostBackward();
   // Waits for the reduce-scatter, if one is in flight, and frees its input; starts the

@@ -39,6 +39,7 @@ c10::DataPtr CpuMemoryTracker::allocate(size_t n) {
   auto* base = static_cast<char*>(base_->raw_allocate(n + kHeader));
   *reinterpret_cast<size_t*>(base) = n;
   void* data = base + kHeader;
+  allocations_.fetch_add(1, std::memory_order_relaxed);
   int64_t now = current_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
   int64_t peak = peak_.load();
   while (now > peak && !peak_.compare_exchange_weak(peak, now)) {

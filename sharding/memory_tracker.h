@@ -30,6 +30,8 @@ class CpuMemoryTracker final : public c10::Allocator {
   int64_t current_bytes() const { return current_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
   void ResetPeak() { peak_.store(current_.load()); }
+  // Allocations made through the tracker so far (tests count a steady-state step's).
+  int64_t allocations() const { return allocations_.load(); }
 
   c10::DataPtr allocate(size_t n) override;
   void copy_data(void* dest, const void* src, std::size_t count) const override;
@@ -42,6 +44,7 @@ class CpuMemoryTracker final : public c10::Allocator {
   c10::Allocator* base_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
+  std::atomic<int64_t> allocations_{0};
 };
 
 // Tensor bytes on `device`: the CUDA caching allocator's for a GPU, the CPU tracker's (once

@@ -92,6 +92,13 @@ struct FsdpOptions {
   ParamInitFn param_init;
   ActivationCheckpointing activation_checkpointing;
   Offload offload = Offload::kNone;
+  // false: a unit's unsharded parameters, once gathered (cast, with one shard) in a training
+  // forward, stay until a backward that the caller marks as its step's last
+  // (FsdpModel::set_reshard_after_backward): under gradient accumulation every unit is gathered
+  // once per step instead of once (shard_grad_op) or twice (full_shard) per micro-batch, at the
+  // cost of holding the whole model's unsharded parameters (compute dtype) through the step.
+  // See Note [Keeping parameters across micro-batches] in fsdp_model.h.
+  bool reshard_between_micro_batches = true;
 };
 
 FsdpOptions OptionsForStrategy(Strategy strategy);

@@ -607,6 +607,20 @@ TEST(ShardingPlanTest, OneMappingForTrainerAndPlanner) {
   EXPECT_FALSE(ShardingPlanFor(config, Strategy::kShardGradOp, 2).ok());
 }
 
+TEST(ShardingPlanTest, KeepingUnitsAcrossMicroBatchesIsAnOption) {
+  absl::StatusOr<RunConfig> config =
+      ParseRunConfig("", "t.yaml", {"parallelism.reshard_between_micro_batches=false"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->parallelism.reshard_between_micro_batches);
+  EXPECT_THAT(config->ToYaml(), HasSubstr("reshard_between_micro_batches: false"));
+  absl::StatusOr<ShardingPlan> plan = ShardingPlanFor(*config, Strategy::kFullShard, 4);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->options.reshard_between_micro_batches);
+  EXPECT_EQ(plan->effective, "full_shard, unsharded parameters kept through the step");
+  EXPECT_TRUE(
+      ShardingPlanFor(RunConfig{}, Strategy::kFullShard, 4)->options.reshard_between_micro_batches);
+}
+
 // --- ToYaml ----------------------------------------------------------------------------------
 
 TEST(RunConfigToYamlTest, DefaultsRoundTrip) {

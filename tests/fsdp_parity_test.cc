@@ -27,6 +27,16 @@ std::vector<ParityCase> Cases() {
   cases.push_back({"hybrid_shard", 4, 2, 0, Accumulate::kNoAllReduceUntilLast});
   cases.push_back({"full_shard", 3, 1, 0, Accumulate::kReduceEveryMicroBatch, true});
   cases.push_back({"hybrid_shard", 4, 2, 0, Accumulate::kReduceEveryMicroBatch, true});
+  // One rank, bf16: the gradients added into the fp32 shards' .grad in place.
+  cases.push_back({"full_shard", 1, 1, 0, Accumulate::kReduceEveryMicroBatch, true});
+  // Units kept unsharded across the micro-batches of a step.
+  for (ParityCase c : {ParityCase{"full_shard", 2}, ParityCase{"shard_grad_op", 3},
+                       ParityCase{"full_shard", 2, 1, 0, Accumulate::kNoSyncUntilLast},
+                       ParityCase{"full_shard", 1, 1, 0, Accumulate::kReduceEveryMicroBatch, true},
+                       ParityCase{"hybrid_shard", 4, 2, 0, Accumulate::kNoAllReduceUntilLast}}) {
+    c.keep = true;
+    cases.push_back(c);
+  }
   return cases;
 }
 

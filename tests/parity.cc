@@ -20,6 +20,7 @@ std::string ParityCase::Name() const {
   if (accumulate == Accumulate::kNoAllReduceUntilLast) n += "_noallreduce";
   if (bf16) n += "_bf16";
   if (device != "cpu") n += StrCat("_", device, "_", cuda_backend);
+  if (keep) n += "_keep";
   return n;
 }
 
@@ -63,6 +64,7 @@ void RunParity(const ParityCase& c, int rank) {
   ASSERT_TRUE(mesh.ok()) << mesh.status();
   FsdpOptions options = OptionsForStrategy(*strategy);
   options.reshard_group_size = c.reshard_group;
+  options.reshard_between_micro_batches = !c.keep;
   if (c.bf16) {
     options.mixed_precision.param_dtype = at::kBFloat16;
     options.mixed_precision.reduce_dtype = at::kFloat;
@@ -118,6 +120,7 @@ void RunParity(const ParityCase& c, int rank) {
       bool last = m == kMicroBatches - 1;
       if (c.accumulate == Accumulate::kNoSyncUntilLast) fsdp.set_requires_gradient_sync(last);
       if (c.accumulate == Accumulate::kNoAllReduceUntilLast) fsdp.set_requires_all_reduce(last);
+      if (c.keep) fsdp.set_reshard_after_backward(last);
       int64_t begin = dp_rank * local_batch + m * micro;
       torch::Tensor logits = model->forward(x.narrow(0, begin, micro));
       torch::Tensor loss = torch::nn::functional::cross_entropy(

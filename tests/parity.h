@@ -20,6 +20,9 @@ struct ParityCase {
   bool bf16 = false;
   std::string device = "cpu";        // "cuda": model, reference and data on this rank's GPU
   std::string cuda_backend = "nccl";  // for CUDA tensors
+  // reshard_between_micro_batches = false: units gathered once per step (Note [Keeping
+  // parameters across micro-batches] in sharding/fsdp_model.h).
+  bool keep = false;
   std::string Name() const;
 };
 

@@ -123,6 +123,25 @@ TEST(MemoryTest, ModelStatesFollowTheZeroFormulas) {
               2 * block_bf16, 1e-6 * block_bf16);
 }
 
+// parallelism.reshard_between_micro_batches: false (llama_1b accumulates 4 micro-batches):
+// every block unsharded through the step, and one all-gather per unit per step instead of 4 x
+// (root + 2 x blocks).
+TEST(MemoryTest, KeepingUnitsAcrossMicroBatchesHoldsEveryBlock) {
+  PlanRequest r = Request("llama_1b", 8, 8, "h100");
+  Prediction full = *Predict(r, {Strategy::kFullShard, 1, 8});
+  Prediction zero2 = *Predict(r, {Strategy::kShardGradOp, 1, 8});
+  r.config.parallelism.reshard_between_micro_batches = false;
+  Prediction kept = *Predict(r, {Strategy::kFullShard, 1, 8});
+  const double block_bf16 = CountModel(r.config.model).unit_params[1] * 2.0;
+  EXPECT_NEAR(kept.memory.unsharded_units - full.memory.unsharded_units, 14 * block_bf16,
+              1e-6 * block_bf16);
+  EXPECT_DOUBLE_EQ(kept.memory.unsharded_units, zero2.memory.unsharded_units);
+  EXPECT_NEAR(kept.time.all_gather_s * 4, zero2.time.all_gather_s, 1e-9 * zero2.time.all_gather_s);
+  EXPECT_LT(kept.time.exposed_comm_s, zero2.time.exposed_comm_s);
+  EXPECT_GT(kept.memory.total, full.memory.total);
+  EXPECT_THAT(kept.runs_as, ::testing::HasSubstr("kept through the step"));
+}
+
 TEST(MemoryTest, PaddingOfDim0Sharding) {
   // vocab 257 over 4 shards: 65 rows each, 3 padding rows of dim 128 in the tied embedding;
   // every other dim-0 (128, 512, 64 positions, biases) divides by 4.
