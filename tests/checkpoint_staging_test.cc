@@ -25,12 +25,6 @@
 namespace fsdp {
 namespace {
 
-#define FSDP_SKIP_WITHOUT_GPU()                                                            \
-  if (CudaDeviceCount() == 0) {                                                            \
-    GTEST_SKIP() << (IsCudaBuild() ? "no CUDA device visible on this machine"              \
-                                   : "CPU-only build (CUDA toolkit did not match torch)"); \
-  }
-
 int64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
 TEST(CheckpointStagingTest, ReusesHostBuffersAcrossSnapshots) {

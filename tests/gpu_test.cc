@@ -18,12 +18,6 @@
 namespace fsdp {
 namespace {
 
-#define FSDP_SKIP_WITHOUT_GPU()                                                           \
-  if (CudaDeviceCount() == 0) {                                                           \
-    GTEST_SKIP() << (IsCudaBuild() ? "no CUDA device visible on this machine"              \
-                                   : "CPU-only build (CUDA toolkit did not match torch)"); \
-  }
-
 TEST(GpuTest, NcclAllReduceWorldSizeOne) {
   FSDP_SKIP_WITHOUT_GPU();
   DistOptions options = testing::TestDistOptions();
