@@ -16,6 +16,7 @@
 #include <torch/cuda.h>
 
 #include "bench/bench.h"
+#include "bench/runs.h"
 #include "engine/config.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/rms_norm.h"
@@ -53,8 +54,7 @@ double MedianMs(const std::function<void()>& fn, c10::Device device, int warmup,
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
                      .count());
   }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return Median(std::move(ms));  // bench/runs.h
 }
 
 // Forward + backward of `f` on fresh leaves cloned from `inputs`, with ones as the upstream
