@@ -19,6 +19,7 @@
 #include "common/strings.h"
 #include "launcher/worker_group.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -31,10 +32,7 @@ using testing::SourceDir;
 
 namespace fs = std::filesystem;
 
-struct TrainRun {
-  CommandResult result;
-  std::map<int64_t, double> losses;  // by step
-};
+using testing::TrainRun;
 
 constexpr int64_t kGlobalBatch = 12;  // divisible by 2, 3 and 4 ranks
 
@@ -44,25 +42,13 @@ TrainRun Train(const std::string& dir, int world, const std::string& strategy,
   std::string replicate = "1", shard = "-1";
   if (strategy == "no_shard") replicate = "-1", shard = "1";
   if (strategy == "hybrid_shard") replicate = "2", shard = "-1";
-  std::vector<std::string> argv = {
-      FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set", "run.dir=" + dir,
-      "--set", "metrics.progress_bar=off", "--set", "training.steps=8", "--set",
-      "training.log_interval=1", "--set", "training.eval_interval=0", "--set",
-      StrCat("parallelism.nproc=", world), "--set",
-      StrCat("training.micro_batch_size=", kGlobalBatch / world), "--set",
-      "parallelism.strategy=" + strategy, "--set",
-      "parallelism.data_parallel_replicate_degree=" + replicate, "--set",
-      "parallelism.data_parallel_shard_degree=" + shard, "--set", "model.n_layers=2"};
-  for (const std::string& s : extra) argv.insert(argv.end(), {"--set", s});
-  TrainRun run;
-  run.result = RunCommand(argv, env, std::chrono::seconds(180));
-  std::ifstream in(dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json r = nlohmann::json::parse(line);
-    if (r.contains("loss") && !r["loss"].is_null()) run.losses[r["step"]] = r["loss"].get<double>();
-  }
-  return run;
+  std::vector<std::string> sets = {
+      "training.steps=8", "training.log_interval=1", "training.eval_interval=0",
+      StrCat("parallelism.nproc=", world), StrCat("training.micro_batch_size=", kGlobalBatch / world),
+      "parallelism.strategy=" + strategy, "parallelism.data_parallel_replicate_degree=" + replicate,
+      "parallelism.data_parallel_shard_degree=" + shard, "model.n_layers=2"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return testing::RunTrain(SourceDir() + "/configs/default.yaml", dir, sets, env);
 }
 
 TEST(CheckpointResumeTest, ResumedLossesEqualTheUninterruptedRunBitwise) {

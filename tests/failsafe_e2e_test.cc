@@ -16,6 +16,7 @@
 
 #include "common/strings.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -32,25 +33,12 @@ using Clock = std::chrono::steady_clock;
 // `fsdp train` of the tiny default model (2 layers) on `world` CPU ranks.
 CommandResult Train(const std::string& dir, int world, std::vector<std::string> sets,
                     std::map<std::string, std::string> env = {}) {
-  std::vector<std::string> argv = {FsdpBinary(),
-                                   "train",
-                                   SourceDir() + "/configs/default.yaml",
-                                   "--set",
-                                   "run.dir=" + dir,
-                                   "--set",
-                                   "metrics.progress_bar=off",
-                                   "--set",
-                                   "training.log_interval=1",
-                                   "--set",
-                                   "training.eval_interval=0",
-                                   "--set",
-                                   StrCat("parallelism.nproc=", world),
-                                   "--set",
-                                   "training.micro_batch_size=2",
-                                   "--set",
-                                   "model.n_layers=2"};
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  return RunCommand(argv, env, std::chrono::seconds(120));
+  sets.insert(sets.begin(), {"training.log_interval=1", "training.eval_interval=0",
+                             StrCat("parallelism.nproc=", world), "training.micro_batch_size=2",
+                             "model.n_layers=2"});
+  return testing::RunTrain(SourceDir() + "/configs/default.yaml", dir, sets, env,
+                           std::chrono::seconds(120))
+      .result;
 }
 
 // No rank may end through std::terminate / abort.

@@ -22,6 +22,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/strings.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -67,21 +68,18 @@ Metrics ReadMetrics(const std::string& run_dir) {
 // `fsdp train configs/llama_from_hf.yaml` (what the README shows) on 2 CPU ranks, on `tokens`.
 CommandResult Train(const std::string& run_dir, const std::string& tokens,
                     std::vector<std::string> extra) {
-  std::vector<std::string> argv = {FsdpBinary(), "train",
-                                   SourceDir() + "/configs/llama_from_hf.yaml"};
-  std::vector<std::string> sets = {"run.dir=" + run_dir,
-                                   StrCat("model.seq_len=", kSeqLen),
+  std::vector<std::string> sets = {StrCat("model.seq_len=", kSeqLen),
                                    "data.source=tokens",
                                    "data.path=" + tokens,
                                    StrCat("training.micro_batch_size=", kMicroBatch),
                                    "training.log_interval=1",
                                    "training.eval_interval=0",
                                    StrCat("parallelism.nproc=", kRanks),
-                                   "metrics.progress_bar=off",
                                    "checkpoint.enabled=false"};
   sets.insert(sets.end(), extra.begin(), extra.end());
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  return RunCommand(argv, {}, std::chrono::seconds(120));
+  return testing::RunTrain(SourceDir() + "/configs/llama_from_hf.yaml", run_dir, sets, {},
+                           std::chrono::seconds(120))
+      .result;
 }
 
 class HfLlamaTest : public ::testing::Test {

@@ -16,6 +16,7 @@
 #include "common/strings.h"
 #include "sharding/fsdp_model.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 #include "tests/tiny_gpt.h"
 
 namespace fsdp {
@@ -199,38 +200,14 @@ using testing::RunCommand;
 using testing::SourceDir;
 namespace fs = std::filesystem;
 
-struct TrainRun {
-  CommandResult result;
-  std::map<int64_t, double> losses;  // by step
-  nlohmann::json rank0_stats;
-};
+using testing::TrainRun;
 
 // configs/default.yaml on 2 ranks, 6 steps, 2 micro-batches per step.
 TrainRun FsdpTrain(const std::string& dir, std::vector<std::string> sets) {
-  std::vector<std::string> argv = {FsdpBinary(),
-                                   "train",
-                                   SourceDir() + "/configs/default.yaml",
-                                   "--set",
-                                   "run.dir=" + dir,
-                                   "--set",
-                                   "metrics.progress_bar=off"};
-  for (const char* s : {"training.steps=6", "training.log_interval=1", "training.eval_interval=0",
-                        "parallelism.nproc=2", "training.micro_batch_size=2",
-                        "training.grad_accum_steps=2", "model.n_layers=2"}) {
-    argv.insert(argv.end(), {"--set", s});
-  }
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  TrainRun run;
-  run.result = RunCommand(argv, {}, std::chrono::seconds(180));
-  std::ifstream in(dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json r = nlohmann::json::parse(line);
-    if (r.contains("loss") && !r["loss"].is_null()) run.losses[r["step"]] = r["loss"].get<double>();
-  }
-  std::ifstream stats(dir + "/rank_stats/rank0.json");
-  if (stats) run.rank0_stats = nlohmann::json::parse(stats);
-  return run;
+  sets.insert(sets.begin(), {"training.steps=6", "training.log_interval=1", "training.eval_interval=0",
+                             "parallelism.nproc=2", "training.micro_batch_size=2",
+                             "training.grad_accum_steps=2", "model.n_layers=2"});
+  return testing::RunTrain(SourceDir() + "/configs/default.yaml", dir, sets);
 }
 
 std::set<std::string> CheckpointKeys(const std::string& dir) {

@@ -22,6 +22,7 @@
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -38,12 +39,7 @@ constexpr int kSteps = 3;
 constexpr int kMicroBatches = 4;
 constexpr int kLayers = 2;  // units: 2 blocks and the root
 
-struct TrainRun {
-  CommandResult result;
-  std::map<int64_t, double> losses;          // by step
-  std::vector<nlohmann::json> step_records;  // the records with a loss
-  nlohmann::json rank0;                      // rank_stats/rank0.json
-};
+using testing::TrainRun;
 
 // `fsdp train` of the tiny default model on 2 ranks, 4 micro-batches per step, a checkpoint at
 // the end (and every `extra` asks for).
@@ -52,7 +48,7 @@ TrainRun Train(const std::string& dir, const std::string& strategy,
                std::vector<std::string> extra, const std::map<std::string, std::string>& env = {}) {
   const bool ddp = strategy == "no_shard";
   std::vector<std::string> sets = {
-      "run.dir=" + dir, "metrics.progress_bar=off", StrCat("training.steps=", kSteps),
+      StrCat("training.steps=", kSteps),
       "training.log_interval=2", "training.eval_interval=0", "parallelism.nproc=2",
       "training.micro_batch_size=2", StrCat("training.grad_accum_steps=", kMicroBatches),
       "parallelism.strategy=" + strategy,
@@ -63,26 +59,14 @@ TrainRun Train(const std::string& dir, const std::string& strategy,
       // a near-zero gradient can move a parameter.
       "optimizer.eps=1e-6", "checkpoint.enabled=true"};
   sets.insert(sets.end(), extra.begin(), extra.end());
-  std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml"};
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  TrainRun run;
-  run.result = RunCommand(argv, env, std::chrono::seconds(120));
-  std::ifstream in(dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json r = nlohmann::json::parse(line);
-    if (!r.contains("loss")) continue;
-    run.losses[r["step"].get<int64_t>()] = r["loss"].get<double>();
-    run.step_records.push_back(r);
-  }
-  std::ifstream stats(dir + "/rank_stats/rank0.json");
-  if (stats) run.rank0 = nlohmann::json::parse(stats, nullptr, /*allow_exceptions=*/false);
-  return run;
+  return testing::RunTrain(SourceDir() + "/configs/default.yaml", dir, sets, env,
+                           std::chrono::seconds(120));
 }
 
 // Rank 0's count of a collective kind ("calls" or "bytes"); -1 without the statistics file.
 int64_t Comm(const TrainRun& run, const std::string& kind, const std::string& what = "calls") {
-  if (!run.rank0.is_object()) return -1;
-  return run.rank0.value(nlohmann::json::json_pointer("/comm/" + kind + "/" + what), int64_t{-1});
+  if (!run.rank0_stats.is_object()) return -1;
+  return run.rank0_stats.value(nlohmann::json::json_pointer("/comm/" + kind + "/" + what), int64_t{-1});
 }
 
 // Every model tensor of the newest checkpoint under <dir>/checkpoints, whole, by name.
@@ -148,8 +132,8 @@ TEST_P(GradSyncTest, LastEqualsEveryWithOneReductionPerUnitPerStep) {
 
   // One reduction per unit per micro-batch, against one per unit per step.
   const int64_t units = kLayers + 1;
-  EXPECT_EQ(Comm(every, c.reduce_kind), kSteps * kMicroBatches * units) << every.rank0.dump();
-  EXPECT_EQ(Comm(last, c.reduce_kind), kSteps * units) << last.rank0.dump();
+  EXPECT_EQ(Comm(every, c.reduce_kind), kSteps * kMicroBatches * units) << every.rank0_stats.dump();
+  EXPECT_EQ(Comm(last, c.reduce_kind), kSteps * units) << last.rank0_stats.dump();
   EXPECT_LT(Comm(last, c.reduce_kind, "bytes"), Comm(every, c.reduce_kind, "bytes"));
   fs::remove_all(every_dir);
   fs::remove_all(last_dir);
@@ -204,7 +188,7 @@ TEST(FreezeTest, FrozenTensorsKeepTheirValuesOthersTrainAndResumeWorks) {
   EXPECT_GT(changed, 5);
   // layers.0 has no trainable parameter: no reduce-scatter; the root (mixed) and layers.1 do.
   EXPECT_EQ(Comm(straight, "reduce_scatter"), (kFrozenSteps - 1) * kMicroBatches * 2)
-      << straight.rank0.dump();
+      << straight.rank0_stats.dump();
 
   // Resume from the step-3 checkpoint in another run folder: the straight run's losses, bitwise.
   std::vector<std::string> resume_sets = frozen_sets;

@@ -3,6 +3,7 @@
 // the example program trains on 2 ranks.
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -14,6 +15,7 @@
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "tests/multirank.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -24,32 +26,21 @@ using testing::FsdpBinary;
 using testing::RunCommand;
 using testing::SourceDir;
 
-struct TrainRun {
+// One `fsdp train` of configs/<config> in a fresh folder (removed after): its output, each step's
+// loss in order (NaN where the record's loss is null) and every metrics record.
+struct TrainOutcome {
   CommandResult result;
   std::vector<double> losses;
   std::vector<nlohmann::json> records;
 };
 
-TrainRun Train(const std::string& config, std::vector<std::string> sets, const std::string& tag,
-               const std::vector<std::string>& flags = {}) {
+TrainOutcome Train(const std::string& config, std::vector<std::string> sets, const std::string& tag,
+                   const std::vector<std::string>& flags = {}) {
   std::string dir = FreshTempDir(tag);
-  std::vector<std::string> argv = {FsdpBinary(), "train", SourceDir() + "/configs/" + config,
-                                   "--set", "run.dir=" + dir, "--set", "metrics.progress_bar=off"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  TrainRun run;
-  run.result = RunCommand(argv, {}, std::chrono::seconds(240));
-  std::ifstream in(dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json record = nlohmann::json::parse(line);
-    if (record.contains("loss")) {  // JSON has no NaN: non-finite values are written as null
-      run.losses.push_back(record["loss"].is_null() ? std::nan("") : record["loss"].get<double>());
-    }
-    run.records.push_back(record);
-  }
+  testing::TrainRun run = testing::RunTrain(SourceDir() + "/configs/" + config, dir, sets, {},
+                                            std::chrono::seconds(240), flags);
   std::filesystem::remove_all(dir);
-  return run;
+  return {run.result, testing::LossSeries(run), run.records};
 }
 
 std::vector<std::string> Common(int world, int global_batch = 8) {
@@ -73,12 +64,12 @@ TEST_P(TrainStrategyTest, LossesEqualTheOneRankRun) {
   one.insert(one.end(), {"parallelism.strategy=full_shard",
                          "parallelism.data_parallel_replicate_degree=1",
                          "parallelism.data_parallel_shard_degree=-1"});
-  TrainRun reference = Train(c.config, one, "ref");
+  TrainOutcome reference = Train(c.config, one, "ref");
   ASSERT_TRUE(reference.result.exit.ok()) << reference.result.Output();
   std::vector<std::string> sets = Common(c.world);
   // hybrid_shard.yaml is 2 x 2; on 2 ranks the shard degree is inferred (2 x 1).
   if (c.config == "hybrid_shard.yaml") sets.push_back("parallelism.data_parallel_shard_degree=-1");
-  TrainRun run = Train(c.config, sets, StrCat("w", c.world));
+  TrainOutcome run = Train(c.config, sets, StrCat("w", c.world));
   ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
   ASSERT_EQ(run.losses.size(), 6u) << run.result.Output();
   ASSERT_EQ(reference.losses.size(), 6u);
@@ -116,9 +107,9 @@ TEST(TrainTest, UnwrappedModelMatchesOneRankFsdp) {
     sets.insert(sets.end(), {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
                              "model.positions=rope", "model.tie_embeddings=false",
                              StrCat("training.mixed_precision=", precision)});
-    TrainRun fsdp = Train("default.yaml", sets, StrCat("fsdp-", precision));
+    TrainOutcome fsdp = Train("default.yaml", sets, StrCat("fsdp-", precision));
     sets.push_back("parallelism.strategy=none");
-    TrainRun plain = Train("default.yaml", sets, StrCat("plain-", precision));
+    TrainOutcome plain = Train("default.yaml", sets, StrCat("plain-", precision));
     ASSERT_TRUE(fsdp.result.exit.ok()) << fsdp.result.Output();
     ASSERT_TRUE(plain.result.exit.ok()) << plain.result.Output();
     ASSERT_EQ(plain.losses.size(), 6u) << plain.result.Output();
@@ -141,8 +132,8 @@ TEST(TrainTest, DeterministicModeRunsAndRepeatsBitwise) {
   sets.insert(sets.end(), {"model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
                            "model.positions=rope", "model.tie_embeddings=false",
                            "training.deterministic=true"});
-  TrainRun a = Train("default.yaml", sets, "det-a");
-  TrainRun b = Train("default.yaml", sets, "det-b");
+  TrainOutcome a = Train("default.yaml", sets, "det-a");
+  TrainOutcome b = Train("default.yaml", sets, "det-b");
   ASSERT_TRUE(a.result.exit.ok()) << a.result.Output();
   ASSERT_TRUE(b.result.exit.ok()) << b.result.Output();
   ASSERT_EQ(a.losses.size(), 6u);
@@ -150,11 +141,11 @@ TEST(TrainTest, DeterministicModeRunsAndRepeatsBitwise) {
 }
 
 TEST(TrainTest, UnwrappedModelNeedsOneRankAndNoCheckpoints) {
-  TrainRun two = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=2"}, "plain2");
+  TrainOutcome two = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=2"}, "plain2");
   EXPECT_NE(two.result.exit.code, 0) << two.result.Output();
   EXPECT_TRUE(two.result.StderrHas("parallelism.strategy none trains the plain model on one rank, not 2"))
       << two.result.Output();
-  TrainRun ckpt = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=1",
+  TrainOutcome ckpt = Train("default.yaml", {"parallelism.strategy=none", "parallelism.nproc=1",
                                          "checkpoint.enabled=true"},
                         "plainckpt");
   EXPECT_EQ(ckpt.result.exit.code, 2) << ckpt.result.Output();
@@ -164,7 +155,7 @@ TEST(TrainTest, UnwrappedModelNeedsOneRankAndNoCheckpoints) {
 }
 
 TEST(TrainTest, DefaultConfigLossFalls) {
-  TrainRun run = Train("default.yaml", {"training.steps=60", "training.log_interval=20"}, "default");
+  TrainOutcome run = Train("default.yaml", {"training.steps=60", "training.log_interval=20"}, "default");
   ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
   ASSERT_EQ(run.losses.size(), 60u);
   EXPECT_LT(run.losses.back(), run.losses.front() - 1.0) << run.result.Output();
@@ -175,7 +166,7 @@ TEST(TrainTest, DefaultConfigLossFalls) {
 TEST(TrainTest, QuietKeepsTheStepLinesAndMfuNeedsACpuPeak) {
   const std::vector<std::string> sets = {"training.steps=4", "training.log_interval=2",
                                          "training.eval_interval=0", "parallelism.nproc=2"};
-  TrainRun quiet = Train("default.yaml", sets, "quiet", {"--quiet"});
+  TrainOutcome quiet = Train("default.yaml", sets, "quiet", {"--quiet"});
   ASSERT_TRUE(quiet.result.exit.ok()) << quiet.result.Output();
   EXPECT_FALSE(quiet.result.StdoutHas("resolved configuration")) << quiet.result.Output();
   EXPECT_FALSE(quiet.result.StdoutHas("fsdp train: default on 2 rank(s)")) << quiet.result.Output();
@@ -194,7 +185,7 @@ TEST(TrainTest, QuietKeepsTheStepLinesAndMfuNeedsACpuPeak) {
   // metrics.print_config: false drops only the dump; a CPU peak gives MFU figures.
   std::vector<std::string> with_peak = sets;
   with_peak.insert(with_peak.end(), {"metrics.print_config=false", "metrics.cpu_peak_flops=1e9"});
-  TrainRun run = Train("default.yaml", with_peak, "peak");
+  TrainOutcome run = Train("default.yaml", with_peak, "peak");
   ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
   EXPECT_FALSE(run.result.StdoutHas("resolved configuration")) << run.result.Output();
   EXPECT_TRUE(run.result.StdoutHas("fsdp train: default on 2 rank(s)")) << run.result.Output();
@@ -227,14 +218,14 @@ TEST(TrainTest, CudaConfigWithoutGpuSaysWhatToSet) {
 }
 
 TEST(TrainTest, BadConfigurationExitsWithTheKey) {
-  TrainRun run = Train("default.yaml", {"training.stpes=5"}, "bad");
+  TrainOutcome run = Train("default.yaml", {"training.stpes=5"}, "bad");
   EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
   EXPECT_TRUE(run.result.StderrHas("training.stpes")) << run.result.Output();
   EXPECT_TRUE(run.result.StderrHas("did you mean 'steps'")) << run.result.Output();
 }
 
 TEST(TrainTest, NonFiniteLossStopsNamingTheStep) {
-  TrainRun run = Train("default.yaml",
+  TrainOutcome run = Train("default.yaml",
                        {"training.steps=20", "optimizer.lr=1e12", "lr_scheduler.warmup_steps=0",
                         "lr_scheduler.min_lr=0", "training.max_grad_norm=0",
                         "training.log_interval=1", "parallelism.nproc=1"},
@@ -257,7 +248,7 @@ TEST(TrainTest, SkippedStepsAreRecordedAndDivergenceStops) {
                                       "training.on_nonfinite=skip", "training.eval_interval=0"};
   std::vector<std::string> short_run = blow_up;
   short_run.push_back("training.steps=6");
-  TrainRun run = Train("default.yaml", short_run, "skip");
+  TrainOutcome run = Train("default.yaml", short_run, "skip");
   ASSERT_EQ(run.result.exit.code, 0) << run.result.Output();
   ASSERT_EQ(run.losses.size(), 6u) << "one record per step, skipped ones included";
   int skipped = 0;
@@ -273,7 +264,7 @@ TEST(TrainTest, SkippedStepsAreRecordedAndDivergenceStops) {
 
   std::vector<std::string> long_run = blow_up;
   long_run.push_back("training.steps=16");
-  TrainRun diverged = Train("default.yaml", long_run, "skip-diverged");
+  TrainOutcome diverged = Train("default.yaml", long_run, "skip-diverged");
   EXPECT_NE(diverged.result.exit.code, 0) << diverged.result.Output();
   EXPECT_TRUE(diverged.result.StderrHas("updates in a row skipped")) << diverged.result.Output();
   EXPECT_LT(diverged.losses.size(), 16u);
@@ -303,7 +294,7 @@ TEST(TrainTest, MultiDocumentYamlAndAbsurdNprocAreRefused) {
   CommandResult two = RunCommand({FsdpBinary(), "train", dir + "/two.yaml"});
   EXPECT_EQ(two.exit.code, 2) << two.Output();
   EXPECT_TRUE(two.StderrHas("the file holds 2 YAML documents")) << two.Output();
-  TrainRun many = Train("default.yaml", {"parallelism.nproc=100000"}, "nproc");
+  TrainOutcome many = Train("default.yaml", {"parallelism.nproc=100000"}, "nproc");
   EXPECT_EQ(many.result.exit.code, 2) << many.result.Output();
   EXPECT_TRUE(many.result.StderrHas("pass --oversubscribe")) << many.result.Output();
   std::filesystem::remove_all(dir);
