@@ -279,10 +279,10 @@ void ConfigureDeterminism() {
   context.setSDPUseCuDNN(false);
 }
 
-// model.kernels as it resolves on `device` (auto: fused on CUDA, composite elsewhere).
+// model.kernels as it resolves on `device`, "(auto)" after it when the config left the choice.
 std::string KernelsLabel(KernelMode mode, c10::Device device) {
-  if (mode != KernelMode::kAuto) return KernelModeName(mode);
-  return device.is_cuda() ? "fused (auto)" : "composite (auto)";
+  const char* resolved = KernelModeName(ResolveKernelMode(mode, device.is_cuda()));
+  return mode == KernelMode::kAuto ? StrCat(resolved, " (auto)") : resolved;
 }
 
 }  // namespace

@@ -47,6 +47,9 @@ enum class Positions { kLearned, kRope };
 //   composite  ATen's composite ops everywhere (the arithmetic of the PyTorch eager model).
 enum class KernelMode { kAuto, kFused, kComposite };
 const char* KernelModeName(KernelMode mode);
+// What `mode` means for work on a GPU (`on_cuda`) or on the CPU: fused or composite. The one place
+// auto is decided: the model's layers (per tensor), the start line and the planner all ask here.
+KernelMode ResolveKernelMode(KernelMode mode, bool on_cuda);
 
 // The YAML `model` section's shape keys, typed (engine/config.cc parses the names).
 struct ModelArgs {

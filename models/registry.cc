@@ -36,6 +36,11 @@ const char* KernelModeName(KernelMode mode) {
   return "?";
 }
 
+KernelMode ResolveKernelMode(KernelMode mode, bool on_cuda) {
+  if (mode != KernelMode::kAuto) return mode;
+  return on_cuda ? KernelMode::kFused : KernelMode::kComposite;
+}
+
 at::Tensor Model::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
   at::Tensor logits = Forward(tokens);
   return at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());

@@ -289,12 +289,10 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   }
   mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
                         (num_blocks > 0 ? block * cb + block * rb : 0);
-  // model.kernels as it resolves on this hardware (auto: fused on a GPU, composite on a CPU):
-  // the fused kernels keep less per token (Note [Activation bytes] in gpt_counts.cc).
+  // model.kernels as it resolves on this hardware (a profile with CPU cores per node is a CPU
+  // machine): the fused kernels keep less per token (Note [Activation bytes] in gpt_counts.cc).
   ModelArgs resolved = model;
-  if (resolved.kernels == KernelMode::kAuto) {
-    resolved.kernels = hw.cores_per_node > 0 ? KernelMode::kComposite : KernelMode::kFused;
-  }
+  resolved.kernels = ResolveKernelMode(model.kernels, /*on_cuda=*/hw.cores_per_node == 0);
   const Activations acts =
       CheckpointedActivations(resolved, family, counts, ac, num_blocks, cb);
   mem.activations = tokens_micro * acts.peak;

@@ -277,6 +277,11 @@ TEST(GptKernelsTest, AutoIsCompositeOnTheCpu) {
   EXPECT_FALSE(UseFusedKernels(KernelMode::kAuto, x));
   EXPECT_TRUE(UseFusedKernels(KernelMode::kFused, x));
   EXPECT_FALSE(UseFusedKernels(KernelMode::kComposite, x));
+  // The rule itself, for the device a tensor or a plan is on.
+  EXPECT_EQ(ResolveKernelMode(KernelMode::kAuto, /*on_cuda=*/true), KernelMode::kFused);
+  EXPECT_EQ(ResolveKernelMode(KernelMode::kAuto, /*on_cuda=*/false), KernelMode::kComposite);
+  EXPECT_EQ(ResolveKernelMode(KernelMode::kComposite, /*on_cuda=*/true), KernelMode::kComposite);
+  EXPECT_EQ(ResolveKernelMode(KernelMode::kFused, /*on_cuda=*/false), KernelMode::kFused);
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ bool HasAttention(const ModelArgs& c) { return c.arch != "mlp"; }
 bool HasBiases(const ModelArgs& c) { return c.arch == "gpt" || c.arch == "mlp"; }
 
 bool UseFusedKernels(KernelMode mode, const at::Tensor& x) {
-  return mode == KernelMode::kFused || (mode == KernelMode::kAuto && x.is_cuda());
+  return ResolveKernelMode(mode, x.is_cuda()) == KernelMode::kFused;
 }
 
 NormImpl::NormImpl(const GptConfig& c)
