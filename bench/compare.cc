@@ -42,7 +42,7 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
       {"backend", c.Value("parallelism.backend")},
       {"model",
        {{"arch", m.arch}, {"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers},
-        {"n_heads", m.n_heads}, {"seq_len", m.seq_len}, {"ffn_hidden", m.ffn_hidden},
+        {"n_heads", m.n_heads}, {"n_kv_heads", m.n_kv_heads}, {"seq_len", m.seq_len}, {"ffn_hidden", m.ffn_hidden},
         {"norm", c.Value("model.norm")}, {"activation", c.Value("model.activation")}, {"positions", c.Value("model.positions")},
         {"tie_embeddings", m.tie_embeddings}, {"norm_eps", m.norm_eps},
         {"rope_theta", m.rope_theta}}},

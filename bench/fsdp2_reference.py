@@ -83,6 +83,7 @@ class Config:
         self.dim = int(m.get("dim", 128))
         self.n_layers = int(m.get("n_layers", 4))
         self.n_heads = int(m.get("n_heads", 4))
+        self.n_kv_heads = int(m.get("n_kv_heads", 0)) or self.n_heads  # ModelArgs::kv_heads()
         self.seq_len = int(m.get("seq_len", 64))
         self.ffn_hidden = int(m.get("ffn_hidden", 0))
         self.norm = m.get("norm", "layernorm")
@@ -101,9 +102,15 @@ class Config:
             die(f"model.positions '{self.positions}' is not valid; valid: learned, rope")
         if self.dim % self.n_heads != 0:
             die(f"model.dim {self.dim} is not a multiple of model.n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            die(f"model.n_heads {self.n_heads} is not a multiple of model.n_kv_heads "
+                f"{self.n_kv_heads}")
 
     def head_dim(self):
         return self.dim // self.n_heads
+
+    def kv_dim(self):  # rows of wk and wv
+        return self.n_kv_heads * self.head_dim()
 
     def ffn(self):  # GptConfig::ffn()
         if self.ffn_hidden > 0:
@@ -158,25 +165,28 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.n_heads, self.head_dim = c.n_heads, c.head_dim()
-        for n in ("wq", "wk", "wv", "wo"):
-            _param(self, n, (c.dim, c.dim))
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim()
+        for n, rows in (("wq", c.dim), ("wk", c.kv_dim()), ("wv", c.kv_dim()), ("wo", c.dim)):
+            _param(self, n, (rows, c.dim))
         self.has_bias = c.biases()
         if self.has_bias:
-            for n in ("bq", "bk", "bv", "bo"):
-                _param(self, n, (c.dim,))
+            for n, rows in (("bq", c.dim), ("bk", c.kv_dim()), ("bv", c.kv_dim()), ("bo", c.dim)):
+                _param(self, n, (rows,))
 
     def forward(self, x, cos, sin):
         b, t = x.size(0), x.size(1)
         bias = (lambda n: getattr(self, n)) if self.has_bias else (lambda n: None)
         q = _linear(x, self.wq, bias("bq")).view(b, t, self.n_heads, self.head_dim)
-        k = _linear(x, self.wk, bias("bk")).view(b, t, self.n_heads, self.head_dim)
-        v = _linear(x, self.wv, bias("bv")).view(b, t, self.n_heads, self.head_dim)
+        k = _linear(x, self.wk, bias("bk")).view(b, t, self.n_kv_heads, self.head_dim)
+        v = _linear(x, self.wv, bias("bv")).view(b, t, self.n_kv_heads, self.head_dim)
         if cos is not None:
             q = _rotate(q, cos, sin)
             k = _rotate(k, cos, sin)
+        # Grouped-query attention as models/gpt/gpt.cc runs it: SDPA's enable_gqa maps query
+        # head h to key/value head h // (n_heads // n_kv_heads).
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), None, 0.0, is_causal=True)
+                                           v.transpose(1, 2), None, 0.0, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return _linear(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim),
                        self.wo, bias("bo"))
 

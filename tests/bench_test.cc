@@ -156,8 +156,10 @@ INSTANTIATE_TEST_SUITE_P(
         CompareCase{"gpt_full_shard", 2, {}},
         CompareCase{"gpt_one_rank_with_unwrapped", 1, {}},
         // The per-tensor optimizer on both sides (fsdp.cpp's default is fused).
+        // Grouped-query attention: 4 query heads over 2 key/value heads.
         CompareCase{"llama_shard_grad_op_per_tensor_adamw", 2,
-                    {"optimizer.implementation=per_tensor", "model.arch=llama", "model.norm=rmsnorm", "model.activation=swiglu",
+                    {"optimizer.implementation=per_tensor", "model.arch=llama", "model.n_kv_heads=2",
+                     "model.norm=rmsnorm", "model.activation=swiglu",
                      "model.positions=rope", "model.tie_embeddings=false",
                      "parallelism.strategy=shard_grad_op", "training.grad_accum_steps=2",
                      "training.micro_batch_size=4"}}),
