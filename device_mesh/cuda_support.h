@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include <c10/core/Allocator.h>
@@ -41,6 +42,10 @@ int64_t CudaAllocatedBytes(int index);  // currently allocated
 void CudaResetPeakMemory(int index);
 // Makes `index` this thread's current CUDA device.
 absl::Status SetCudaDevice(int index);
+// An event recorded now on the current CUDA stream of the current device, as a query of whether
+// the stream has passed it (callable from any thread). nullptr in a CPU-only build or without a
+// GPU. Holds no tensor.
+std::function<bool()> MarkCurrentCudaStream();
 
 // `bytes` of page-locked host memory (cudaHostAlloc), which non_blocking copies to and from a
 // GPU move by DMA, freed with the returned DataPtr. Exactly the size asked: libtorch's pinned

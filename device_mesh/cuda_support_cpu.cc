@@ -12,6 +12,7 @@ std::string CudaRuntimeVersion() { return "none"; }
 std::string NcclVersion() { return "none"; }
 
 void CudaSynchronize() {}
+std::function<bool()> MarkCurrentCudaStream() { return nullptr; }
 int64_t CudaPeakAllocatedBytes(int) { return 0; }
 int64_t CudaAllocatedBytes(int) { return 0; }
 void CudaResetPeakMemory(int) {}

@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
@@ -37,6 +39,13 @@ std::string NcclVersion() { return c10d::getNcclVersion(); }
 
 void CudaSynchronize() {
   if (CudaDeviceCount() > 0) c10::cuda::device_synchronize();
+}
+
+std::function<bool()> MarkCurrentCudaStream() {
+  if (CudaDeviceCount() == 0) return nullptr;
+  auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+  event->record(at::cuda::getCurrentCUDAStream());
+  return [event] { return event->query(); };
 }
 
 int64_t CudaPeakAllocatedBytes(int index) {

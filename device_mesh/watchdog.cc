@@ -12,6 +12,7 @@
 #include "common/env_knobs.h"
 #include "common/failure.h"
 #include "common/strings.h"
+#include "device_mesh/cuda_support.h"
 
 namespace fsdp {
 namespace {
@@ -48,7 +49,11 @@ class RecordedWork : public c10d::Work {
       FlightRecorder::Get().WaitEnds(seq_, false);
       throw;
     }
-    FlightRecorder::Get().WaitEnds(seq_, true);
+    // NCCL's wait() returns once the current stream waits on the collective: an event behind
+    // it on that stream tells the watchdog when it has run (Note [Device collectives are
+    // watched to completion]).
+    FlightRecorder::Get().WaitEnds(seq_, true,
+                                   inner_->isCompleted() ? nullptr : MarkCurrentCudaStream());
     return done;
   }
   bool isCompleted() override { return inner_->isCompleted(); }
@@ -105,6 +110,8 @@ std::string_view CollectiveStateName(CollectiveState s) {
       return "issued";
     case CollectiveState::kWaiting:
       return "waiting";
+    case CollectiveState::kOnDevice:
+      return "on_device";
     case CollectiveState::kCompleted:
       return "completed";
     case CollectiveState::kFailed:
@@ -156,13 +163,57 @@ void FlightRecorder::WaitBegins(int64_t seq) {
   }
 }
 
-void FlightRecorder::WaitEnds(int64_t seq, bool ok) {
+// Note [Device collectives are watched to completion]
+// With Gloo, wait() returns when the collective is done, so "waiting too long" is the whole
+// test. With NCCL, wait() returns at once (the current stream now waits on the collective's
+// stream) and a peer that never arrives leaves the collective queued on the GPU while the host
+// runs ahead, queueing more work, until something reads a result and blocks in a CUDA
+// synchronize no watchdog of ours sees. So a wait() that returns before its work has completed
+// leaves the record kOnDevice, with a query of a CUDA event recorded on the current stream right
+// after the wait (the stream passes it only once the collective has run; the event holds no
+// tensor, where keeping the Work would keep its output buffers alive). The watchdog thread polls
+// those every few hundred ms; the timeout counts from the wait's start as for a host wait, and a
+// stuck one fires the same named failure. Only works not complete when wait() returns get an
+// event, so Gloo pays one isCompleted() per wait and nothing after.
+void FlightRecorder::WaitEnds(int64_t seq, bool ok, std::function<bool()> device_done) {
+  const bool on_device = ok && device_done && !device_done();
   std::lock_guard<std::mutex> lock(mu_);
-  if (CollectiveRecord* r = Find(seq); r != nullptr && r->state == CollectiveState::kWaiting) {
-    r->state = ok ? CollectiveState::kCompleted : CollectiveState::kFailed;
-    r->end_s = Now();
+  CollectiveRecord* r = Find(seq);
+  if (r == nullptr || r->state != CollectiveState::kWaiting) return;
+  if (on_device) {
+    r->state = CollectiveState::kOnDevice;
+    on_device_[seq] = {*r, std::move(device_done)};
+    return;
+  }
+  r->state = ok ? CollectiveState::kCompleted : CollectiveState::kFailed;
+  r->end_s = Now();
+  ++completed_;
+}
+
+void FlightRecorder::PollDevice() {
+  std::vector<std::pair<int64_t, std::function<bool()>>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [seq, d] : on_device_) pending.emplace_back(seq, d.done);
+  }
+  std::vector<int64_t> done;  // queried without the lock: a CUDA event query may take a while
+  for (const auto& [seq, query] : pending) {
+    if (query()) done.push_back(seq);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t seq : done) {
+    on_device_.erase(seq);
+    if (CollectiveRecord* r = Find(seq); r != nullptr && r->state == CollectiveState::kOnDevice) {
+      r->state = CollectiveState::kCompleted;
+      r->end_s = Now();
+    }
     ++completed_;
   }
+}
+
+size_t FlightRecorder::on_device() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return on_device_.size();
 }
 
 void FlightRecorder::SetStep(int64_t step) {
@@ -180,6 +231,9 @@ std::optional<CollectiveRecord> FlightRecorder::OldestWaiting() const {
         (!oldest || r.wait_start_s < oldest->wait_start_s)) {
       oldest = r;
     }
+  }
+  for (const auto& [seq, d] : on_device_) {
+    if (!oldest || d.record.wait_start_s < oldest->wait_start_s) oldest = d.record;
   }
   return oldest;
 }
@@ -271,6 +325,7 @@ void Watchdog::Loop() {
       published_issued = issued;
       next_beat = std::chrono::steady_clock::now() + options_.heartbeat;
     }
+    FlightRecorder::Get().PollDevice();
     std::optional<CollectiveRecord> stuck = FlightRecorder::Get().OldestWaiting();
     const double timeout_s = std::chrono::duration<double>(options_.timeout).count();
     if (stuck && FlightRecorder::Get().Now() - stuck->wait_start_s > timeout_s) Fire(*stuck);
@@ -344,10 +399,14 @@ void Watchdog::Fire(const CollectiveRecord& stuck) {
                                             StrJoin(details, "; "));
   FailAndExit(rank_, FailureClass::kCollectiveTimeout,
               fmt::format("collective timeout: {} #{} ({}, step {}, {} bytes, group {} [{}]) did "
-                          "not complete within {:g} s; {}{}",
+                          "not complete within {:g} s{}; {}{}",
                           stuck.op, stuck.seq, unit, stuck.step, stuck.bytes, stuck.group,
                           StrJoin(stuck.ranks, ","),
-                          std::chrono::duration<double>(options_.timeout).count(), who, flight));
+                          std::chrono::duration<double>(options_.timeout).count(),
+                          stuck.state == CollectiveState::kOnDevice
+                              ? " (queued on the device, never ran)"
+                              : "",
+                          who, flight));
 }
 
 }  // namespace fsdp

@@ -4,6 +4,9 @@
 // FlightRecorder (one per process) keeps the last kCapacity collectives issued through
 // ProcessGroup: op, group, unit (CollectiveTag), step (SetStep), bytes, issue / wait / end
 // times and state. ProcessGroup records every collective it issues; nothing else needs to.
+// A collective whose wait() returns before it has run (NCCL: wait() only makes the current
+// stream wait) stays watched "on device" until the backend reports it completed: Note [Device
+// collectives are watched to completion].
 //
 // Watchdog (started by DistContext when DistOptions::watchdog is set) publishes this rank's
 // progress to the store every heartbeat ("fsdp/<gen>/progress/<rank>": step, collectives
@@ -31,8 +34,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -43,7 +49,8 @@
 
 namespace fsdp {
 
-enum class CollectiveState { kIssued, kWaiting, kCompleted, kFailed };
+// kOnDevice: wait() returned but the collective has not run yet (queued on a GPU stream).
+enum class CollectiveState { kIssued, kWaiting, kOnDevice, kCompleted, kFailed };
 std::string_view CollectiveStateName(CollectiveState s);
 
 struct CollectiveRecord {
@@ -55,7 +62,7 @@ struct CollectiveRecord {
   int64_t step = 0;          // FlightRecorder::step() when issued
   int64_t bytes = 0;         // of the full buffer
   double issued_s = 0;       // seconds since the recorder started
-  double wait_start_s = -1;  // -1: not waited on yet
+  double wait_start_s = -1;  // -1: not waited on yet; the watchdog's clock starts here
   double end_s = -1;         // -1: not finished
   CollectiveState state = CollectiveState::kIssued;
 };
@@ -69,7 +76,11 @@ class FlightRecorder {
   int64_t Issue(std::string_view op, const std::string& group, const std::vector<int>& ranks,
                 int64_t bytes);
   void WaitBegins(int64_t seq);
-  void WaitEnds(int64_t seq, bool ok);
+  // `device_done`, when given and false right away, is how the watchdog learns later that the
+  // collective ran: the record stays kOnDevice (and watched) until a PollDevice sees it true.
+  void WaitEnds(int64_t seq, bool ok, std::function<bool()> device_done = nullptr);
+  // Completes the kOnDevice collectives whose device_done says so (the watchdog's thread).
+  void PollDevice();
   // The training step the next collectives belong to (1-based). Also the FSDP_TEST_SIGSTOP
   // fault injection point (common/env_knobs.h).
   void SetStep(int64_t step);
@@ -78,8 +89,10 @@ class FlightRecorder {
   int64_t issued() const { return issued_; }
   int64_t completed() const { return completed_; }
   double Now() const;
-  // The collective waited on for the longest time, if any is being waited on.
+  // The collective waited on for the longest time, if any is being waited on or still on the
+  // device (also one that has left the ring since).
   std::optional<CollectiveRecord> OldestWaiting() const;
+  size_t on_device() const;  // collectives waited on that have not run yet
   std::vector<CollectiveRecord> Snapshot() const;
   // {"rank", "step", "issued", "completed", "now_s", "collectives": [...oldest first]}.
   std::string ToJson(int rank) const;
@@ -91,6 +104,13 @@ class FlightRecorder {
   const std::chrono::steady_clock::time_point start_;
   mutable std::mutex mu_;
   std::deque<CollectiveRecord> ring_;
+  // The kOnDevice collectives by seq, each with its record (it may leave the ring first: a host
+  // can queue hundreds of collectives behind one that never runs) and its completion query.
+  struct OnDevice {
+    CollectiveRecord record;
+    std::function<bool()> done;
+  };
+  std::map<int64_t, OnDevice> on_device_;
   std::atomic<int64_t> step_{0};
   std::atomic<int64_t> issued_{0};
   std::atomic<int64_t> completed_{0};
