@@ -45,7 +45,15 @@ std::function<bool()> MarkCurrentCudaStream() {
   if (CudaDeviceCount() == 0) return nullptr;
   auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
   event->record(at::cuda::getCurrentCUDAStream());
-  return [event] { return event->query(); };
+  // A CUDA error here (a kernel that faulted) is the training thread's to report: the query
+  // then says "passed" rather than throwing out of the watchdog's thread.
+  return [event]() noexcept {
+    try {
+      return event->query();
+    } catch (const std::exception&) {
+      return true;
+    }
+  };
 }
 
 int64_t CudaPeakAllocatedBytes(int index) {
