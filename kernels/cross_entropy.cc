@@ -100,12 +100,15 @@ void SoftmaxCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
   }
 }
 
-// acc (fp32) = a @ b (first) or acc + a @ b, for bf16/fp16 a and b. On CUDA one cuBLAS GEMM
-// with an fp32 C (ATen's addmm with out_dtype; beta 0 on the first call: acc is not read);
-// elsewhere ATen has no such GEMM: the product in the inputs' dtype, then an fp32 add.
+// acc (fp32) = a @ b (first) or acc + a @ b, for bf16/fp16 a and b. The first chunk on CUDA:
+// one GEMM writing fp32 (ATen's mm with out_dtype). Every other case: the product in the
+// inputs' dtype (a [V, D] temporary), then an fp32 add. ATen has no GEMM that adds into an fp32
+// C from bf16 inputs: addmm with out_dtype requires `self` in the inputs' dtype ("self and mat2
+// must have the same dtype", aten/src/ATen/native/cuda/Blas.cpp), and the CPU has no out_dtype
+// GEMM at all. An fp32 temporary would round less and cost twice the memory.
 void AccumulateF32(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
-  if (acc.is_cuda()) {
-    at::addmm_out(acc, acc, a, b, at::kFloat, /*beta=*/first ? 0 : 1, /*alpha=*/1);
+  if (first && acc.is_cuda()) {
+    at::mm_out(acc, a, b, at::kFloat);
   } else if (first) {
     acc.copy_(at::mm(a, b));
   } else {
@@ -226,8 +229,8 @@ at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight
 }
 
 int64_t DefaultChunkTokens(int64_t tokens, int64_t vocab, int64_t dim) {
-  const int64_t limit = std::max<int64_t>(1, 2 * dim);
-  return tokens <= limit ? std::max<int64_t>(tokens, 1) : limit;
+  const int64_t chunk = std::max<int64_t>(1, 2 * dim);
+  return tokens <= chunk + 3 * dim ? std::max<int64_t>(tokens, 1) : chunk;
 }
 
 at::Tensor LinearCrossEntropyComposite(const at::Tensor& hidden, const at::Tensor& weight,

@@ -23,13 +23,14 @@
 // Memory beyond the inputs: one [chunk, V] logits buffer in the compute dtype (reused by every
 // chunk), the gradients (grad_hidden [N, D] and grad_weight [V, D] in the inputs' dtype, kept
 // from forward to backward: the unfused backward allocates the same), and, in bf16/fp16 with
-// more than one chunk, an fp32 [V, D] accumulator for grad_weight while the forward runs (on
-// CPU also one [V, D] product per chunk). So chunking saves memory over one chunk only while
-// the logits it avoids, (N - chunk) x V x 2 bytes, exceed the accumulator's V x D x 4: about
-// N > 2 D. For llama_1b (V 32000, D 2048) and a 2 x 2048 micro-batch, peaks: one chunk 410 MB
-// (logits 262, grad_weight 131, grad_hidden 17); chunks of 1024 344 MB in the loop (logits 66,
-// accumulator 262, grad_hidden 17) and 410 MB at the cast (accumulator 262, grad_weight 131,
-// grad_hidden 17); the composite 1311 MB in its forward (bf16 logits 262, fp32 logits 524,
+// more than one chunk, an fp32 [V, D] accumulator for grad_weight while the forward runs and a
+// [V, D] product in the inputs' dtype per chunk (on CUDA not for the first: it is written to the
+// accumulator in fp32 directly). So in bf16 chunking saves memory over one chunk only while the
+// logits it avoids, (N - chunk) x V x 2 bytes, exceed those two, V x D x 6: N > chunk + 3 D.
+// For llama_1b (V 32000, D 2048) and a 2 x 2048 micro-batch, peaks: one chunk 410 MB (logits
+// 262, grad_weight 131, grad_hidden 17); chunks of 1024 475 MB in the loop (logits 66,
+// accumulator 262, product 131, grad_hidden 17) and 410 MB at the cast (accumulator 262,
+// grad_weight 131, grad_hidden 17); the composite 1311 MB in its forward (bf16 logits 262, fp32 logits 524,
 // log_softmax 524) and more in its backward. The backward scales the kept gradients in place
 // and releases them: a second backward through the same loss (retain_graph) is an error.
 //
@@ -53,12 +54,12 @@ inline constexpr int64_t kIgnoreIndex = -100;
 at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& targets, int64_t chunk_tokens);
 
-// A chunk size for `tokens` rows of a [vocab, dim] head: every row in one chunk up to 2 x dim
+// A chunk size for `tokens` rows of a [vocab, dim] head: every row in one chunk up to 5 x dim
 // rows, else chunks of 2 x dim rows. Chunking bounds the [chunk, V] logits buffer but adds an
-// fp32 [V, D] accumulator for the weight's gradient (plus a [V, D] product per chunk in
-// bf16/fp16), which only pays once the logits of all rows would outgrow it: tokens > ~2 x dim.
+// fp32 [V, D] accumulator for the weight's gradient and a [V, D] product per chunk in
+// bf16/fp16, which only pays once the logits it avoids outgrow them: tokens > chunk + 3 x dim.
 // llama_1b, one 2 x 2048 micro-batch (4096 tokens, dim 2048): one chunk, 410 MB in bf16
-// against the composite's 1.3 GB forward peak.
+// against the composite's 1.3 GB forward peak; 8 x 2048 (16384 tokens): chunks of 4096.
 int64_t DefaultChunkTokens(int64_t tokens, int64_t vocab, int64_t dim);
 
 // The composite reference, the trainer's arithmetic: cross_entropy(linear(hidden, weight)
