@@ -86,6 +86,7 @@ void SoftmaxCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
   const bool write_grad = grad_scale.defined();
   if (OnCuda(logits, kName)) {
 #ifdef FSDP_WITH_CUDA  // else OnCuda has thrown: the launchers are not built
+    c10::DeviceGuard guard(logits.device());  // the launch goes to the current device
     CheckLaunch(
         cuda::SoftmaxCrossEntropy(logits.mutable_data_ptr(), targets.const_data_ptr<int64_t>(),
                                   losses.mutable_data_ptr<float>(),

@@ -96,6 +96,7 @@ void Run(const at::Tensor& q_in, const at::Tensor& q_out, const at::Tensor& k_in
   cuda::RopeOperand q = Operand(q_in, q_out), k = Operand(k_in, k_out);
   if (OnCuda(q_in, kName)) {
 #ifdef FSDP_WITH_CUDA  // else OnCuda has thrown: the launchers are not built
+    c10::DeviceGuard guard(q_in.device());  // the launch goes to the current device
     CheckLaunch(cuda::Rope(q, k, cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), batch,
                            seq, head_dim, inverse, ToKernelDType(q_in, kName), CurrentStream(q_in)),
                 kName);
