@@ -20,7 +20,9 @@ namespace fsdp::ckpt {
 
 absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& dir) {
   const std::string path = JoinPath(dir, kMetadataFile);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever); a
+  // regular file reads the same with it.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) {
       return absl::NotFoundError(StrCat(dir, ": no ", kMetadataFile,
@@ -31,6 +33,13 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& dir) 
   FdCloser closer(fd);
   struct stat st;
   if (::fstat(fd, &st) != 0) return ErrnoError(path, "stat", errno);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::DataLossError(StrCat(path, ": not a regular file (",
+                                      S_ISDIR(st.st_mode)    ? "a directory"
+                                      : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                                             : "a device or socket",
+                                      "); ", kMetadataFile, " must be a file"));
+  }
   if (st.st_size > kMaxMetadataBytes) {
     return absl::DataLossError(
         StrCat(path, ": ", st.st_size, " bytes, more than the limit of ", kMaxMetadataBytes));

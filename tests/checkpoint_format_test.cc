@@ -1,6 +1,7 @@
 // The checkpoint format (checkpoint/format.h): shard files, metadata, commit, resharded reads.
 #include "checkpoint/format.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -330,6 +331,21 @@ TEST_F(CheckpointFormatTest, OpenErrors) {
                        StrCat(root_,
                               "/v2/metadata.json: format version 2 is newer than this "
                               "build reads (1)")));
+
+  // A FIFO in metadata.json's place is refused at once (opening it would wait for a writer),
+  // and so is a directory.
+  fs::copy(dir, root_ + "/fifo", fs::copy_options::recursive);
+  fs::remove(root_ + "/fifo/metadata.json");
+  ASSERT_EQ(::mkfifo((root_ + "/fifo/metadata.json").c_str(), 0600), 0);
+  EXPECT_THAT(CheckpointReader::Open(root_ + "/fifo"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat(root_, "/fifo/metadata.json: not a regular file (a FIFO); "
+                                     "metadata.json must be a file")));
+  fs::copy(dir, root_ + "/folder", fs::copy_options::recursive);
+  fs::remove(root_ + "/folder/metadata.json");
+  fs::create_directories(root_ + "/folder/metadata.json");
+  EXPECT_THAT(CheckpointReader::Open(root_ + "/folder"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("not a regular file (a directory)")));
 }
 
 TEST_F(CheckpointFormatTest, FlippedChunkByteFailsItsReadOnly) {
