@@ -1,6 +1,9 @@
 #include "device_mesh/dist_context.h"
 #include "common/strings.h"
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <condition_variable>
@@ -164,6 +167,54 @@ absl::Status CheckDistinctDevices(c10d::Store& store, const LaunchEnv& env, int 
 // announce, wait for peers) runs on a helper thread, and the rank gives up at
 // rendezvous_timeout (plus two seconds for the inner timeouts to report first), naming the
 // address. The helper is left behind, blocked; the rank is about to exit with the error.
+// What a TCP connect to host:port does within `timeout`, for the message of a rendezvous that
+// ran out of time: the store's host may be unknown, nobody may listen there, the connect may
+// hang (a firewall, a host that is down), or the listener accepts (and, the rendezvous having
+// timed out, never answered).
+std::string DescribeStoreAddress(const std::string& host, int port,
+                                 std::chrono::milliseconds timeout) {
+  const std::string address = StrCat(host, ":", port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      rc != 0) {
+    return StrCat("MASTER_ADDR '", host, "' does not resolve (", ::gai_strerror(rc), ")");
+  }
+  std::string outcome = StrCat("nothing answered a connection to ", address, " within ",
+                               Seconds(timeout), " (host down or unreachable?)");
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+    int err = rc == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, static_cast<int>(timeout.count())) == 1) {
+        socklen_t len = sizeof(err);
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      } else {
+        err = ETIMEDOUT;
+      }
+    }
+    ::close(fd);
+    if (err == 0) {
+      outcome = StrCat("the store at ", address,
+                       " accepted the connection but did not answer (is MASTER_ADDR/MASTER_PORT "
+                       "the rendezvous store of this job?)");
+      break;
+    }
+    if (err == ECONNREFUSED) {
+      outcome = StrCat("nothing listens at ", address,
+                       " (is the store's host running, and do all ranks use the same "
+                       "MASTER_ADDR/MASTER_PORT?)");
+    }
+  }
+  ::freeaddrinfo(found);
+  return outcome;
+}
+
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> RendezvousWithDeadline(
     const LaunchEnv& env, std::chrono::milliseconds timeout, int generation) {
   struct Shared {
@@ -191,11 +242,10 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> RendezvousWithDeadline(
   std::unique_lock<std::mutex> lock(shared->mu);
   if (!shared->cv.wait_for(lock, timeout + std::chrono::seconds(2), [&] { return shared->done; })) {
     return absl::DeadlineExceededError(
-        StrCat("rendezvous timed out after ", Seconds(timeout), ": the store at ", env.master_addr,
-               ":", env.master_port,
-               " accepted the connection but did not answer (is MASTER_ADDR/MASTER_PORT the "
-               "rendezvous store of this job, launched via ",
-               env.source, "?)"));
+        StrCat("rendezvous timed out after ", Seconds(timeout), ": ",
+               DescribeStoreAddress(env.master_addr, env.master_port,
+                                    std::chrono::milliseconds(500)),
+               "; launched via ", env.source));
   }
   return std::move(shared->result);
 }

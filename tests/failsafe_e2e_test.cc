@@ -202,6 +202,7 @@ TEST(FailSafeTest, SilentRendezvousStoreFailsWithinTheDeadline) {
     if (StartsWith(l, "rank 1: timeout: ")) {
       ++lines;
       EXPECT_NE(l.find(StrCat("127.0.0.1:", port)), std::string::npos) << l;
+      EXPECT_NE(l.find("accepted the connection but did not answer"), std::string::npos) << l;
       // Issue 15: the line named the rank twice ("rank 1: timeout: rank 1: rendezvous ...").
       EXPECT_TRUE(StartsWith(l, "rank 1: timeout: rendezvous timed out after ")) << l;
       EXPECT_EQ(l.find("rank 1", 1), std::string::npos) << l;
