@@ -1,6 +1,7 @@
 #include "engine/config.h"
 
 #include <algorithm>
+#include <limits>
 #include <charconv>
 #include <climits>
 #include <cmath>
@@ -643,8 +644,12 @@ class Validator {
   absl::Status AtLeast(std::string_view key, T value, T min) const {
     return Check(value >= min, key, StrCat("must be >= ", min, ", got ", value));
   }
+  // Positive, and within float32's range: these values end up in fp32 arithmetic, where 1e300
+  // is inf (found by the red-team pass: model.init_std 1e300 trained into a NaN at step 1).
   absl::Status Positive(std::string_view key, double value) const {
-    return Check(value > 0, key, StrCat("must be > 0, got ", value));
+    FSDP_RETURN_IF_ERROR(Check(value > 0, key, StrCat("must be > 0, got ", value)));
+    return Check(value <= std::numeric_limits<float>::max(), key,
+                 StrCat("must be at most float32's largest value (3.4e38), got ", value));
   }
   absl::Status Fraction(std::string_view key, double value) const {
     return Check(value >= 0 && value < 1, key, StrCat("must be in [0, 1), got ", value));

@@ -182,11 +182,13 @@ class Harness:
         string_like = {"name", "dir", "path", "init_from", "load", "profile_dir", "arch", "jsonl"}
         for (i, section, key, indent, value) in keys:
             full = f"{section}.{key}"
+            # A refusal is named when it names the key, or the value where the value is a path.
             muts = [
                 ("typo", f"{indent}{key}x: {value}", "refuse", [f"{key}x"]),
-                ("banana", f"{indent}{key}: banana", "either", [full, key]),
-                ("negative", f"{indent}{key}: -3", "either", [full, key]),
-                ("huge", f"{indent}{key}: 1.0e+300", "either", [full, key]),
+                ("banana", f"{indent}{key}: banana", "either", [full, key, "'banana'",
+                                                                 "file banana"]),
+                ("negative", f"{indent}{key}: -3", "either", [full, key, "file -3"]),
+                ("huge", f"{indent}{key}: 1.0e+300", "either", [full, key, "file 1.0e+300"]),
                 ("list", f"{indent}{key}: [1, 2]", "either" if key in ("freeze",) else "refuse",
                  [full, key]),
                 ("deleted", None, "either", [full, key]),
