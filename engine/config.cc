@@ -644,12 +644,16 @@ class Validator {
   absl::Status AtLeast(std::string_view key, T value, T min) const {
     return Check(value >= min, key, StrCat("must be >= ", min, ", got ", value));
   }
-  // Positive, and within float32's range: these values end up in fp32 arithmetic, where 1e300
-  // is inf (found by the red-team pass: model.init_std 1e300 trained into a NaN at step 1).
+  // Within float32's range: these values end up in fp32 arithmetic, where 1e300 is inf (found
+  // by the red-team pass: model.init_std 1e300 trained into a NaN at step 1, and
+  // training.max_grad_norm 1e300 failed inside ATen's clipping with an internal error).
+  absl::Status FitsFloat(std::string_view key, double value) const {
+    return Check(std::abs(value) <= std::numeric_limits<float>::max(), key,
+                 StrCat("must be at most float32's largest value (3.4e38), got ", value));
+  }
   absl::Status Positive(std::string_view key, double value) const {
     FSDP_RETURN_IF_ERROR(Check(value > 0, key, StrCat("must be > 0, got ", value)));
-    return Check(value <= std::numeric_limits<float>::max(), key,
-                 StrCat("must be at most float32's largest value (3.4e38), got ", value));
+    return FitsFloat(key, value);
   }
   absl::Status Fraction(std::string_view key, double value) const {
     return Check(value >= 0 && value < 1, key, StrCat("must be in [0, 1), got ", value));
@@ -717,6 +721,7 @@ absl::Status ValidateData(const DataSection& d, const Validator& v) {
 
 absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.steps", t.steps, 1));
+  FSDP_RETURN_IF_ERROR(v.FitsFloat("training.max_grad_norm", t.max_grad_norm));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.micro_batch_size", t.micro_batch_size, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.grad_accum_steps", t.grad_accum_steps, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
@@ -734,6 +739,8 @@ absl::Status ValidateOptimizer(const OptimizerSection& o, const LrSchedulerSecti
                                const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.Positive("optimizer.lr", o.lr));
   FSDP_RETURN_IF_ERROR(v.AtLeast<double>("optimizer.weight_decay", o.weight_decay, 0));
+  FSDP_RETURN_IF_ERROR(v.FitsFloat("optimizer.weight_decay", o.weight_decay));
+  FSDP_RETURN_IF_ERROR(v.FitsFloat("optimizer.momentum", o.momentum));
   FSDP_RETURN_IF_ERROR(v.Fraction("optimizer.beta1", o.beta1));
   FSDP_RETURN_IF_ERROR(v.Fraction("optimizer.beta2", o.beta2));
   FSDP_RETURN_IF_ERROR(v.Positive("optimizer.eps", o.eps));

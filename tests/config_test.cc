@@ -276,6 +276,8 @@ TEST(RunConfigParseTest, EveryValueRule) {
       {"model.init_std=0", "model.init_std: must be > 0, got 0"},
       {"model.init_std=1e300",
        "model.init_std: must be at most float32's largest value (3.4e38), got 1e+300"},
+      {"training.max_grad_norm=1e300",
+       "training.max_grad_norm: must be at most float32's largest value (3.4e38), got 1e+300"},
       {"data.source=web", "data.source: 'web' is not valid; valid: synthetic, tokens, text"},
       {"data.source=text", "data.path: required for data.source 'text'"},
       {"data.token_dtype=int8", "data.token_dtype: 'int8' is not valid; valid: uint16, uint32"},

@@ -186,9 +186,10 @@ class Harness:
             muts = [
                 ("typo", f"{indent}{key}x: {value}", "refuse", [f"{key}x"]),
                 ("banana", f"{indent}{key}: banana", "either", [full, key, "'banana'",
-                                                                 "file banana"]),
-                ("negative", f"{indent}{key}: -3", "either", [full, key, "file -3"]),
-                ("huge", f"{indent}{key}: 1.0e+300", "either", [full, key, "file 1.0e+300"]),
+                                                                 "file banana", "banana:"]),
+                ("negative", f"{indent}{key}: -3", "either", [full, key, "file -3", "-3:"]),
+                ("huge", f"{indent}{key}: 1.0e+300", "either",
+                 [full, key, "file 1.0e+300", "1.0e+300:"]),
                 ("list", f"{indent}{key}: [1, 2]", "either" if key in ("freeze",) else "refuse",
                  [full, key]),
                 ("deleted", None, "either", [full, key]),
@@ -337,8 +338,10 @@ class Harness:
                 return lambda m: m["tensors"][ti].__setitem__("dtype", to)
 
             def shape(ti=ti):
-                return lambda m: m["tensors"][ti].__setitem__(
-                    "shape", [m["tensors"][ti]["shape"][0] + 1] + m["tensors"][ti]["shape"][1:])
+                def f(m):
+                    s = m["tensors"][ti]["shape"]
+                    m["tensors"][ti]["shape"] = [s[0] + 1] + s[1:] if s else [2]
+                return f
 
             def drop(ti=ti):
                 return lambda m: m["tensors"].pop(ti)
