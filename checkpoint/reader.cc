@@ -51,6 +51,19 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& dir) 
   CheckpointReader reader;
   reader.dir_ = dir;
   FSDP_ASSIGN_OR_RETURN(reader.metadata_, MetadataFromJson(json, path));
+  // A committed folder's name and its metadata must agree on the step (the name is what
+  // load=latest and pruning go by; the metadata is what a resume continues from).
+  std::string_view name = dir;
+  while (name.size() > 1 && name.back() == '/') name.remove_suffix(1);
+  name = name.substr(name.rfind('/') == std::string_view::npos ? 0 : name.rfind('/') + 1);
+  if (StartsWith(name, "step_") && name.size() > 5 &&
+      std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    std::optional<int64_t> named = ParseInt<int64_t>(name.substr(5));
+    if (named && *named != reader.metadata_.step) {
+      return absl::DataLossError(StrCat(path, ": step ", reader.metadata_.step,
+                                        ", but the folder is ", name, " (step ", *named, ")"));
+    }
+  }
   for (const FileEntry& f : reader.metadata_.files) {
     std::string file = JoinPath(dir, f.file);
     struct stat fst;

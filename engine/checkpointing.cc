@@ -410,6 +410,16 @@ absl::Status FillFromSafetensors(const std::string& path, const std::vector<Init
                  StrJoin(it->second.shape, ", "), "], the model expects [", StrJoin(t.shape, ", "),
                  "]"));
     }
+    // A float parameter from integer or boolean bytes would be a bit pattern cast to numbers
+    // (found by the red-team pass: an F32 tensor relabelled I32 loaded as garbage weights).
+    const std::string& stored = it->second.dtype;
+    const bool floating_file = stored == "F64" || stored == "F32" || stored == "F16" ||
+                               stored == "BF16" || stored.rfind("F8_", 0) == 0;
+    if (t.dst.is_floating_point() && !floating_file) {
+      return absl::FailedPreconditionError(
+          StrCat("model.init_from '", path, "': tensor '", t.name, "' is stored as ", stored,
+                 "; the model's parameter is floating point (F32, F16, BF16 or F64 expected)"));
+    }
     const int64_t rows = t.dst.dim() == 0 ? 1 : t.dst.size(0);
     if (rows == 0) continue;
     at::Tensor data;

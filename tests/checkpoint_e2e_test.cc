@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <mutex>
@@ -421,6 +422,38 @@ TEST(CheckpointToolsTest, InspectAndExport) {
   TrainRun from = Train(FreshTempDir("from"), 2, "full_shard", {"model.init_from=" + out, "training.steps=9"});
   ASSERT_TRUE(from.result.exit.ok()) << from.result.Output();
   EXPECT_TRUE(from.result.StdoutHas("parameters from")) << from.result.Output();
+
+  // The same bytes with one float tensor relabelled I32 (same size): refused, naming it, not
+  // loaded as integers (red-team pass).
+  std::string bytes;
+  {
+    std::ifstream in(out, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len));
+  std::string relabel;  // the first F32 tensor
+  for (const auto& [name, entry] : header.items()) {
+    if (name != "__metadata__" && entry.value("dtype", "") == "F32") {
+      relabel = name;
+      break;
+    }
+  }
+  ASSERT_FALSE(relabel.empty()) << header.dump();
+  header[relabel]["dtype"] = "I32";
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t new_len = text.size();
+  std::string relabelled(reinterpret_cast<const char*>(&new_len), 8);
+  relabelled += text + bytes.substr(8 + header_len);
+  const std::string bad = dir + "/relabelled.safetensors";
+  std::ofstream(bad, std::ios::binary) << relabelled;
+  TrainRun refused = Train(FreshTempDir("relabelled"), 2, "full_shard",
+                           {"model.init_from=" + bad, "training.steps=9"});
+  EXPECT_FALSE(refused.result.exit.ok()) << refused.result.Output();
+  EXPECT_TRUE(refused.result.StderrHas(StrCat("tensor '", relabel, "' is stored as I32")))
+      << refused.result.Output();
   fs::remove_all(dir);
 }
 
