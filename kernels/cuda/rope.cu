@@ -54,7 +54,11 @@ __global__ void RopeKernel(RopeOperand q, RopeOperand k, const float* __restrict
         x1 = ToFloat(in[in_step]);
       }
       const float c = cos_row[i], s = sign * sin_row[i];
-      const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+      // Each product rounded, then the sum (the _rn intrinsics are never contracted into an
+      // FMA): the composite's arithmetic, so fp32 results equal it and the CPU reference
+      // bitwise, forward and backward.
+      const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+      const float y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
       if constexpr (kPairAccess) {
         *reinterpret_cast<PairOf<T>*>(out) = PairOf<T>{FromFloat<T>(y0), FromFloat<T>(y1)};
       } else {
