@@ -107,7 +107,8 @@ void CheckAgainstComposite(const Case& c, Form form, c10::Device device) {
 }
 
 std::vector<Case> Cases() {
-  // fp32: the same arithmetic as the composite (CPU: bitwise equal; CUDA may contract to FMA).
+  // fp32: the same arithmetic as the composite, bitwise equal (the CUDA kernel rounds each
+  // product with __fmul_rn, so nvcc cannot contract them into FMAs).
   // bf16: ours rounds once from fp32 arithmetic; against the fp32 composite on the same bf16
   // inputs the difference is the bf16 projection output's rounding plus ours (measured on CPU:
   // at most 0.6% of the value).
@@ -165,6 +166,74 @@ TEST(KernelsRopeTest, CpuBf16CloseToBf16Composite) { CheckAgainstBf16Composite(c
 TEST(KernelsRopeTest, CudaBf16CloseToBf16Composite) {
   FSDP_REQUIRE_CUDA();
   CheckAgainstBf16Composite(c10::Device(c10::kCUDA, 0));
+}
+
+// Operands that the pair (two-element) loads cannot take: q at an odd element offset of its
+// projection (not 2-element aligned), k with a dim stride other than 1 (a transposed view),
+// and upstream gradients that are non-contiguous and held by the caller (rotated into a new
+// tensor through their strides). Forward, both forms, and the gradients of the projections.
+void CheckStridedOperands(at::ScalarType dtype, Form form, c10::Device device) {
+  SCOPED_TRACE(::testing::Message()
+               << dtype << (form == Form::kInPlace ? " in place" : " out of place"));
+  torch::manual_seed(13);
+  const int64_t b = 2, t = 9, heads = 3, kv_heads = 2, head_dim = 10, dim = 8;
+  auto [cos, sin] = Tables(12, head_dim, device);
+  at::Tensor x0 = torch::randn({b, t, dim}).to(device, dtype);
+  at::Tensor wq0 = (torch::randn({1 + heads * head_dim, dim}) / 3).to(device, dtype);
+  at::Tensor wk0 = (torch::randn({head_dim * kv_heads, dim}) / 3).to(device, dtype);
+  // Non-contiguous upstream gradients: transposed views of [b, t, head_dim, heads].
+  at::Tensor gq = torch::randn({b, t, head_dim, heads}).to(device, dtype).transpose(2, 3);
+  at::Tensor gk = torch::randn({b, t, head_dim, kv_heads}).to(device, dtype).transpose(2, 3);
+  const at::Tensor gq_copy = gq.clone(), gk_copy = gk.clone();
+  auto run = [&](bool fused, at::ScalarType compute) {
+    at::Tensor x = x0.to(compute);
+    at::Tensor wq = wq0.to(compute, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+    at::Tensor wk = wk0.to(compute, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+    at::Tensor pq = at::linear(x, wq), pk = at::linear(x, wk);
+    pq.retain_grad();
+    pk.retain_grad();
+    at::Tensor q = pq.narrow(-1, 1, heads * head_dim).view({b, t, heads, head_dim});
+    at::Tensor k = pk.view({b, t, head_dim, kv_heads}).transpose(2, 3);
+    // The layouts this test is about: q not on a 2-element boundary, k's dim stride not 1.
+    EXPECT_NE(reinterpret_cast<uintptr_t>(q.const_data_ptr()) % (2 * q.element_size()), 0u);
+    EXPECT_NE(k.stride(3), 1);
+    if (!fused) {
+      q = RopeComposite(q, cos, sin);
+      k = RopeComposite(k, cos, sin);
+    } else if (form == Form::kInPlace) {
+      RopeInPlace(q, k, cos, sin);
+    } else {
+      std::tie(q, k) = Rope(q, k, cos, sin);
+    }
+    torch::autograd::backward({q, k}, {gq.to(compute), gk.to(compute)});
+    return std::vector<at::Tensor>{q.detach(), k.detach(), pq.grad(), pk.grad()};
+  };
+  std::vector<at::Tensor> fused = run(true, dtype), ref = run(false, at::kFloat);
+  const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+  const char* names[] = {"rotated q", "rotated k", "grad of q's projection",
+                         "grad of k's projection"};
+  for (size_t i = 0; i < fused.size(); ++i) {
+    EXPECT_EQ(fused[i].scalar_type(), dtype) << names[i];
+    EXPECT_TRUE(AllClose(fused[i], ref[i], tol, tol, names[i]));
+  }
+  EXPECT_TRUE(at::equal(gq, gq_copy) && at::equal(gk, gk_copy)) << "caller's gradient modified";
+}
+
+TEST(KernelsRopeTest, CpuStridedOperandsMatchComposite) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (Form form : {Form::kInPlace, Form::kOutOfPlace}) {
+      CheckStridedOperands(dtype, form, c10::kCPU);
+    }
+  }
+}
+
+TEST(KernelsRopeTest, CudaStridedOperandsMatchComposite) {
+  FSDP_REQUIRE_CUDA();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (Form form : {Form::kInPlace, Form::kOutOfPlace}) {
+      CheckStridedOperands(dtype, form, c10::Device(c10::kCUDA, 0));
+    }
+  }
 }
 
 // The model's use (gpt.cc AttentionImpl::forward): q, k, v from their projections, the
