@@ -95,13 +95,36 @@ std::vector<Case> Cases() {
   };
 }
 
+// Real vocabulary sizes: the CUDA kernel's 512 threads each own many elements of a row (the
+// cases above give most threads one element or none), GPT-2's odd V takes the scalar loads and
+// Llama's V the 16-byte vector loads with several vectors per thread; N is not a multiple of
+// the chunk; bf16 and fp16 over several chunks accumulate grad_weight in fp32 (on CUDA through
+// addmm with out_dtype float), fp32 through addmm_ into grad_weight itself.
+std::vector<Case> LargeVocabCases() {
+  return {
+      {300, 64, 50257, 128, at::kBFloat16, 7},  // GPT-2 V: scalar loads; chunks 128, 128, 44
+      {260, 64, 32000, 96, at::kBFloat16, 5},   // Llama V: vector loads; chunks 96, 96, 68
+      {130, 32, 50257, 64, at::kHalf, 3},       // fp16 through the fp32 accumulator
+      {70, 32, 32003, 32, at::kFloat, 2},       // fp32, odd V, grad_weight accumulated in place
+  };
+}
+
 TEST(KernelsCrossEntropyTest, CpuMatchesComposite) {
   for (const Case& c : Cases()) CheckAgainstComposite(c, c10::kCPU);
+}
+
+TEST(KernelsCrossEntropyTest, CpuLargeVocabMatchesComposite) {
+  for (const Case& c : LargeVocabCases()) CheckAgainstComposite(c, c10::kCPU);
 }
 
 TEST(KernelsCrossEntropyTest, CudaMatchesComposite) {
   FSDP_REQUIRE_CUDA();
   for (const Case& c : Cases()) CheckAgainstComposite(c, c10::Device(c10::kCUDA, 0));
+}
+
+TEST(KernelsCrossEntropyTest, CudaLargeVocabMatchesComposite) {
+  FSDP_REQUIRE_CUDA();
+  for (const Case& c : LargeVocabCases()) CheckAgainstComposite(c, c10::Device(c10::kCUDA, 0));
 }
 
 // loss * 3: the backward scales the kept gradients by the incoming one.
