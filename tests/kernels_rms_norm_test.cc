@@ -249,15 +249,62 @@ TEST(KernelsRmsNormTest, RejectsBadDtypesAndResiduals) {
   EXPECT_THROW(AddRmsNorm(x, torch::randn({2, 1, 8}), torch::ones({8}), kEps), c10::Error);
 }
 
-TEST(KernelsRmsNormTest, NonContiguousInputIsRead) {
-  at::Tensor base = torch::randn({6, 8});
-  at::Tensor strided = base.t();  // [8, 6], not contiguous
-  at::Tensor w = torch::randn({6});
-  EXPECT_TRUE(AllClose(RmsNorm(strided, w, kEps), RmsNormComposite(strided, w, kEps), 1e-5, 1e-5,
-                       "strided"));
-  EXPECT_TRUE(AllClose(AddRmsNorm(strided, strided, w, kEps).second,
-                       AddRmsNormComposite(strided, strided, w, kEps).second, 1e-5, 1e-5,
-                       "strided, add"));
+// Non-contiguous x and residual (transposed views, so the kernels get contiguous copies) and
+// a non-contiguous upstream gradient, D odd: forward and the gradients against the composite
+// in fp32 on the same values.
+void CheckNonContiguous(at::ScalarType dtype, c10::Device device) {
+  SCOPED_TRACE(::testing::Message() << dtype << " on " << device);
+  torch::manual_seed(17);
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+  at::Tensor x0 = torch::randn({33, 70}).to(device, dtype).t();  // [70, 33], strides (1, 70)
+  at::Tensor r0 = torch::randn({33, 70}).to(device, dtype).t();
+  at::Tensor w0 = (1 + 0.5 * torch::randn({33})).to(device, dtype);
+  at::Tensor dy = torch::randn({33, 70}).to(device, dtype).t();
+  ASSERT_FALSE(x0.is_contiguous() || dy.is_contiguous());
+  {
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    at::Tensor xr = Leaf(x0, at::kFloat), wr = Leaf(w0, at::kFloat);
+    at::Tensor y = RmsNorm(x, w, kEps), yr = RmsNormComposite(xr, wr, kEps);
+    EXPECT_TRUE(AllClose(y, yr, tol, tol, "y"));
+    y.backward(dy);
+    yr.backward(dy.to(at::kFloat));
+    EXPECT_TRUE(AllClose(x.grad(), xr.grad(), tol, tol, "grad of x"));
+    EXPECT_TRUE(AllClose(w.grad(), wr.grad(), tol, tol * wr.grad().abs().max().item<double>(),
+                         "grad of weight"));
+  }
+  {
+    at::Tensor x = x0.clone().requires_grad_(true), r = r0.clone().requires_grad_(true);
+    at::Tensor w = w0.clone().requires_grad_(true);
+    at::Tensor xr = Leaf(x0, at::kFloat), rr = Leaf(r0, at::kFloat), wr = Leaf(w0, at::kFloat);
+    auto [h, y] = AddRmsNorm(x, r, w, kEps);
+    auto [hr, yr] = AddRmsNormComposite(xr, rr, wr, kEps);
+    EXPECT_TRUE(at::equal(h.detach(), x0 + r0)) << "h is not x + residual";
+    EXPECT_TRUE(AllClose(y, yr, tol, tol, "add: y"));
+    torch::autograd::backward({h, y}, {dy, dy});
+    torch::autograd::backward({hr, yr}, {dy.to(at::kFloat), dy.to(at::kFloat)});
+    EXPECT_TRUE(AllClose(x.grad(), xr.grad(), tol, tol, "add: grad of x"));
+    EXPECT_TRUE(AllClose(r.grad(), rr.grad(), tol, tol, "add: grad of residual"));
+    EXPECT_TRUE(AllClose(w.grad(), wr.grad(), tol, tol * wr.grad().abs().max().item<double>(),
+                         "add: grad of weight"));
+  }
+  // x and residual one tensor (both kernel inputs read the same memory).
+  EXPECT_TRUE(AllClose(
+      AddRmsNorm(x0, x0, w0, kEps).second,
+      AddRmsNormComposite(x0.to(at::kFloat), x0.to(at::kFloat), w0.to(at::kFloat), kEps).second,
+      tol, tol, "add, x as its own residual"));
+}
+
+TEST(KernelsRmsNormTest, NonContiguousInputsAndGradients) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    CheckNonContiguous(dtype, c10::kCPU);
+  }
+}
+
+TEST(KernelsRmsNormTest, CudaNonContiguousInputsAndGradients) {
+  FSDP_REQUIRE_CUDA();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    CheckNonContiguous(dtype, c10::Device(c10::kCUDA, 0));
+  }
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ std::vector<Case> Cases() {
           {{1, 2 * 1}, at::kFloat, 1e-5, 1e-6},
           {{7, 2 * 1000}, at::kFloat, 1e-5, 1e-6},
           {{2, 33, 2 * 257}, at::kBFloat16, 1e-2, 1e-2},
-          {{4, 2 * 4096}, at::kBFloat16, 1e-2, 1e-2}};
+          {{4, 2 * 4096}, at::kBFloat16, 1e-2, 1e-2},
+          {{5, 2 * 333}, at::kHalf, 1e-2, 1e-2}};
 }
 
 TEST(KernelsSwiGluTest, CpuMatchesComposite) {
@@ -71,10 +72,50 @@ TEST(KernelsSwiGluTest, RejectsOddWidthMismatchedHalvesAndIntegerInput) {
   EXPECT_THROW(SwiGlu(torch::zeros({2, 4}), torch::zeros({2, 4}, torch::kDouble)), c10::Error);
 }
 
-TEST(KernelsSwiGluTest, NonContiguousInputIsRead) {
-  at::Tensor base = torch::randn({6, 8});
-  at::Tensor strided = base.t();  // [8, 6], not contiguous
-  EXPECT_TRUE(AllClose(SwiGlu(strided), SwiGluComposite(strided), 1e-5, 1e-6, "strided"));
+// Non-contiguous inputs and upstream gradient, F odd: gate_up as a transposed view, gate and
+// up as column slices of one [rows, 3F] buffer (row stride 3F, up not on an even element):
+// forward and gradients against the composite in fp32 on the same values.
+void CheckNonContiguous(at::ScalarType dtype, c10::Device device) {
+  SCOPED_TRACE(::testing::Message() << dtype << " on " << device);
+  torch::manual_seed(19);
+  const double rtol = dtype == at::kFloat ? 1e-5 : 1e-2, atol = dtype == at::kFloat ? 1e-6 : 1e-2;
+  const int64_t rows = 37, f = 65;
+  at::Tensor gate_up0 = (torch::randn({2 * f, rows}) * 3).to(device, dtype).t();  // [rows, 2F]
+  at::Tensor buffer = (torch::randn({rows, 3 * f}) * 3).to(device, dtype);
+  at::Tensor dy = torch::randn({f, rows}).to(device, dtype).t();  // [rows, F], not contiguous
+  ASSERT_FALSE(gate_up0.is_contiguous() || dy.is_contiguous());
+  {
+    at::Tensor in = gate_up0.clone().requires_grad_(true);
+    at::Tensor ref = gate_up0.to(at::kFloat).requires_grad_(true);
+    at::Tensor y = SwiGlu(in), y_ref = SwiGluComposite(ref);
+    EXPECT_TRUE(AllClose(y, y_ref, rtol, atol, "gate_up: forward"));
+    y.backward(dy);
+    y_ref.backward(dy.to(at::kFloat));
+    EXPECT_TRUE(AllClose(in.grad(), ref.grad(), rtol, atol, "gate_up: gradient"));
+  }
+  {
+    at::Tensor b = buffer.clone().requires_grad_(true);
+    at::Tensor b_ref = buffer.to(at::kFloat).requires_grad_(true);
+    at::Tensor y = SwiGlu(b.narrow(1, 0, f), b.narrow(1, f + 1, f));
+    at::Tensor y_ref = SwiGluComposite(b_ref.narrow(1, 0, f), b_ref.narrow(1, f + 1, f));
+    EXPECT_TRUE(AllClose(y, y_ref, rtol, atol, "two slices: forward"));
+    y.backward(dy);
+    y_ref.backward(dy.to(at::kFloat));
+    EXPECT_TRUE(AllClose(b.grad(), b_ref.grad(), rtol, atol, "two slices: gradients"));
+  }
+}
+
+TEST(KernelsSwiGluTest, NonContiguousInputsAndGradients) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    CheckNonContiguous(dtype, c10::kCPU);
+  }
+}
+
+TEST(KernelsSwiGluTest, CudaNonContiguousInputsAndGradients) {
+  FSDP_REQUIRE_CUDA();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    CheckNonContiguous(dtype, c10::Device(c10::kCUDA, 0));
+  }
 }
 
 }  // namespace
