@@ -103,10 +103,23 @@ void SoftmaxCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
 
 // acc (fp32) = a @ b (first) or acc + a @ b, for bf16/fp16 a and b. The first chunk on CUDA:
 // one GEMM writing fp32 (ATen's mm with out_dtype). Every other case: the product in the
-// inputs' dtype (a [V, D] temporary), then an fp32 add. ATen has no GEMM that adds into an fp32
-// C from bf16 inputs: addmm with out_dtype requires `self` in the inputs' dtype ("self and mat2
-// must have the same dtype", aten/src/ATen/native/cuda/Blas.cpp), and the CPU has no out_dtype
-// GEMM at all. An fp32 temporary would round less and cost twice the memory.
+// inputs' dtype (a [V, D] temporary), then an fp32 add. The CPU has no out_dtype GEMM at all;
+// on CUDA see Note [addmm with out_dtype]. An fp32 temporary would round less and cost twice
+// the memory.
+//
+// Note [addmm with out_dtype]
+// On CUDA, torch 2.11 does have a GEMM that adds into an fp32 C from bf16/fp16 inputs:
+// at::addmm_out(acc, acc, a, b, at::kFloat, /*beta=*/1, /*alpha=*/1) (aten::addmm.dtype_out,
+// CUDA only: _addmm_dtype_out_cuda in aten/src/ATen/native/cuda/Blas.cpp). Older releases
+// checked "self and mat2 must have the same dtype", which an fp32 self fails; later ones check
+// "self dtype must match either out_dtype or mat1 dtype", and the 2.11.0+cu130 wheel's
+// libtorch_cuda.so holds only the later message (the older string in libtorch_cpu.so is mm's
+// meta check on mat1, another op). With out == self it runs addmm_out_cuda_impl without a copy;
+// a 2-D self is no cuBLASLt bias, so one at::cuda::blas::gemm<bf16 or half, float> with that
+// beta (0 does not read C). Read in the source and the binary, not yet run:
+// tests/kernels_cross_entropy_test.cc's CudaAddmmOutDtypeAddsIntoFp32 checks it on a GPU. If
+// it passes, the non-first chunks on CUDA can accumulate this way, without the [V, D]
+// temporary (131 MB for llama_1b in bf16) and its bf16 rounding of each chunk's product.
 void AccumulateF32(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
   if (first && acc.is_cuda()) {
     at::mm_out(acc, a, b, at::kFloat);

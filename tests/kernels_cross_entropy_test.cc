@@ -127,6 +127,29 @@ TEST(KernelsCrossEntropyTest, CudaLargeVocabMatchesComposite) {
   for (const Case& c : LargeVocabCases()) CheckAgainstComposite(c, c10::Device(c10::kCUDA, 0));
 }
 
+// The ATen call Note [addmm with out_dtype] (kernels/cross_entropy.cc) reads as valid in torch
+// 2.11: bf16 and fp16 products added into an fp32 C in place, beta 0 (C not read: it holds
+// NaN here) then beta 1, against the same sums in fp64.
+TEST(KernelsCrossEntropyTest, CudaAddmmOutDtypeAddsIntoFp32) {
+  FSDP_REQUIRE_CUDA();
+  c10::Device cuda(c10::kCUDA, 0);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(::testing::Message() << dtype);
+    torch::manual_seed(21);
+    at::Tensor a1 = torch::randn({97, 33}).to(cuda, dtype);
+    at::Tensor b1 = torch::randn({33, 65}).to(cuda, dtype);
+    at::Tensor a2 = torch::randn({97, 40}).to(cuda, dtype);
+    at::Tensor b2 = torch::randn({40, 65}).to(cuda, dtype);
+    at::Tensor acc = torch::full({97, 65}, NAN, torch::TensorOptions().device(cuda));
+    at::addmm_out(acc, acc, a1, b1, at::kFloat, /*beta=*/0, /*alpha=*/1);
+    at::addmm_out(acc, acc, a2, b2, at::kFloat, /*beta=*/1, /*alpha=*/1);
+    EXPECT_EQ(acc.scalar_type(), at::kFloat);
+    at::Tensor expected = at::mm(a1.to(at::kDouble), b1.to(at::kDouble)) +
+                          at::mm(a2.to(at::kDouble), b2.to(at::kDouble));
+    EXPECT_TRUE(AllClose(acc, expected, 1e-5, 1e-4, "fp32 accumulation of two products"));
+  }
+}
+
 // loss * 3: the backward scales the kept gradients by the incoming one.
 TEST(KernelsCrossEntropyTest, CpuScalesByIncomingGradient) {
   CheckAgainstComposite({37, 16, 97, 8, at::kFloat, 2}, c10::kCPU, 3.0);
