@@ -148,7 +148,9 @@ void ExpectKeepingChangesOnlyTheGathers(Case c, int rank) {
   // Every block unsharded at once, with all of its parameters.
   EXPECT_EQ(kept.memory.peak_unsharded_units, blocks);
   EXPECT_GE(kept.memory.peak_unsharded_bytes, kept.block_unsharded_bytes);
-  if (full && !ddp) EXPECT_LE(resharded.memory.peak_unsharded_units, 2);  // max_unsharded_units
+  if (full && !ddp) {
+    EXPECT_LE(resharded.memory.peak_unsharded_units, 2);  // max_unsharded_units
+  }
   if (rank == 0) {
     std::cout << "[overhead] " << c.Name() << ": unshards/step " << resharded.unshards.back()
               << " -> " << kept.unshards.back() << ", peak unsharded units "

@@ -525,7 +525,9 @@ TEST(FsdpDeferredInitTest, ShardsAreCreatedFromTheSeedWithoutTheFullModel) {
       torch::Tensor x = torch::randint(vocab, {2, 8});
       model->forward(x).sum().backward();
       for (const at::Tensor& p : (*f)->parameters()) {
-        if (p.numel() > 0) EXPECT_TRUE(p.grad().defined());
+        if (p.numel() > 0) {
+          EXPECT_TRUE(p.grad().defined());
+        }
       }
     });
   }
@@ -553,7 +555,7 @@ TEST(FsdpEngineTest, SequentialChildrenByParameterCount) {
     torch::nn::Sequential reference(torch::nn::Linear(6, 40), torch::nn::Tanh(),
                                     torch::nn::Linear(40, 3));
     // Both Linear layers have at least 100 parameters; Tanh has none.
-    auto units = SelectUnits(*seq, {.min_num_params = 100});
+    auto units = SelectUnits(*seq, {.module_types = {}, .min_num_params = 100});
     ASSERT_EQ(units.size(), 2u);
     std::shared_ptr<DistContext> ctx = testing::InitDist();
     DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));

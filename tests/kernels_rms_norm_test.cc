@@ -141,7 +141,7 @@ void CheckAgainstCompositeInDtype(c10::Device device) {
 TEST(KernelsRmsNormTest, CpuMatchesComposite) { CheckAll(c10::kCPU); }
 
 TEST(KernelsRmsNormTest, CudaMatchesComposite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   CheckAll(c10::Device(c10::kCUDA, 0));
 }
 
@@ -150,7 +150,7 @@ TEST(KernelsRmsNormTest, CpuWithinOneRoundingOfBf16Composite) {
 }
 
 TEST(KernelsRmsNormTest, CudaWithinOneRoundingOfBf16Composite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   CheckAgainstCompositeInDtype(c10::Device(c10::kCUDA, 0));
 }
 
@@ -158,7 +158,7 @@ TEST(KernelsRmsNormTest, CudaWithinOneRoundingOfBf16Composite) {
 // CUDA kernels' other paths: rows past the 65535 of a grid's y (and many rows per backward
 // block), and a row too long for the weight gradient's partial row in shared memory.
 TEST(KernelsRmsNormTest, CudaMatchesCpuReference) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   c10::Device cuda(c10::kCUDA, 0);
   std::vector<Case> cases = {{{70001, 8}, at::kFloat, at::kFloat, 1e-5, 1e-5},
                              {{17, 13000}, at::kFloat, at::kFloat, 1e-5, 1e-5},
@@ -225,7 +225,7 @@ void CheckNoRows(c10::Device device) {
 TEST(KernelsRmsNormTest, NoRows) { CheckNoRows(c10::kCPU); }
 
 TEST(KernelsRmsNormTest, CudaNoRows) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   CheckNoRows(c10::Device(c10::kCUDA, 0));
 }
 
@@ -301,7 +301,7 @@ TEST(KernelsRmsNormTest, NonContiguousInputsAndGradients) {
 }
 
 TEST(KernelsRmsNormTest, CudaNonContiguousInputsAndGradients) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     CheckNonContiguous(dtype, c10::Device(c10::kCUDA, 0));
   }

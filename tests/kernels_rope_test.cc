@@ -133,14 +133,14 @@ TEST(KernelsRopeTest, CpuOutOfPlaceMatchesComposite) {
 }
 
 TEST(KernelsRopeTest, CudaInPlaceMatchesComposite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   for (const Case& c : Cases()) {
     CheckAgainstComposite(c, Form::kInPlace, c10::Device(c10::kCUDA, 0));
   }
 }
 
 TEST(KernelsRopeTest, CudaOutOfPlaceMatchesComposite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   for (const Case& c : Cases()) {
     CheckAgainstComposite(c, Form::kOutOfPlace, c10::Device(c10::kCUDA, 0));
   }
@@ -164,7 +164,7 @@ void CheckAgainstBf16Composite(c10::Device device) {
 TEST(KernelsRopeTest, CpuBf16CloseToBf16Composite) { CheckAgainstBf16Composite(c10::kCPU); }
 
 TEST(KernelsRopeTest, CudaBf16CloseToBf16Composite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   CheckAgainstBf16Composite(c10::Device(c10::kCUDA, 0));
 }
 
@@ -228,7 +228,7 @@ TEST(KernelsRopeTest, CpuStridedOperandsMatchComposite) {
 }
 
 TEST(KernelsRopeTest, CudaStridedOperandsMatchComposite) {
-  FSDP_REQUIRE_CUDA();
+  FSDP_SKIP_WITHOUT_GPU();
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     for (Form form : {Form::kInPlace, Form::kOutOfPlace}) {
       CheckStridedOperands(dtype, form, c10::Device(c10::kCUDA, 0));

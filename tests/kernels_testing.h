@@ -6,15 +6,10 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
+
+#include "tests/gpu_skip.h"
 
 namespace fsdp::kernels::testing {
-
-// In a test body: skips (with the reason) unless a CUDA device is visible to this build.
-#define FSDP_REQUIRE_CUDA()                                                        \
-  do {                                                                             \
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";     \
-  } while (0)
 
 // |actual - expected| <= atol + rtol * |expected| elementwise (compared in fp64); on failure
 // the message names `what`, the worst index, both values and the max difference.

@@ -25,14 +25,7 @@
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/dist_context.h"
 #include "launcher/worker_group.h"
-
-// In a GPU test's body: skips, saying why, unless a CUDA device is visible to this build.
-#define FSDP_SKIP_WITHOUT_GPU()                                                            \
-  if (::fsdp::CudaDeviceCount() == 0) {                                                    \
-    GTEST_SKIP() << (::fsdp::IsCudaBuild() ? "no CUDA device visible on this machine"      \
-                                           : "CPU-only build (CUDA toolkit did not match "  \
-                                             "torch)");                                     \
-  }
+#include "tests/gpu_skip.h"
 
 namespace fsdp::testing {
 
