@@ -146,6 +146,9 @@ TEST_P(BenchCompareTest, LossesAgreeWithFsdp2Parity) {
       EXPECT_TRUE(v["overhead"].is_number()) << engine;
     }
     EXPECT_TRUE(r.StdoutHas("fsdp.cpp vs unwrapped: wrapper overhead")) << r.Output();
+    // The Python reference is another implementation of the model, not a wrapper of ours.
+    EXPECT_TRUE(r.StdoutHas("fsdp2-parity vs unwrapped: step time (another implementation)"))
+        << r.Output();
   }
   fs::remove_all(dir);
 }
@@ -199,20 +202,25 @@ TEST(BenchCompare, FastFsdp2AgreesWithinItsTolerance) {
   fs::remove_all(dir);
 }
 
-// The plain PyTorch model on one rank, no wrapper: the same losses, its own row.
+// The plain PyTorch model on one rank, no wrapper: the same losses, its own row; beside FSDP2,
+// FSDP2's own wrapper overhead (over the eager model it wraps).
 TEST(BenchCompare, EagerOnOneRank) {
   std::string dir = FreshTempDir("compare-eager");
   CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
                                 "--nproc", "1", "--steps", "4", "--warmup", "1", "--no-plot",
-                                "--no-unwrapped", "--reference", "eager", "--out", dir},
+                                "--no-unwrapped", "--reference", "fsdp2,eager", "--out", dir},
                                {}, std::chrono::seconds(240));
   ASSERT_TRUE(r.exit.ok()) << r.Output();
   nlohmann::json report = ReadJson(dir + "/compare.json");
   EXPECT_EQ(report["references"]["eager"]["loss_check"], "PASS") << report.dump(1);
   EXPECT_GT(report["engines"]["eager"]["median_step_s"].get<double>(), 0);
   EXPECT_EQ(report["engines"]["eager"]["comm_bytes_per_step"].get<double>(), 0);
-  EXPECT_EQ(report["engines"].size(), 2u) << report.dump(1);  // fsdp.cpp, eager
+  EXPECT_EQ(report["engines"].size(), 3u) << report.dump(1);  // fsdp.cpp, fsdp2, eager
   EXPECT_TRUE(r.StdoutHas("eager: the plain model, fused adamw")) << r.Output();
+  EXPECT_TRUE(report["vs_eager"]["fsdp2"]["overhead"].is_number()) << report.dump(1);
+  EXPECT_FALSE(report.contains("vs_unwrapped")) << report.dump(1);
+  EXPECT_TRUE(r.StdoutHas("fsdp2 vs eager: wrapper overhead")) << r.Output();
+  EXPECT_FALSE(r.StdoutHas("compare.png")) << "--no-plot draws nothing";
   EXPECT_TRUE(fs::exists(dir + "/eager_0/metrics.jsonl"));
   fs::remove_all(dir);
 }
