@@ -346,6 +346,20 @@ TEST_F(CheckpointFormatTest, OpenErrors) {
   fs::create_directories(root_ + "/folder/metadata.json");
   EXPECT_THAT(CheckpointReader::Open(root_ + "/folder"),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("not a regular file (a directory)")));
+
+  // A committed step folder whose metadata names another step (found by the red-team pass:
+  // it resumed as the metadata's step while load=latest and pruning went by the name).
+  const std::string renamed = StrCat(root_, "/", StepDirName(7));
+  fs::copy(dir, renamed, fs::copy_options::recursive);
+  EXPECT_THAT(CheckpointReader::Open(renamed),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StrCat(renamed, "/metadata.json: step 1, but the folder is ",
+                              StepDirName(7), " (step 7)")));
+  EXPECT_TRUE(CheckpointReader::Open(renamed + "/").status().message().find("(step 7)") !=
+              std::string::npos);
+  // Any other folder name is not a claim about the step.
+  EXPECT_TRUE(CheckpointReader::Open(root_ + "/trunc").status().message().find("folder is") ==
+              std::string::npos);
 }
 
 TEST_F(CheckpointFormatTest, FlippedChunkByteFailsItsReadOnly) {
