@@ -48,6 +48,7 @@ constexpr std::array<std::pair<OptimizerKind, std::string_view>, 3> kKinds = {{
 
 // The parameters of one param group with one (device, dtype): one multi-tensor call.
 struct Batch {
+  Batch(at::Device device, at::ScalarType dtype) : device(device), dtype(dtype) {}
   at::Device device;
   at::ScalarType dtype;
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, momentum_buffers, steps;
@@ -58,7 +59,7 @@ Batch& BatchOf(std::vector<Batch>& batches, const at::Tensor& p) {
   for (Batch& b : batches) {
     if (b.device == p.device() && b.dtype == p.scalar_type()) return b;
   }
-  return batches.emplace_back(Batch{.device = p.device(), .dtype = p.scalar_type()});
+  return batches.emplace_back(p.device(), p.scalar_type());
 }
 
 constexpr int64_t kLargeCpuTensor = int64_t{1} << 18;
