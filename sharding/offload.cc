@@ -1,5 +1,7 @@
 #include "sharding/offload.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
@@ -192,9 +194,9 @@ void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g) {
     }
     return;
   }
-  for (FsdpParam* pending : pending_adds_) {
-    if (pending == &p) Drain();  // its staging buffer is still to be added
-  }
+  // Its staging buffer is still to be added: drain first. (Drain clears pending_adds_, so it
+  // must not run inside a loop over that vector.)
+  if (std::find(pending_adds_.begin(), pending_adds_.end(), &p) != pending_adds_.end()) Drain();
   ReapFinished();
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
   c10::Event produced(device_.type());
