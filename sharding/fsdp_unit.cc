@@ -93,6 +93,10 @@ void FsdpUnit::Unshard() {
   if (ctx_->num_shards == 1) {
     // See Note [One shard]: no collective, so no kGathering either.
     if (ctx_->offload) {
+      // See Note [Copy-in stream]: no all-gather calls BeginCopyIn here, so this does. It
+      // frees the device shards that earlier reshards stashed (with kParams, every unit's
+      // would otherwise stay allocated until the end of backward); a no-op on CPU.
+      ctx_->streams->BeginCopyIn();
       LoadDeviceShards();  // See Note [CPU offload]
       ctx_->offload->WaitForShardsOnCurrentStream();
     }
