@@ -153,7 +153,7 @@ ModelStateBytes ModelStateOf(const TrainableModel& trained, torch::optim::Optimi
 // on that buffer, which is not reused before the copy is done (as DataLoader(pin_memory=True)
 // and .to(non_blocking=True) in PyTorch). On CPU a no-op, as before.
 at::Tensor BatchToDevice(const at::Tensor& host, c10::Device device) {
-  if (!device.is_cuda()) return host.to(device);
+  if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
   return host.pin_memory().to(device, /*non_blocking=*/true);
 }
 
