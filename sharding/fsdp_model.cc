@@ -156,6 +156,11 @@ void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   for (int step = 1; ctx_.offload && step <= depth + 1; ++step) {
     if (FsdpUnit* unit = Neighbour(current, direction * step)) unit->LoadDeviceShards();
   }
+  // One shard (Note [One shard]): no collective to start early. The unshard is an alias or a
+  // cast on the compute stream, which costs the same later, and done here it would hold its
+  // memory sooner; with offload it would also make the compute stream wait for the copies
+  // just issued above before the current unit's own work, so they would not overlap it.
+  if (ctx_.num_shards == 1) return;
   for (int step = 1; step <= depth; ++step) {
     FsdpUnit* unit = Neighbour(current, direction * step);
     if (unit == nullptr) return;
