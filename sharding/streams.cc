@@ -24,10 +24,7 @@ void DeviceStreams::BeginCopyIn() {
 
 void DeviceStreams::Stash(std::vector<at::Tensor> tensors) {
   if (!enabled()) return;
-  const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
-  Pending p{std::move(tensors), c10::Event(device_.type())};
-  p.event.record(impl->getStream(device_));
-  pending_.push_back(std::move(p));
+  pending_.push_back(std::move(tensors));
 }
 
 }  // namespace fsdp

@@ -6,8 +6,8 @@
 // wait for the stream it is issued from), so that gathering the next unit overlaps the current
 // unit's compute. The gather buffers are allocated on the copy-in stream and read on the
 // compute stream by the copy-out. They are not freed right after the copy-out: they go into a
-// stash with an event recorded on the compute stream, and the stash is released only after the
-// copy-in stream has been made to wait for that event (at the next all-gather), so the caching
+// stash, released only after the copy-in stream has been made to wait for an event recorded on
+// the compute stream after the stash (at the next all-gather), so the caching
 // allocator never hands their memory to the copy-in stream while the copy-out may still read
 // it (the c10d [Sync Streams] discipline, without recordStream).
 //
@@ -42,13 +42,11 @@ class DeviceStreams {
   void Stash(std::vector<at::Tensor> tensors);
 
  private:
-  struct Pending {
-    std::vector<at::Tensor> tensors;
-    c10::Event event;
-  };
   c10::Device device_;
   std::optional<c10::Stream> copy_in_;
-  std::vector<Pending> pending_;
+  // Stashed tensors, in the order stashed: all of them were queued on the compute stream
+  // before the event BeginCopyIn records there, which covers every one of them.
+  std::vector<std::vector<at::Tensor>> pending_;
 };
 
 }  // namespace fsdp
