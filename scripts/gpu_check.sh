@@ -12,7 +12,7 @@
 #     GPU_CHECK_SKIP_BUILD=1 scripts/gpu_check.sh   # plumbing check on a CPU box (no GPU figures)
 #
 # Environment: FSDP_TORCH_DIR (default: the torch that python3 imports), JOBS (default: nproc),
-# GPU_CHECK_STEPS (steps per llama_1b run, default 30), GPU_CHECK_OUT (default: $OUT or
+# GPU_CHECK_STEPS (steps per llama_1b run, default 30; 15 with GPU_CHECK_PART=large), GPU_CHECK_OUT (default: $OUT or
 # gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default configs/llama_1b.yaml),
 # GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml), GPU_CHECK_SKIP_BUILD=1 (use the existing
 # build), GPU_CHECK_CPU=1 (run without a GPU: checks the script itself, measures nothing),
@@ -28,6 +28,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 out="${GPU_CHECK_OUT:-${OUT:-$here/gpu_check}}"
 steps="${GPU_CHECK_STEPS:-30}"
+[ "${GPU_CHECK_PART:-speed}" = large ] && steps="${GPU_CHECK_STEPS:-15}"  # 7 runs + the big one
 build="${BUILD_DIR:-build}"
 config="${GPU_CHECK_CONFIG:-configs/llama_1b.yaml}"
 ckpt_config="${GPU_CHECK_CKPT_CONFIG:-configs/gpt_125m.yaml}"
