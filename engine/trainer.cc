@@ -276,7 +276,14 @@ namespace {
 //   - cuDNN deterministic, autotuning (benchmark) off;
 //   - scaled-dot-product attention restricted to flash and math: the memory-efficient and cuDNN
 //     backends' backward passes accumulate with atomics; flash's backward follows the
-//     deterministic flag.
+//     deterministic flag (attention_backward.cu asks FlashAttention for its deterministic
+//     backward when deterministic algorithms are on and warn_only is off, as here);
+//   - no fill of uninitialized memory: deterministic algorithms make every at::empty write NaN
+//     (ints: their maximum) by default, one extra kernel per allocation (each gather buffer and
+//     activation). The engine reads nothing it has not written (padding rows are zeroed, a
+//     collective writes its whole output), so the fill buys nothing here; torchtitan turns it
+//     off too. (TrainTest.DeterministicModeRunsAndRepeatsBitwise compares repeated runs'
+//     bits; a read of uninitialized memory could, not must, break it.)
 // NCCL's reductions are deterministic for a fixed world size and message sizes (its algorithm
 // choice depends on nothing else); the mode does not pin NCCL_ALGO. The cost on a GPU is not
 // measured yet (docs/benchmarks.md lists it with the GPU figures still to take).
@@ -284,6 +291,7 @@ void ConfigureDeterminism() {
   setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   at::Context& context = at::globalContext();
   context.setDeterministicAlgorithms(true, /*warn_only=*/false);
+  context.setDeterministicFillUninitializedMemory(false);
   context.setDeterministicCuDNN(true);
   context.setBenchmarkCuDNN(false);
   context.setSDPUseMemEfficient(false);
