@@ -15,7 +15,8 @@
 //            collectives and fsdp.cpp's ratio to it, and per mode the largest loss difference;
 //            writes compare.json / compare.csv / compare.png in the output folder. On one rank
 //            (--unwrapped) also (c) the plain model without any wrapper (fsdp train with
-//            parallelism.strategy none), and each wrapper's overhead against it.
+//            parallelism.strategy none), fsdp.cpp's wrapper overhead against it, and FSDP2's
+//            against eager.
 //   kernels  the fused kernels (kernels/) against their composite references at a model's
 //            shapes, on one device (KernelsOptions).
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
@@ -55,7 +56,7 @@ struct CompareOptions {
   std::string python;    // "": $FSDP_PYTHON, or the build's venv python
   bool plot = true;
   // Also run the plain model (fsdp train with parallelism.strategy none, engine/unwrapped.h) and
-  // report each wrapper's overhead against it; one rank only. Unset: on when --nproc is 1.
+  // report fsdp.cpp's wrapper overhead against it; one rank only. Unset: on when --nproc is 1.
   std::optional<bool> unwrapped;
   // Reference modes (kReferenceModes), in the order run; empty: DefaultReferences(nproc).
   std::vector<std::string> references;

@@ -16,7 +16,7 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
       "median step time, tokens/s, MFU, peak memory per rank (RSS on CPU, allocator peak on GPU), "
       "communication wait, fsdp.cpp's ratio to each mode and each mode's loss check, PASS or FAIL "
       "(compare.json, compare.csv, compare.png in --out). On one rank also the unwrapped model, "
-      "and each wrapper's overhead against it.\n"
+      "fsdp.cpp's wrapper overhead against it and FSDP2's against eager.\n"
       "Example: fsdp bench compare configs/bench_125m.yaml --nproc 4 --steps 50\n"
       "         fsdp bench compare configs/llama_1b.yaml --nproc 1 --steps 30   (GPU)");
   c.compare_cmd->add_option("config", o.config_path, "YAML configuration file")->required();
