@@ -19,7 +19,9 @@
 # GPU_CHECK_PART (speed, the default: issue 13 and 15's runs; large: issue 14's runs, no GPU
 # tests), GPU_CHECK_BIG_CONFIG (default configs/llama3_8b_one_gpu.yaml) and GPU_CHECK_BIG_LAYERS
 # (default 20: 5.4B parameters, ~81 GiB of pinned host memory by `fsdp plan`, which a 128 GiB
-# host holds; the full 32 layers need ~120 GiB) for large's one-GPU run.
+# host holds; the full 32 layers need ~120 GiB) for large's one-GPU run, GPU_CHECK_KERNELS
+# (auto, fused, composite: model.kernels for every run; default auto, or composite when a
+# fused-kernel GPU test failed).
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
 set -uo pipefail
 
@@ -86,6 +88,20 @@ if [ "$part" = speed ] && stage "ctest -L gpu" 60; then
   gpu_summary=$(grep -E "tests passed|tests failed" "$out/ctest_gpu.log" | tail -1)
   log "ctest -L gpu: ${gpu_summary:-no summary (see $out/ctest_gpu.log)}"
 fi
+# The fused kernels (model.kernels: auto = fused on CUDA) had never run on a GPU when this was
+# written. If one of their GPU tests fails, the runs below use the composite ops instead, so the
+# call still measures the engine; GPU_CHECK_KERNELS (auto, fused, composite) forces a choice,
+# e.g. for the large part after a first call found the kernels broken.
+kernels=()
+if [ -n "${GPU_CHECK_KERNELS:-}" ]; then
+  kernels=(--set model.kernels="$GPU_CHECK_KERNELS")
+elif [ -f "$out/ctest_gpu.log" ] &&
+    grep -E " - (Kernels[A-Za-z]+Test\.Cuda|GpuKernelsTest\.)[^ ]* \(" "$out/ctest_gpu.log" |
+    grep -qv "(Skipped)"; then
+  kernels=(--set model.kernels=composite)
+  log "a fused-kernel GPU test failed (see $out/ctest_gpu.log): the runs below use" \
+    "model.kernels=composite; GPU_CHECK_KERNELS=fused runs them fused anyway"
+fi
 
 # ---- llama_1b on one GPU ------------------------------------------------------------------------
 bin="$build/bin/fsdp"
@@ -93,7 +109,8 @@ run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log
   local name=$1; shift
   "$bin" train "$config" --quiet --set run.dir="$out/$name" --set parallelism.nproc=1 \
     --set training.steps="$steps" --set training.log_interval="$steps" \
-    --set training.eval_interval=0 --set metrics.progress_bar=off "$@" >"$out/$name.log" 2>&1 ||
+    --set training.eval_interval=0 --set metrics.progress_bar=off "${kernels[@]}" "$@" \
+    >"$out/$name.log" 2>&1 ||
     log "$name failed (see $out/$name.log)"
 }
 accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
@@ -102,7 +119,8 @@ accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
 # run beside `fsdp plan`'s prediction for it, then the largest Llama 3 shape on one GPU.
 plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON
   local name=$1 cfg=$2; shift 2
-  "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" "$@" \
+  "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" \
+    "${kernels[@]}" "$@" \
     >"$out/$name.plan.log" 2>&1 || log "plan $name failed (see $out/$name.plan.log)"
 }
 run_large() {
@@ -127,7 +145,7 @@ run_large() {
   if stage "big_1gpu" 150; then
     "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
       --set training.steps=6 --set training.log_interval=6 --set training.eval_interval=0 \
-      --set metrics.progress_bar=off --set checkpoint.enabled=false "${big[@]}" \
+      --set metrics.progress_bar=off --set checkpoint.enabled=false "${kernels[@]}" "${big[@]}" \
       >"$out/big_1gpu.log" 2>&1 || log "big_1gpu failed (see $out/big_1gpu.log)"
   fi
 }
@@ -137,7 +155,8 @@ if [ "$part" = speed ]; then
 if stage "bench compare 2x4" 240; then
   "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
     --reference fsdp2,eager,compile --unwrapped --no-plot --out "$out/compare" \
-    "${accum2x4[@]}" >"$out/compare.log" 2>&1 || log "bench compare failed (see $out/compare.log)"
+    "${accum2x4[@]}" "${kernels[@]}" >"$out/compare.log" 2>&1 ||
+    log "bench compare failed (see $out/compare.log)"
 fi
 # The wrapper's overhead with the parameters kept across micro-batches (issue 13's <= 3%).
 stage "keep_2x4" 45 && run keep_2x4 "${accum2x4[@]}" \
@@ -161,6 +180,7 @@ if stage "ckpt_125m" 60; then
   "$bin" train "$ckpt_config" --set run.dir="$out/ckpt_125m" --set training.steps=60 \
     --set training.log_interval=10 --set training.eval_interval=0 --set metrics.progress_bar=off \
     --set checkpoint.enabled=true --set checkpoint.interval=20 --set checkpoint.async=true \
+    "${kernels[@]}" \
     >"$out/ckpt_125m.log" 2>&1 || log "ckpt_125m failed (see $out/ckpt_125m.log)"
   grep "^checkpoint:" "$out/ckpt_125m.log" >&2
 fi
@@ -178,6 +198,7 @@ else
   run_large
 fi
 
+[ ${#kernels[@]} -gt 0 ] && log "the runs used ${kernels[*]}"
 # ---- one table --------------------------------------------------------------------------------
 python3 - "$out" <<'EOF'
 import json, os, statistics, sys
