@@ -106,8 +106,12 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> CreateNcclBackend(
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   try {
-    return c10::intrusive_ptr<c10d::Backend>(
-        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options));
+    auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+    // The rank's device, as init_process_group(device_id=...) binds it: without it libtorch
+    // guesses rank % device count wherever no tensor names the device (and warns).
+    backend->setBoundDeviceId(
+        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+    return c10::intrusive_ptr<c10d::Backend>(std::move(backend));
   } catch (const std::exception& e) {
     return absl::InternalError(fmt::format(
         "creating the NCCL process group (rank {} of {}, cuda:{}) failed: {}", rank, size,

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include "common/logging.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/torch_status.h"
 #include "device_mesh/watchdog.h"
@@ -63,6 +64,25 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
     group->nccl_ = *std::move(nccl);
   }
   return group;
+}
+
+// Note [Ending NCCL process groups]
+// A ProcessGroupNCCL destroyed without shutdown() or abort() aborts its communicators itself,
+// after printing "destroy_process_group() was not called before program exit" on every node:
+// libtorch assumes a Python program whose process groups outlive their last use only at exit.
+// Ours are owned by the mesh and go when the run ends, whether it ended well (every collective
+// waited for) or with an error (a peer gone, a collective timed out). Aborting is right in both
+// cases and never blocks: after a good run nothing is in flight, and after a failure a graceful
+// shutdown() would wait for collectives that cannot finish. So the group aborts them itself,
+// which is what libtorch's destructor would do, without the warning.
+ProcessGroup::~ProcessGroup() {
+  if (!nccl_) return;
+  try {
+    nccl_->abort();
+  } catch (const std::exception& e) {
+    FSDP_LOG_WARN("process group '{}': aborting the NCCL communicators failed: {}", name_,
+                  e.what());
+  }
 }
 
 std::string ProcessGroup::RanksString() const {

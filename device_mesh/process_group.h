@@ -92,6 +92,9 @@ class ProcessGroup {
   // The c10d backend used for tensors on `device` ("gloo" or "nccl").
   c10d::Backend& BackendFor(const c10::Device& device);
 
+  // Aborts the NCCL communicators, if any (Note [Ending NCCL process groups]).
+  ~ProcessGroup();
+
  private:
   // `work`, recorded in the FlightRecorder (device_mesh/watchdog.h).
   c10::intrusive_ptr<c10d::Work> Record(std::string_view op, int64_t bytes,
