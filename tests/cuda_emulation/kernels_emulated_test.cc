@@ -1,0 +1,359 @@
+// Our CUDA kernels (kernels/cuda/*.cu), compiled for the host by translate.cmake and run by
+// the CPU emulator (emulator.h), against the CPU references of kernels/*.h: the launchers'
+// grid and block sizes, the kernels' indexing, strides, vector paths, barriers, warp
+// reductions and shared-memory layouts execute here, on every CI run, without a GPU.
+//
+// Each launch also runs under the reverse and a shuffled thread order and with each warp running
+// ahead of the next, and its outputs must be bitwise identical to the forward order's: a result
+// that depends on which thread ran first is a missing barrier. Tolerances are those of the GPU tests (tests/kernels_*_test.cc) or
+// tighter; the host's expf and sqrt stand in for the device's __expf and rsqrtf (see
+// prelude.h), so a GPU differs in the last bits.
+#include <functional>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <gtest/gtest.h>
+
+#include "kernels/cuda/cross_entropy.h"  // the emulated launchers (namespace cuda_emulated)
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rope.h"
+#include "kernels/cuda/swiglu.h"
+#include "kernels/rms_norm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+#include "tests/cuda_emulation/emulator.h"
+#include "tests/kernels_testing.h"
+
+namespace fsdp::kernels {
+namespace {
+
+namespace emulated = ::fsdp::kernels::cuda_emulated;
+using ::fsdp::kernels::testing::AllClose;
+
+emulated::DType Dt(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return emulated::DType::kFloat;
+    case at::kBFloat16: return emulated::DType::kBFloat16;
+    case at::kHalf: return emulated::DType::kHalf;
+    default: break;
+  }
+  ADD_FAILURE() << "no kernel dtype for " << t;
+  return emulated::DType::kFloat;
+}
+
+void* Ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// Runs `launch` (which writes into the tensors it returns, from fresh inputs each call) under
+// each schedule; the outputs must be bitwise equal to the forward schedule's, which it returns.
+std::vector<at::Tensor> UnderEverySchedule(
+    const std::function<std::vector<at::Tensor>()>& launch) {
+  std::vector<at::Tensor> first;
+  for (fsdp_emu::Schedule s : {fsdp_emu::Schedule::kForward, fsdp_emu::Schedule::kReverse,
+                               fsdp_emu::Schedule::kShuffled, fsdp_emu::Schedule::kWarpByWarp}) {
+    fsdp_emu::SetSchedule(s);
+    std::vector<at::Tensor> out = launch();
+    if (first.empty()) {
+      first = out;
+      continue;
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!out[i].defined()) continue;
+      EXPECT_TRUE(at::equal(out[i].view(at::kByte), first[i].view(at::kByte)))
+          << "output " << i << " depends on the thread schedule (" << static_cast<int>(s)
+          << "): a missing barrier";
+    }
+  }
+  fsdp_emu::SetSchedule(fsdp_emu::Schedule::kForward);
+  return first;
+}
+
+void ExpectLaunched(int status) {
+  EXPECT_EQ(status, 0) << "launch failed: " << fsdp_emu::LastErrorMessage();
+}
+
+std::string DtypeName(at::ScalarType t) { return c10::toString(t); }
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+struct RmsCase {
+  int64_t rows, cols;
+  at::ScalarType dtype, weight_dtype;
+  bool residual, weight_grad;
+};
+
+class EmulatedRmsNormTest : public ::testing::TestWithParam<RmsCase> {};
+
+TEST_P(EmulatedRmsNormTest, ForwardAndBackwardMatchTheCpuReference) {
+  const RmsCase c = GetParam();
+  const double eps = 1e-5;
+  at::manual_seed(11);
+  at::Tensor x = at::randn({c.rows, c.cols}).to(c.dtype);
+  at::Tensor res = c.residual ? at::randn({c.rows, c.cols}).to(c.dtype) : at::Tensor();
+  at::Tensor w = (1 + 0.1 * at::randn({c.cols})).to(c.weight_dtype);
+  at::Tensor gy = at::randn({c.rows, c.cols}).to(c.dtype);
+  at::Tensor gh = c.residual ? at::randn({c.rows, c.cols}).to(c.dtype) : at::Tensor();
+
+  std::vector<at::Tensor> fwd = UnderEverySchedule([&] {
+    at::Tensor h = c.residual ? at::empty_like(x) : at::Tensor();
+    at::Tensor y = at::empty_like(x);
+    at::Tensor rstd = at::empty({c.rows}, at::kFloat);
+    ExpectLaunched(emulated::RmsNormForward(Ptr(x), Ptr(res), Ptr(w), Ptr(h), Ptr(y),
+                                            rstd.data_ptr<float>(), c.rows, c.cols,
+                                            static_cast<float>(eps), Dt(c.dtype),
+                                            Dt(c.weight_dtype), nullptr));
+    return std::vector<at::Tensor>{h, y, rstd};
+  });
+  const at::Tensor& h = fwd[0];
+  const at::Tensor& rstd = fwd[2];
+  std::vector<at::Tensor> bwd = UnderEverySchedule([&] {
+    at::Tensor gx = at::empty_like(x);
+    at::Tensor gw = c.weight_grad ? at::empty_like(w) : at::Tensor();
+    at::Tensor partials = at::empty(
+        {emulated::RmsNormBackwardPartials(c.rows, c.cols), c.cols}, at::kFloat);
+    ExpectLaunched(emulated::RmsNormBackward(
+        Ptr(c.residual ? h : x), rstd.data_ptr<float>(), Ptr(w), Ptr(gy), Ptr(gh), Ptr(gx),
+        Ptr(gw), partials.data_ptr<float>(), c.rows, c.cols, Dt(c.dtype), Dt(c.weight_dtype),
+        nullptr));
+    return std::vector<at::Tensor>{gx, gw};
+  });
+
+  // The CPU reference, forward and autograd backward.
+  at::Tensor xr = x.clone().requires_grad_(), wr = w.clone().requires_grad_();
+  at::Tensor rr = c.residual ? res.clone().requires_grad_() : at::Tensor();
+  at::Tensor h_ref, y_ref;
+  if (c.residual) {
+    std::tie(h_ref, y_ref) = AddRmsNorm(xr, rr, wr, eps);
+    torch::autograd::backward({y_ref, h_ref}, {gy, gh});
+  } else {
+    y_ref = RmsNorm(xr, wr, eps);
+    torch::autograd::backward({y_ref}, {gy});
+  }
+  const bool low = c.dtype != at::kFloat;
+  const double tol = low ? 1e-2 : 1e-5;
+  SCOPED_TRACE(DtypeName(c.dtype) + " weight " + DtypeName(c.weight_dtype));
+  if (c.residual) {
+    EXPECT_TRUE(at::equal(h, h_ref.detach())) << "h = x + residual, rounded once";
+  }
+  EXPECT_TRUE(AllClose(fwd[1], y_ref, tol, tol, "y"));
+  at::Tensor hf = (c.residual ? h : x).to(at::kDouble);
+  at::Tensor rstd_ref = (hf.pow(2).mean(-1) + eps).rsqrt();
+  EXPECT_TRUE(AllClose(rstd, rstd_ref, 1e-6, 1e-6, "rstd"));
+  EXPECT_TRUE(AllClose(bwd[0], xr.grad(), tol, tol, "grad x"));
+  if (c.weight_grad) {
+    const double scale = wr.grad().abs().max().item<double>();
+    EXPECT_TRUE(AllClose(bwd[1], wr.grad(), low ? 0.0 : 1e-5, tol * scale, "grad weight"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, EmulatedRmsNormTest,
+    ::testing::Values(RmsCase{5, 100, at::kFloat, at::kFloat, false, true},
+                      RmsCase{7, 1000, at::kBFloat16, at::kFloat, true, true},
+                      RmsCase{4, 257, at::kBFloat16, at::kBFloat16, false, true},
+                      RmsCase{33, 64, at::kHalf, at::kFloat, true, true},  // rows per block > 1
+                      RmsCase{19, 40, at::kFloat, at::kFloat, true, false},
+                      // Beyond kSmemCols: the partial rows accumulate in global memory.
+                      RmsCase{3, 13000, at::kFloat, at::kFloat, true, true}),
+    [](const ::testing::TestParamInfo<RmsCase>& info) {
+      const RmsCase& c = info.param;
+      return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" +
+             DtypeName(c.dtype) + "_w" + DtypeName(c.weight_dtype) +
+             (c.residual ? "_residual" : "") + (c.weight_grad ? "" : "_no_weight_grad");
+    });
+
+// ---- SwiGLU ----------------------------------------------------------------------------------
+
+class EmulatedSwiGluTest : public ::testing::TestWithParam<std::tuple<at::ScalarType, bool>> {};
+
+TEST_P(EmulatedSwiGluTest, ForwardAndBackwardMatchTheCpuReference) {
+  const auto [dtype, fused] = GetParam();
+  const int64_t rows = 17, cols = 333;
+  at::manual_seed(3);
+  // Two tensors, or the fused projection [rows, 2 * cols] (gate then up, row stride 2 * cols).
+  at::Tensor gate_up = at::randn({rows, 2 * cols}).mul(3).to(dtype);
+  at::Tensor gate = fused ? gate_up.narrow(1, 0, cols) : at::randn({rows, cols}).mul(3).to(dtype);
+  at::Tensor up = fused ? gate_up.narrow(1, cols, cols) : at::randn({rows, cols}).to(dtype);
+  at::Tensor gout = at::randn({rows, cols}).to(dtype);
+  auto operand = [](const at::Tensor& t) {
+    return emulated::SwiGluOperand{t.data_ptr(), t.stride(0)};
+  };
+  std::vector<at::Tensor> out = UnderEverySchedule([&] {
+    at::Tensor y = at::empty({rows, cols}, dtype);
+    at::Tensor g_gate_up = at::empty({rows, 2 * cols}, dtype);
+    at::Tensor g_gate = fused ? g_gate_up.narrow(1, 0, cols) : at::empty({rows, cols}, dtype);
+    at::Tensor g_up = fused ? g_gate_up.narrow(1, cols, cols) : at::empty({rows, cols}, dtype);
+    ExpectLaunched(emulated::SwiGluForward(operand(gate), operand(up), operand(y), rows, cols,
+                                           Dt(dtype), nullptr));
+    ExpectLaunched(emulated::SwiGluBackward(operand(gate), operand(up), operand(gout),
+                                            operand(g_gate), operand(g_up), rows, cols,
+                                            Dt(dtype), nullptr));
+    return std::vector<at::Tensor>{y, g_gate.contiguous(), g_up.contiguous()};
+  });
+  at::Tensor gr = gate.detach().clone().requires_grad_(), ur = up.detach().clone().requires_grad_();
+  at::Tensor y_ref = SwiGlu(gr, ur);
+  torch::autograd::backward({y_ref}, {gout});
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+  SCOPED_TRACE(DtypeName(dtype) + (fused ? " fused" : " two tensors"));
+  EXPECT_TRUE(AllClose(out[0], y_ref, tol, tol, "silu(gate) * up"));
+  EXPECT_TRUE(AllClose(out[1], gr.grad(), tol, tol, "grad gate"));
+  EXPECT_TRUE(AllClose(out[2], ur.grad(), tol, tol, "grad up"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, EmulatedSwiGluTest,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return DtypeName(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_fused" : "_two_tensors");
+                         });
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+struct RopeCase {
+  int64_t batch, seq, q_heads, k_heads, head_dim;
+  at::ScalarType dtype;
+  bool strided;    // q and k are views with odd strides: the element-wise (not pair) path
+  bool in_place;
+};
+
+class EmulatedRopeTest : public ::testing::TestWithParam<RopeCase> {};
+
+emulated::RopeOperand Operand(const at::Tensor& in, const at::Tensor& out) {
+  emulated::RopeOperand op;
+  op.in = in.data_ptr();
+  op.out = out.data_ptr();
+  op.heads = in.size(2);
+  for (int d = 0; d < 4; ++d) {
+    op.in_stride[d] = in.stride(d);
+    op.out_stride[d] = out.stride(d);
+  }
+  return op;
+}
+
+TEST_P(EmulatedRopeTest, RotationAndInverseEqualTheCpuReferenceBitwise) {
+  const RopeCase c = GetParam();
+  const int64_t half = c.head_dim / 2, seq_max = c.seq + 3;
+  at::manual_seed(7);
+  at::Tensor angles = at::arange(seq_max, at::kFloat).unsqueeze(1) *
+                      at::pow(10000.0, -at::arange(half, at::kFloat) / half).unsqueeze(0);
+  at::Tensor cos = angles.cos(), sin = angles.sin();
+  auto make = [&](int64_t heads) {
+    if (!c.strided) return at::randn({c.batch, c.seq, heads, c.head_dim}).to(c.dtype);
+    // Odd strides: each head padded by one element, so pairs are not 2-element aligned.
+    return at::randn({c.batch, c.seq, heads, c.head_dim + 1})
+        .to(c.dtype)
+        .narrow(3, 0, c.head_dim);
+  };
+  const at::Tensor q = make(c.q_heads), k = make(c.k_heads);
+  const at::Tensor gq = make(c.q_heads), gk = make(c.k_heads);
+  auto rotate = [&](const at::Tensor& a, const at::Tensor& b, bool inverse) {
+    // Fresh copies of the inputs, in the case's layout (the kernel may write them in place).
+    at::Tensor a_in = c.strided ? make(a.size(2)).copy_(a) : a.clone();
+    at::Tensor b_in = c.strided ? make(b.size(2)).copy_(b) : b.clone();
+    at::Tensor a_out = c.in_place ? a_in : at::empty(a.sizes(), a.options());
+    at::Tensor b_out = c.in_place ? b_in : at::empty(b.sizes(), b.options());
+    ExpectLaunched(emulated::Rope(Operand(a_in, a_out), Operand(b_in, b_out),
+                                  cos.data_ptr<float>(), sin.data_ptr<float>(), c.batch, c.seq,
+                                  c.head_dim, inverse, Dt(c.dtype), nullptr));
+    return std::vector<at::Tensor>{a_out.contiguous(), b_out.contiguous()};
+  };
+  std::vector<at::Tensor> fwd = UnderEverySchedule([&] { return rotate(q, k, false); });
+  std::vector<at::Tensor> bwd = UnderEverySchedule([&] { return rotate(gq, gk, true); });
+
+  at::Tensor qr = q.detach().clone().requires_grad_(), kr = k.detach().clone().requires_grad_();
+  auto [q_ref, k_ref] = Rope(qr, kr, cos, sin);
+  torch::autograd::backward({q_ref, k_ref}, {gq, gk});
+  SCOPED_TRACE(DtypeName(c.dtype) + (c.strided ? " strided" : " contiguous") +
+               (c.in_place ? " in place" : ""));
+  EXPECT_TRUE(at::equal(fwd[0], q_ref.detach())) << AllClose(fwd[0], q_ref, 0, 0, "q").message();
+  EXPECT_TRUE(at::equal(fwd[1], k_ref.detach())) << AllClose(fwd[1], k_ref, 0, 0, "k").message();
+  EXPECT_TRUE(at::equal(bwd[0], qr.grad())) << AllClose(bwd[0], qr.grad(), 0, 0, "grad q").message();
+  EXPECT_TRUE(at::equal(bwd[1], kr.grad())) << AllClose(bwd[1], kr.grad(), 0, 0, "grad k").message();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, EmulatedRopeTest,
+    ::testing::Values(RopeCase{2, 5, 4, 2, 16, at::kFloat, false, true},
+                      RopeCase{2, 5, 4, 2, 16, at::kBFloat16, false, false},
+                      RopeCase{1, 3, 32, 8, 64, at::kFloat, false, false},  // pairs > threads
+                      RopeCase{2, 4, 3, 1, 10, at::kFloat, true, true},
+                      RopeCase{2, 4, 3, 3, 10, at::kHalf, true, false}),
+    [](const ::testing::TestParamInfo<RopeCase>& info) {
+      const RopeCase& c = info.param;
+      return "h" + std::to_string(c.q_heads) + "kv" + std::to_string(c.k_heads) + "d" +
+             std::to_string(c.head_dim) + "_" + DtypeName(c.dtype) +
+             (c.strided ? "_strided" : "") + (c.in_place ? "_in_place" : "");
+    });
+
+// ---- Softmax cross-entropy (the per-chunk kernel of LinearCrossEntropy) ----------------------
+
+struct CeCase {
+  int64_t vocab;
+  at::ScalarType dtype;
+};
+
+class EmulatedCrossEntropyTest : public ::testing::TestWithParam<CeCase> {};
+
+TEST_P(EmulatedCrossEntropyTest, LossesAndGradientsMatchFp64) {
+  const CeCase c = GetParam();
+  const int64_t rows = 6, ignore = -100;
+  at::manual_seed(5);
+  at::Tensor logits = (at::randn({rows, c.vocab}) * 4).to(c.dtype);
+  // Row 2 has masked entries (-inf) including a run at the start of a vector.
+  logits[2].narrow(0, 0, 9).fill_(-std::numeric_limits<float>::infinity());
+  at::Tensor targets = at::randint(c.vocab, {rows}, at::kLong);
+  targets[2] = c.vocab - 1;
+  targets[4] = ignore;
+  at::Tensor scale = at::full({1}, 1.0f / (rows - 1), at::kFloat);
+  std::vector<at::Tensor> out = UnderEverySchedule([&] {
+    at::Tensor grad = logits.clone();  // the kernel overwrites the logits with the gradient
+    at::Tensor losses = at::empty({rows}, at::kFloat);
+    ExpectLaunched(emulated::SoftmaxCrossEntropy(Ptr(grad), targets.data_ptr<int64_t>(),
+                                                 losses.data_ptr<float>(),
+                                                 scale.data_ptr<float>(), rows, c.vocab, ignore,
+                                                 /*write_grad=*/true, Dt(c.dtype), nullptr));
+    at::Tensor untouched = logits.clone();
+    at::Tensor losses_only = at::empty({rows}, at::kFloat);
+    ExpectLaunched(emulated::SoftmaxCrossEntropy(Ptr(untouched), targets.data_ptr<int64_t>(),
+                                                 losses_only.data_ptr<float>(), nullptr, rows,
+                                                 c.vocab, ignore, /*write_grad=*/false,
+                                                 Dt(c.dtype), nullptr));
+    EXPECT_TRUE(at::equal(untouched, logits)) << "write_grad=false wrote the logits";
+    EXPECT_TRUE(at::equal(losses_only, losses)) << "the loss depends on write_grad";
+    return std::vector<at::Tensor>{losses, grad};
+  });
+
+  at::Tensor x = logits.to(at::kDouble);
+  at::Tensor lse = x.logsumexp(1);
+  at::Tensor valid = targets.ne(ignore);
+  at::Tensor safe_targets = targets.clamp_min(0);
+  at::Tensor loss_ref = (lse - x.gather(1, safe_targets.unsqueeze(1)).squeeze(1)) * valid;
+  at::Tensor grad_ref = (x - lse.unsqueeze(1)).exp();
+  grad_ref.scatter_add_(1, safe_targets.unsqueeze(1), -at::ones({rows, 1}, at::kDouble));
+  grad_ref = grad_ref * (1.0 / (rows - 1)) * valid.unsqueeze(1);
+  const bool low = c.dtype != at::kFloat;
+  SCOPED_TRACE(DtypeName(c.dtype) + " vocab " + std::to_string(c.vocab));
+  EXPECT_TRUE(AllClose(out[0], loss_ref, 1e-5, 1e-5, "losses"));
+  // Gradients are at most 1 / (rows - 1) in magnitude: rounding to the dtype dominates.
+  EXPECT_TRUE(AllClose(out[1], grad_ref, low ? 1e-2 : 1e-5, 1e-7, "gradient"));
+  EXPECT_TRUE(out[1][4].eq(0).all().item<bool>()) << "the ignored row's gradient is zero";
+  EXPECT_EQ(out[0][4].item<float>(), 0.0f) << "the ignored row's loss is zero";
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, EmulatedCrossEntropyTest,
+                         ::testing::Values(CeCase{1000, at::kFloat},      // vector loads
+                                           CeCase{1000, at::kBFloat16},   // vector loads
+                                           CeCase{50257, at::kBFloat16},  // element loads
+                                           CeCase{32003, at::kFloat},     // element loads
+                                           CeCase{32000, at::kHalf}),
+                         [](const ::testing::TestParamInfo<CeCase>& info) {
+                           return DtypeName(info.param.dtype) + "_vocab" +
+                                  std::to_string(info.param.vocab);
+                         });
+
+}  // namespace
+}  // namespace fsdp::kernels

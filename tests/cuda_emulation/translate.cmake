@@ -1,0 +1,36 @@
+# cmake -DIN=<kernels/cuda file> -DOUT=<file> -P translate.cmake
+# Turns one of our CUDA sources (a .cu, or a header it includes) into host C++ for the CPU
+# emulator (tests/cuda_emulation/emulator.h), so that the kernels' own code runs in the tests:
+#  - namespace fsdp::kernels::cuda -> fsdp::kernels::cuda_emulated (no clash with the real
+#    launchers, which the same test binary may link);
+#  - kernel<<<grid, block, shared, stream>>>(args) ->
+#    ::fsdp_emu::Launch(kernel, ::fsdp_emu::Config(grid, block, shared, stream))(args);
+#  - extern __shared__ T name[]; -> T* name = the block's dynamic shared memory;
+#  - __shared__ T name[N]...; -> a static array, poisoned (0xff) at the start of each block.
+# Everything else (the built-ins and intrinsics) is mapped by prelude.h. Anything left that
+# the host compiler cannot take (a launch or __shared__ in another form) stops the build here,
+# naming the file.
+if(NOT DEFINED IN OR NOT DEFINED OUT)
+  message(FATAL_ERROR "usage: cmake -DIN=<file> -DOUT=<file> -P translate.cmake")
+endif()
+file(READ "${IN}" text)
+set(ws "[ \t\r\n]")
+set(id "[A-Za-z_][A-Za-z0-9_]*")
+
+string(REPLACE "fsdp::kernels::cuda" "fsdp::kernels::cuda_emulated" text "${text}")
+string(REGEX REPLACE "(${id}(<[^<>;()]*>)?)${ws}*<<<([^;]*)>>>\\("
+       "::fsdp_emu::Launch(\\1, ::fsdp_emu::Config(\\3))(" text "${text}")
+string(REGEX REPLACE "extern${ws}+__shared__${ws}+(${id})${ws}+(${id})${ws}*\\[${ws}*\\]${ws}*;"
+       "\\1* \\2 = static_cast<\\1*>(::fsdp_emu::DynamicShared());" text "${text}")
+string(REGEX REPLACE "__shared__${ws}+(${id})${ws}+(${id})((\\[[A-Za-z0-9_ +*/()]*\\])+)${ws}*;"
+       "static \\1 \\2\\3; ::fsdp_emu::PoisonShared(\\2, sizeof(\\2));" text "${text}")
+
+foreach(left "<<<" ">>>" "__shared__")
+  string(FIND "${text}" "${left}" at)
+  if(NOT at EQUAL -1)
+    message(FATAL_ERROR "${IN}: '${left}' in a form tests/cuda_emulation/translate.cmake does "
+                        "not translate; extend it (or the kernel's syntax)")
+  endif()
+endforeach()
+file(WRITE "${OUT}.tmp" "// Generated from ${IN} by tests/cuda_emulation/translate.cmake.\n${text}")
+file(RENAME "${OUT}.tmp" "${OUT}")
