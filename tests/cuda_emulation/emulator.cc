@@ -2,6 +2,13 @@
 
 #include <ucontext.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define FSDP_EMU_ASAN 1
+#else
+#define FSDP_EMU_ASAN 0
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -23,11 +30,37 @@ namespace {
 // released) is a deadlock: on a GPU a hang or undefined behaviour, here an error naming where
 // each thread waits. Blocks run one after another, so only one block's fibers exist at a time.
 
+// Note [Emulated kernels under ASan]
+// The test binary is built with AddressSanitizer (tests/CMakeLists.txt), so a kernel that
+// reads or writes outside the tensors it was given (an illegal memory access on a GPU, which
+// kills the CUDA context) stops the test with ASan's report, naming the kernel's source line:
+// the tests allocate every operand at its exact size, and ATen's CPU allocator goes through
+// the malloc that ASan intercepts. The fiber switches are announced to ASan (StartSwitch /
+// FinishSwitch) so that it knows which stack is live.
+
 constexpr size_t kStackBytes = 64 * 1024;  // device printf and the kernels' locals fit
 constexpr int kWarp = 32;
 constexpr size_t kMaxDynamicShared = 48 * 1024;  // without cudaFuncSetAttribute's opt-in
 
 enum class State { kReady, kBlockBarrier, kWarpBarrier, kDone };
+
+// AddressSanitizer's fiber API (no-ops without ASan): every stack switch is announced before
+// it (start: the stack switched to; a null save for a fiber that ends) and completed after it
+// (finish), so that ASan tracks which stack is live. See Note [Emulated kernels under ASan].
+void StartSwitch(void** fake_stack_save, const void* bottom, size_t size) {
+#if FSDP_EMU_ASAN
+  __sanitizer_start_switch_fiber(fake_stack_save, bottom, size);
+#else
+  (void)fake_stack_save, (void)bottom, (void)size;
+#endif
+}
+void FinishSwitch(void* fake_stack_save, const void** old_bottom, size_t* old_size) {
+#if FSDP_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack_save, old_bottom, old_size);
+#else
+  (void)fake_stack_save, (void)old_bottom, (void)old_size;
+#endif
+}
 
 struct Fiber {
   ucontext_t context;
@@ -52,6 +85,8 @@ BlockRun* g_run = nullptr;
 int g_last_error = kSuccess;
 std::string g_last_message;
 std::vector<std::unique_ptr<char[]>> g_stacks;  // reused by every launch
+const void* g_scheduler_stack = nullptr;  // the scheduler's stack, as ASan reports it
+size_t g_scheduler_stack_size = 0;
 
 void Fail(int error, std::string message) {
   g_last_error = error;
@@ -60,12 +95,17 @@ void Fail(int error, std::string message) {
 
 void Switch() {  // from the running fiber back to the scheduler
   Fiber* self = g_run->current;
+  void* fake_stack = nullptr;
+  StartSwitch(&fake_stack, g_scheduler_stack, g_scheduler_stack_size);
   swapcontext(&self->context, &g_run->scheduler);
+  FinishSwitch(fake_stack, &g_scheduler_stack, &g_scheduler_stack_size);
 }
 
 void Entry() {
+  FinishSwitch(nullptr, &g_scheduler_stack, &g_scheduler_stack_size);
   (*g_run->body)();
   g_run->current->state = State::kDone;
+  StartSwitch(nullptr, g_scheduler_stack, g_scheduler_stack_size);  // this fiber ends
   // Returning resumes uc_link: the scheduler.
 }
 
@@ -162,42 +202,52 @@ bool ReleaseBarriers(BlockRun& run) {
   return released;
 }
 
+// Runs fiber i until it waits or returns, if it is ready. Not inlined: swapcontext returns
+// twice, so the callers' loop variables are kept out of its frame (-Wclobbered).
+[[gnu::noinline]] void Resume(BlockRun& run, int i) {
+  Fiber& f = run.fibers[i];
+  if (f.state != State::kReady) return;
+  run.current = &f;
+  void* fake_stack = nullptr;
+  StartSwitch(&fake_stack, g_stacks[i].get(), kStackBytes);
+  swapcontext(&run.scheduler, &f.context);
+  FinishSwitch(fake_stack, nullptr, nullptr);
+  run.current = nullptr;
+}
+
+// Thread i of block `block_idx`, ready to start the kernel (not inlined: getcontext returns
+// twice, as Resume's swapcontext).
+[[gnu::noinline]] void InitFiber(BlockRun& run, const LaunchConfig& c, uint3 block_idx, int i) {
+  Fiber& f = run.fibers[i];
+  f.state = State::kReady;
+  f.linear = i;
+  f.thread.thread_idx =
+      Uint3(i % c.block.x, (i / c.block.x) % c.block.y, i / (c.block.x * c.block.y));
+  f.thread.block_idx = block_idx;
+  f.thread.block_dim = c.block;
+  f.thread.grid_dim = c.grid;
+  getcontext(&f.context);
+  f.context.uc_stack.ss_sp = g_stacks[i].get();
+  f.context.uc_stack.ss_size = kStackBytes;
+  f.context.uc_link = &run.scheduler;
+  makecontext(&f.context, Entry, 0);
+}
+
 // Runs one block to completion; false (with the error set) on a trap or deadlock.
 bool RunBlock(BlockRun& run, const LaunchConfig& c, uint3 block_idx, uint64_t& random) {
   const int n = static_cast<int>(run.fibers.size());
-  for (int i = 0; i < n; ++i) {
-    Fiber& f = run.fibers[i];
-    f.state = State::kReady;
-    f.linear = i;
-    f.thread.thread_idx = Uint3(i % c.block.x, (i / c.block.x) % c.block.y,
-                                     i / (c.block.x * c.block.y));
-    f.thread.block_idx = block_idx;
-    f.thread.block_dim = c.block;
-    f.thread.grid_dim = c.grid;
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = g_stacks[i].get();
-    f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &run.scheduler;
-    makecontext(&f.context, Entry, 0);
-  }
+  for (int i = 0; i < n; ++i) InitFiber(run, c, block_idx, i);
   std::fill(run.dynamic_shared.begin(), run.dynamic_shared.end(), 0xff);
   run.poisoned.clear();
   std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
   if (g_schedule == Schedule::kReverse) std::reverse(order.begin(), order.end());
-  auto resume = [&run](int i) {
-    Fiber& f = run.fibers[i];
-    if (f.state != State::kReady) return;
-    run.current = &f;
-    swapcontext(&run.scheduler, &f.context);
-    run.current = nullptr;
-  };
   for (;;) {
     if (g_schedule == Schedule::kWarpByWarp) {
       // Each warp as far as its own barriers let it, before the next warp starts.
       for (int base = 0; base < n; base += kWarp) {
         do {
-          for (int i = base; i < std::min(n, base + kWarp) && !run.trapped; ++i) resume(i);
+          for (int i = base; i < std::min(n, base + kWarp) && !run.trapped; ++i) Resume(run, i);
           if (run.trapped) return false;
         } while (ReleaseWarp(run, base));
       }
@@ -206,7 +256,7 @@ bool RunBlock(BlockRun& run, const LaunchConfig& c, uint3 block_idx, uint64_t& r
         for (int i = n - 1; i > 0; --i) std::swap(order[i], order[NextRandom(random) % (i + 1)]);
       }
       for (int i : order) {
-        resume(i);
+        Resume(run, i);
         if (run.trapped) return false;  // the grid stops, as at a device-side trap
       }
     }
@@ -222,6 +272,12 @@ bool RunBlock(BlockRun& run, const LaunchConfig& c, uint3 block_idx, uint64_t& r
 }
 
 }  // namespace
+
+#if FSDP_EMU_ASAN
+// libtorch keeps static allocations until exit, which LeakSanitizer would report as leaks
+// and fail every test with; the emulator is here for memory errors, not leaks.
+extern "C" const char* __asan_default_options() { return "detect_leaks=0"; }
+#endif
 
 void SetSchedule(Schedule schedule) { g_schedule = schedule; }
 
@@ -307,7 +363,8 @@ void PoisonShared(void* data, size_t bytes) {
 void Trap() {
   g_run->trapped = true;
   g_run->current->state = State::kDone;
-  Switch();  // never resumed: the launch ends
+  StartSwitch(nullptr, g_scheduler_stack, g_scheduler_stack_size);  // this fiber ends
+  swapcontext(&g_run->current->context, &g_run->scheduler);  // never resumed
   std::abort();
 }
 
