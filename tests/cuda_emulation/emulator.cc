@@ -78,6 +78,8 @@ struct BlockRun {
   std::vector<unsigned char> dynamic_shared;
   std::set<void*> poisoned;  // static shared arrays filled in this block
   bool trapped = false;
+  int trap_error = kLaunchFailure;
+  std::string trap_message = "a thread trapped (device-side assert or __trap)";
 };
 
 Schedule g_schedule = Schedule::kForward;
@@ -318,7 +320,7 @@ void Run(const LaunchConfig& config, const std::function<void()>& body) {
       }
     }
   }
-  if (run.trapped) Fail(kLaunchFailure, "a thread trapped (device-side assert or __trap)");
+  if (run.trapped) Fail(run.trap_error, run.trap_message);
   g_run = nullptr;
 }
 
@@ -358,6 +360,23 @@ void* DynamicShared() { return g_run->dynamic_shared.data(); }
 
 void PoisonShared(void* data, size_t bytes) {
   if (g_run->poisoned.insert(data).second) std::memset(data, 0xff, bytes);
+}
+
+void Misaligned(uintptr_t address, size_t alignment) {
+  if (g_run == nullptr || g_run->current == nullptr) {
+    std::fprintf(stderr, "fsdp_emu: CheckedCast of a misaligned pointer outside a kernel\n");
+    std::abort();
+  }
+  const ThreadContext& t = Current();
+  g_run->trap_error = kMisalignedAddress;
+  char message[256];
+  std::snprintf(message, sizeof(message),
+                "misaligned address: 0x%lx cast to a type aligned to %zu bytes, in block "
+                "(%u, %u, %u), thread (%u, %u, %u)",
+                static_cast<unsigned long>(address), alignment, t.block_idx.x, t.block_idx.y,
+                t.block_idx.z, t.thread_idx.x, t.thread_idx.y, t.thread_idx.z);
+  g_run->trap_message = message;
+  Trap();
 }
 
 void Trap() {

@@ -15,9 +15,11 @@
 //    a warp runs ahead of the others) is a parameter, so a test can run a kernel under several
 //    orders and expect identical results; shared memory starts each block filled with NaN
 //    bytes (0xff).
+//  - misaligned vector accesses: reinterpret_cast becomes CheckedCast, which fails the launch
+//    as the GPU's "misaligned address" would.
 // What it cannot check: the memory model across blocks (blocks run one after another),
-// misaligned vector accesses (the host does not fault), timing, and the device's own math
-// library (host expf / rsqrt stand in for __expf / rsqrtf: compare with tolerances).
+// timing, and the device's own math library (host expf / rsqrt stand in for __expf / rsqrtf:
+// compare with tolerances).
 //
 //   fsdp_emu::SetSchedule(fsdp_emu::Schedule::kReverse);
 //   MyKernel<<<blocks, threads>>>(...);  // after translate.cmake: runs here, now
@@ -42,7 +44,8 @@ enum Error : int {
   kSuccess = 0,
   kInvalidValue = 1,
   kInvalidConfiguration = 9,
-  kLaunchFailure = 719,  // a trap or assert in a kernel
+  kMisalignedAddress = 716,  // a vector access not aligned to its size (CheckedCast)
+  kLaunchFailure = 719,      // a trap or assert in a kernel
   kDeadlock = 10000,     // the emulator's own: threads stuck at barriers that cannot complete
 };
 
@@ -105,6 +108,24 @@ void PoisonShared(void* data, size_t bytes);
 [[noreturn]] void Trap();
 [[noreturn]] void AssertFail(const char* assertion, const char* file, unsigned line,
                              const char* function);
+// A misaligned pointer cast inside a kernel: the launch fails with kMisalignedAddress.
+[[noreturn]] void Misaligned(uintptr_t address, size_t alignment);
+
+// reinterpret_cast in the kernels (translate.cmake rewrites it to this): a pointer cast to a
+// type whose alignment the address lacks is, inside a kernel, the GPU's "misaligned address"
+// fault (vector loads and stores need their natural alignment); the host does not fault, so
+// the cast checks. Other casts (to uintptr_t, on the host side of a launcher) pass through.
+template <typename To, typename From>
+To CheckedCast(From from) {
+  if constexpr (std::is_pointer_v<To> && std::is_pointer_v<From>) {
+    using Pointee = std::remove_cv_t<std::remove_pointer_t<To>>;
+    if constexpr (!std::is_void_v<Pointee>) {
+      const uintptr_t address = reinterpret_cast<uintptr_t>(from);
+      if (address % alignof(Pointee) != 0) Misaligned(address, alignof(Pointee));
+    }
+  }
+  return reinterpret_cast<To>(from);
+}
 
 // `kernel<<<grid, block, shared, stream>>>(args...)` after translation:
 // Launch(kernel, Config(grid, block, shared, stream))(args...). Arguments are converted to the

@@ -87,6 +87,15 @@ void TwoSumsKernel(float* out) {
   out[threadIdx.x] = a * 1000 + b;
 }
 
+// A 16-byte vector load at `offset` floats into the buffer.
+struct alignas(16) Float4 {
+  float v[4];
+};
+void VectorLoadKernel(const float* in, float* out, int offset) {
+  Float4 packed = *fsdp_emu::CheckedCast<const Float4*>(in + offset);
+  out[threadIdx.x] = packed.v[threadIdx.x % 4];
+}
+
 class EmulatorTest : public ::testing::TestWithParam<Schedule> {
  protected:
   void SetUp() override {
@@ -166,6 +175,17 @@ TEST_P(EmulatorTest, InvalidLaunchesFailWithoutRunning) {
   EXPECT_EQ(fsdp_emu::GetLastError(), fsdp_emu::kInvalidConfiguration);
   EXPECT_EQ(std::accumulate(out.begin(), out.end(), 0), 0) << "a refused launch ran";
   EXPECT_EQ(fsdp_emu::GetLastError(), 0) << "the error is cleared once read";
+}
+
+TEST_P(EmulatorTest, AMisalignedVectorAccessFailsTheLaunch) {
+  alignas(16) float in[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<float> out(4, -1.0f);
+  fsdp_emu::Launch(VectorLoadKernel, fsdp_emu::Config(1, 4))(in, out.data(), 4);
+  ASSERT_EQ(fsdp_emu::GetLastError(), 0) << fsdp_emu::LastErrorMessage();
+  EXPECT_EQ(out[1], 5.0f);
+  fsdp_emu::Launch(VectorLoadKernel, fsdp_emu::Config(1, 4))(in, out.data(), 2);
+  EXPECT_EQ(fsdp_emu::GetLastError(), fsdp_emu::kMisalignedAddress);
+  EXPECT_THAT(fsdp_emu::LastErrorMessage(), ::testing::HasSubstr("aligned to 16 bytes"));
 }
 
 TEST_P(EmulatorTest, ATrapFailsTheLaunch) {

@@ -6,7 +6,9 @@
 #  - kernel<<<grid, block, shared, stream>>>(args) ->
 #    ::fsdp_emu::Launch(kernel, ::fsdp_emu::Config(grid, block, shared, stream))(args);
 #  - extern __shared__ T name[]; -> T* name = the block's dynamic shared memory;
-#  - __shared__ T name[N]...; -> a static array, poisoned (0xff) at the start of each block.
+#  - __shared__ T name[N]...; -> a static array, poisoned (0xff) at the start of each block;
+#  - reinterpret_cast<T>(p) -> ::fsdp_emu::CheckedCast<T>(p), which fails the launch on a
+#    pointer not aligned for T (the GPU's misaligned-address fault).
 # Everything else (the built-ins and intrinsics) is mapped by prelude.h. Anything left that
 # the host compiler cannot take (a launch or __shared__ in another form) stops the build here,
 # naming the file.
@@ -18,6 +20,7 @@ set(ws "[ \t\r\n]")
 set(id "[A-Za-z_][A-Za-z0-9_]*")
 
 string(REPLACE "fsdp::kernels::cuda" "fsdp::kernels::cuda_emulated" text "${text}")
+string(REPLACE "reinterpret_cast<" "::fsdp_emu::CheckedCast<" text "${text}")
 string(REGEX REPLACE "(${id}(<[^<>;()]*>)?)${ws}*<<<([^;]*)>>>\\("
        "::fsdp_emu::Launch(\\1, ::fsdp_emu::Config(\\3))(" text "${text}")
 string(REGEX REPLACE "extern${ws}+__shared__${ws}+(${id})${ws}+(${id})${ws}*\\[${ws}*\\]${ws}*;"
