@@ -1,7 +1,10 @@
 // Our CUDA kernels (kernels/cuda/*.cu), compiled for the host by translate.cmake and run by
 // the CPU emulator (emulator.h), against the CPU references of kernels/*.h: the launchers'
 // grid and block sizes, the kernels' indexing, strides, vector paths, barriers, warp
-// reductions and shared-memory layouts execute here, on every CI run, without a GPU.
+// reductions and shared-memory layouts execute here, on every CI run, without a GPU. The
+// second half runs the public autograd functions of the emulated copy of the library, whose
+// CUDA branches (dispatch_emulated.cc) call those launchers: the buffers, strides and
+// arguments that kernels/*.cc hand to the kernels, forward and backward.
 //
 // Each launch also runs under the reverse and a shuffled thread order and with each warp running
 // ahead of the next, and its outputs must be bitwise identical to the forward order's: a result
@@ -18,10 +21,17 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <gtest/gtest.h>
 
-#include "kernels/cuda/cross_entropy.h"  // the emulated launchers (namespace cuda_emulated)
-#include "kernels/cuda/rms_norm.h"
-#include "kernels/cuda/rope.h"
-#include "kernels/cuda/swiglu.h"
+// The emulated copies (namespace fsdp::kernels_emulated): launchers and autograd functions.
+#include "emulated/kernels/cross_entropy.h"
+#include "emulated/kernels/cuda/cross_entropy.h"
+#include "emulated/kernels/cuda/rms_norm.h"
+#include "emulated/kernels/cuda/rope.h"
+#include "emulated/kernels/cuda/swiglu.h"
+#include "emulated/kernels/rms_norm.h"
+#include "emulated/kernels/rope.h"
+#include "emulated/kernels/swiglu.h"
+// The real library: the CPU references.
+#include "kernels/cross_entropy.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
@@ -31,7 +41,7 @@
 namespace fsdp::kernels {
 namespace {
 
-namespace emulated = ::fsdp::kernels::cuda_emulated;
+namespace emulated = ::fsdp::kernels_emulated::cuda;
 using ::fsdp::kernels::testing::AllClose;
 
 emulated::DType Dt(at::ScalarType t) {
@@ -353,6 +363,138 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedCrossEntropyTest,
                          [](const ::testing::TestParamInfo<CeCase>& info) {
                            return DtypeName(info.param.dtype) + "_vocab" +
                                   std::to_string(info.param.vocab);
+                         });
+
+// ---- The autograd functions, through their CUDA branches ------------------------------------
+
+// Forward and the gradients of `inputs` for a gradient `grad` of the output, by `f`.
+template <typename F>
+std::vector<at::Tensor> ValueAndGrads(F f, std::vector<at::Tensor> inputs, const at::Tensor& grad) {
+  for (at::Tensor& t : inputs) t = t.detach().clone().requires_grad_();
+  at::Tensor out = f(inputs);
+  torch::autograd::backward({out}, {grad});
+  std::vector<at::Tensor> result{out.detach()};
+  for (const at::Tensor& t : inputs) result.push_back(t.grad());
+  return result;
+}
+
+void ExpectAllClose(const std::vector<at::Tensor>& actual, const std::vector<at::Tensor>& expected,
+                    double tol, const std::vector<std::string>& names) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) {
+    EXPECT_TRUE(AllClose(actual[i], expected[i], tol, tol, names[i]));
+  }
+}
+
+class EmulatedFunctionTest : public ::testing::TestWithParam<at::ScalarType> {
+ protected:
+  double Tol() const { return GetParam() == at::kFloat ? 1e-5 : 1e-2; }
+};
+
+TEST_P(EmulatedFunctionTest, AddRmsNormOnA3dNonContiguousInput) {
+  const at::ScalarType dtype = GetParam();
+  at::manual_seed(21);
+  // [b, t, D] views of a [t, b, D] buffer: not contiguous, so the functions copy first.
+  at::Tensor x = at::randn({9, 2, 96}).to(dtype).transpose(0, 1);
+  at::Tensor res = at::randn({2, 9, 96}).to(dtype);
+  at::Tensor w = (1 + 0.1 * at::randn({96})).to(at::kFloat);
+  at::Tensor gy = at::randn({2, 9, 96}).to(dtype);
+  auto run = [&](auto add_rms_norm) {
+    return ValueAndGrads(
+        [&](const std::vector<at::Tensor>& in) {
+          auto [h, y] = add_rms_norm(in[0], in[1], in[2], 1e-5);
+          return (h.to(at::kFloat) * 0.5 + y.to(at::kFloat)).to(dtype);  // both outputs used
+        },
+        {x, res, w}, gy);
+  };
+  ExpectAllClose(run(fsdp::kernels_emulated::AddRmsNorm), run(fsdp::kernels::AddRmsNorm),
+                 Tol(), {"h / 2 + y", "grad x", "grad residual", "grad weight"});
+  auto run_plain = [&](auto rms_norm) {
+    return ValueAndGrads(
+        [&](const std::vector<at::Tensor>& in) { return rms_norm(in[0], in[1], 1e-5); },
+        {x, w.to(dtype)}, gy);
+  };
+  ExpectAllClose(run_plain(fsdp::kernels_emulated::RmsNorm), run_plain(fsdp::kernels::RmsNorm),
+                 Tol(), {"y", "grad x", "grad weight"});
+}
+
+TEST_P(EmulatedFunctionTest, SwiGluTwoTensorsAndFusedProjection) {
+  const at::ScalarType dtype = GetParam();
+  at::manual_seed(22);
+  at::Tensor gate = at::randn({3, 5, 70}).mul(2).to(dtype), up = at::randn({3, 5, 70}).to(dtype);
+  at::Tensor gate_up = at::randn({3, 5, 140}).mul(2).to(dtype);
+  at::Tensor g = at::randn({3, 5, 70}).to(dtype);
+  auto two = [&](auto swiglu) {
+    return ValueAndGrads([&](const std::vector<at::Tensor>& in) { return swiglu(in[0], in[1]); },
+                         {gate, up}, g);
+  };
+  auto fused = [&](auto swiglu) {
+    return ValueAndGrads([&](const std::vector<at::Tensor>& in) { return swiglu(in[0]); },
+                         {gate_up}, g);
+  };
+  using Two = at::Tensor (*)(const at::Tensor&, const at::Tensor&);
+  using One = at::Tensor (*)(const at::Tensor&);
+  ExpectAllClose(two(static_cast<Two>(fsdp::kernels_emulated::SwiGlu)),
+                 two(static_cast<Two>(fsdp::kernels::SwiGlu)), Tol(),
+                 {"silu(gate) * up", "grad gate", "grad up"});
+  ExpectAllClose(fused(static_cast<One>(fsdp::kernels_emulated::SwiGlu)),
+                 fused(static_cast<One>(fsdp::kernels::SwiGlu)), Tol(),
+                 {"fused: silu(gate) * up", "fused: grad gate_up"});
+}
+
+TEST_P(EmulatedFunctionTest, RopeInPlaceOnProjectionViewsEqualsTheCpuReferenceBitwise) {
+  const at::ScalarType dtype = GetParam();
+  at::manual_seed(23);
+  const int64_t b = 2, t = 6, heads = 4, kv_heads = 2, hd = 16;
+  at::Tensor angles = at::arange(t + 2, at::kFloat).unsqueeze(1) *
+                      at::pow(10000.0, -at::arange(hd / 2, at::kFloat) / (hd / 2)).unsqueeze(0);
+  at::Tensor cos = angles.cos(), sin = angles.sin();
+  at::Tensor x = at::randn({b, t, 32}).to(dtype);
+  at::Tensor wq = at::randn({heads * hd, 32}).to(dtype), wk = at::randn({kv_heads * hd, 32}).to(dtype);
+  at::Tensor gq = at::randn({b, t, heads, hd}).to(dtype), gk = at::randn({b, t, kv_heads, hd}).to(dtype);
+  // As the model: q and k are views of the projections' outputs, rotated in place.
+  auto run = [&](auto rope_in_place) {
+    at::Tensor xr = x.clone().requires_grad_();
+    at::Tensor q = at::linear(xr, wq).view({b, t, heads, hd});
+    at::Tensor k = at::linear(xr, wk).view({b, t, kv_heads, hd});
+    rope_in_place(q, k, cos, sin);
+    torch::autograd::backward({q, k}, {gq, gk});
+    return std::vector<at::Tensor>{q.detach().clone(), k.detach().clone(), xr.grad()};
+  };
+  std::vector<at::Tensor> emulated = run(fsdp::kernels_emulated::RopeInPlace);
+  std::vector<at::Tensor> reference = run(fsdp::kernels::RopeInPlace);
+  const char* names[] = {"q", "k", "grad x"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::equal(emulated[i], reference[i]))
+        << AllClose(emulated[i], reference[i], 0, 0, names[i]).message();
+  }
+}
+
+TEST_P(EmulatedFunctionTest, LinearCrossEntropyInChunks) {
+  const at::ScalarType dtype = GetParam();
+  at::manual_seed(24);
+  const int64_t n = 37, d = 24, vocab = 1003;
+  at::Tensor hidden = at::randn({n, d}).to(dtype), weight = (0.2 * at::randn({vocab, d})).to(dtype);
+  at::Tensor targets = at::randint(vocab, {n}, at::kLong);
+  targets[3] = fsdp::kernels::kIgnoreIndex;
+  targets[30] = fsdp::kernels::kIgnoreIndex;
+  for (int64_t chunk : {int64_t{n}, int64_t{10}}) {  // one chunk; four, the last one short
+    auto run = [&](auto ce) {
+      return ValueAndGrads(
+          [&](const std::vector<at::Tensor>& in) { return ce(in[0], in[1], targets, chunk); },
+          {hidden, weight}, at::full({}, 1.0f));
+    };
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    ExpectAllClose(run(fsdp::kernels_emulated::LinearCrossEntropy),
+                   run(fsdp::kernels::LinearCrossEntropy), Tol(),
+                   {"loss", "grad hidden", "grad weight"});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, EmulatedFunctionTest,
+                         ::testing::Values(at::kFloat, at::kBFloat16),
+                         [](const ::testing::TestParamInfo<at::ScalarType>& info) {
+                           return DtypeName(info.param);
                          });
 
 }  // namespace
