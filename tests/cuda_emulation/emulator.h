@@ -1,7 +1,8 @@
 // A CUDA execution model on the CPU, for testing the logic of our CUDA kernels
-// (kernels/cuda/*.cu) on machines without a GPU. The kernel sources are compiled unchanged by
-// the host compiler (see prelude.h and translate.cmake); each launch runs every thread of every
-// block as a fiber on the calling thread, so the code paths a GPU would take (indexing, strides,
+// (kernels/cuda/*.cu) on machines without a GPU. The kernel sources are compiled by the host
+// compiler after a few textual rewrites (translate.cmake: the launches, __shared__,
+// reinterpret_cast) and with the built-ins mapped (prelude.h); each launch runs every thread of
+// every block as a fiber on the calling thread, so the code paths a GPU would take (indexing, strides,
 // grid-stride loops, barriers, warp shuffles, shared memory, launch limits) run and can be
 // compared with the CPU references.
 //
@@ -14,7 +15,7 @@
 //  - races that a barrier should have ordered: the schedule (which thread runs first, whether
 //    a warp runs ahead of the others) is a parameter, so a test can run a kernel under several
 //    orders and expect identical results; shared memory starts each block filled with NaN
-//    bytes (0xff).
+//    bytes (0xff);
 //  - misaligned vector accesses: reinterpret_cast becomes CheckedCast, which fails the launch
 //    as the GPU's "misaligned address" would.
 // What it cannot check: the memory model across blocks (blocks run one after another),
