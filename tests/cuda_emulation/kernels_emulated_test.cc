@@ -167,7 +167,10 @@ INSTANTIATE_TEST_SUITE_P(
                       RmsCase{33, 64, at::kHalf, at::kFloat, true, true},  // rows per block > 1
                       RmsCase{19, 40, at::kFloat, at::kFloat, true, false},
                       // Beyond kSmemCols: the partial rows accumulate in global memory.
-                      RmsCase{3, 13000, at::kFloat, at::kFloat, true, true}),
+                      RmsCase{3, 13000, at::kFloat, at::kFloat, true, true},
+                      // The model shapes: llama_1b (dim 2048), Llama 3 8B (dim 4096).
+                      RmsCase{4, 2048, at::kBFloat16, at::kFloat, true, true},
+                      RmsCase{2, 4096, at::kBFloat16, at::kFloat, true, true}),
     [](const ::testing::TestParamInfo<RmsCase>& info) {
       const RmsCase& c = info.param;
       return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" +
@@ -291,7 +294,10 @@ INSTANTIATE_TEST_SUITE_P(
                       RopeCase{2, 5, 4, 2, 16, at::kBFloat16, false, false},
                       RopeCase{1, 3, 32, 8, 64, at::kFloat, false, false},  // pairs > threads
                       RopeCase{2, 4, 3, 1, 10, at::kFloat, true, true},
-                      RopeCase{2, 4, 3, 3, 10, at::kHalf, true, false}),
+                      RopeCase{2, 4, 3, 3, 10, at::kHalf, true, false},
+                      // The model shapes: llama_1b (16 heads of 128), Llama 3 8B (32 / 8 kv).
+                      RopeCase{1, 3, 16, 16, 128, at::kBFloat16, false, true},
+                      RopeCase{1, 2, 32, 8, 128, at::kBFloat16, false, true}),
     [](const ::testing::TestParamInfo<RopeCase>& info) {
       const RopeCase& c = info.param;
       return "h" + std::to_string(c.q_heads) + "kv" + std::to_string(c.k_heads) + "d" +
@@ -359,7 +365,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedCrossEntropyTest,
                                            CeCase{1000, at::kBFloat16},   // vector loads
                                            CeCase{50257, at::kBFloat16},  // element loads
                                            CeCase{32003, at::kFloat},     // element loads
-                                           CeCase{32000, at::kHalf}),
+                                           CeCase{32000, at::kHalf},
+                                           CeCase{32000, at::kBFloat16},   // llama_1b
+                                           CeCase{128256, at::kBFloat16}), // Llama 3
                          [](const ::testing::TestParamInfo<CeCase>& info) {
                            return DtypeName(info.param.dtype) + "_vocab" +
                                   std::to_string(info.param.vocab);
