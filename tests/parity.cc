@@ -21,6 +21,7 @@ std::string ParityCase::Name() const {
   if (bf16) n += "_bf16";
   if (device != "cpu") n += StrCat("_", device, "_", cuda_backend);
   if (keep) n += "_keep";
+  if (cpu_collectives != "p2p") n += StrCat("_", cpu_collectives, "_collectives");
   return n;
 }
 
@@ -52,6 +53,7 @@ void RunParity(const ParityCase& c, int rank) {
   DistOptions options_for_device = TestDistOptions();
   options_for_device.device = c.device;
   options_for_device.cuda_backend = c.cuda_backend;
+  options_for_device.cpu_collectives = c.cpu_collectives;
   std::shared_ptr<DistContext> ctx = InitDist(options_for_device);
   const torch::Device device = ctx->device();
   model->to(device);

@@ -23,6 +23,9 @@ struct ParityCase {
   // reshard_between_micro_batches = false: units gathered once per step (Note [Keeping
   // parameters across micro-batches] in sharding/fsdp_model.h).
   bool keep = false;
+  // CPU all-gather / reduce-scatter: "p2p" (straight from and into the parameters) or "gloo"
+  // (the flat buffers: the copy-in, copy-out and gradient packing that NCCL runs use).
+  std::string cpu_collectives = "p2p";
   std::string Name() const;
 };
 
