@@ -26,7 +26,10 @@ std::vector<ParityCase> Cases() {
   cases.push_back({"full_shard", 2, 1, 0, Accumulate::kNoSyncUntilLast});
   cases.push_back({"hybrid_shard", 4, 2, 0, Accumulate::kNoAllReduceUntilLast});
   cases.push_back({"full_shard", 3, 1, 0, Accumulate::kReduceEveryMicroBatch, true});
+  cases.push_back({"full_shard", 4, 1, 0, Accumulate::kReduceEveryMicroBatch, true});
   cases.push_back({"hybrid_shard", 4, 2, 0, Accumulate::kReduceEveryMicroBatch, true});
+  // bf16 with no_sync: the micro-batches' gradients added in bf16 before the reduction.
+  cases.push_back({"full_shard", 2, 1, 0, Accumulate::kNoSyncUntilLast, true});
   // One rank, bf16: the gradients added into the fp32 shards' .grad in place.
   cases.push_back({"full_shard", 1, 1, 0, Accumulate::kReduceEveryMicroBatch, true});
   // Units kept unsharded across the micro-batches of a step.
@@ -40,11 +43,9 @@ std::vector<ParityCase> Cases() {
   // Through the flat buffers (cpu_collectives: gloo), the path of every NCCL run: the shards
   // copied into one all-gather input (cast to bf16), the output copied out per parameter, the
   // gradients packed by rows with padding (3 ranks: uneven shards) for one reduce-scatter.
-  // (bf16 at 4 ranks is left out on both paths: its 8 bf16 micro-batch gradients of ln2.bias,
-  // summed in fp32, end 5.6% of the largest element from the reference's single bf16 one at
-  // step 2, over the 5% tolerance; the p2p and flat paths give the same numbers.)
   for (ParityCase c : {ParityCase{"full_shard", 4},
                        ParityCase{"full_shard", 3, 1, 0, Accumulate::kReduceEveryMicroBatch, true},
+                       ParityCase{"full_shard", 4, 1, 0, Accumulate::kReduceEveryMicroBatch, true},
                        ParityCase{"shard_grad_op", 2},
                        ParityCase{"full_shard", 4, 1, 2},
                        ParityCase{"hybrid_shard", 4, 2, 0, Accumulate::kNoAllReduceUntilLast},

@@ -2,7 +2,8 @@
 // CUDA variants (gpu_test.cc): train the tiny GPT for 10 optimizer steps with gradient clipping
 // and two micro-batches per step, sharded over real processes, and compare every step's loss,
 // gradient norm, gradients and every local shard against a single-process reference that each
-// rank computes itself on the whole global batch.
+// rank computes itself: on the whole global batch in fp32; in bf16 slice by slice with the
+// engine's mixed-precision arithmetic (Note [Mixed-precision gradients, exactly], parity.cc).
 #pragma once
 
 #include <string>
