@@ -147,13 +147,14 @@ std::vector<Case> CasesFor(int world) {
           {"hybrid_shard", 2}, {"hybrid_shard", 2, true}, {"full_shard", 1, false, false, 2}};
 }
 
-class OffloadParityTest : public ::testing::TestWithParam<int> {};
-
 // For each case: the run without offload, then with optimizer and with params offload.
-TEST_P(OffloadParityTest, EqualsTheRunWithoutOffloadBitwise) {
-  const int world = GetParam();
+// `cpu_collectives`: "p2p", or "gloo" for the flat buffers that NCCL runs use (the copy-in of
+// the loaded shards, the copy-out, the packed reduce-scatter).
+void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
   testing::RunOnRanks(world, [&](int rank) {
-    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DistOptions dist = testing::TestDistOptions();
+    dist.cpu_collectives = cpu_collectives;
+    std::shared_ptr<DistContext> ctx = testing::InitDist(dist);
     for (const Case& c : CasesFor(world)) {
       Strategy strategy = *ParseStrategy(c.strategy);
       DeviceMesh mesh =
@@ -187,6 +188,14 @@ TEST_P(OffloadParityTest, EqualsTheRunWithoutOffloadBitwise) {
       if (::testing::Test::HasFailure()) break;
     }
   });
+}
+
+class OffloadParityTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(OffloadParityTest, EqualsTheRunWithoutOffloadBitwise) { ExpectOffloadParity(GetParam(), "p2p"); }
+
+TEST(OffloadFlatCollectivesTest, EqualsTheRunWithoutOffloadBitwise) {
+  ExpectOffloadParity(2, "gloo");
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, OffloadParityTest, ::testing::Values(1, 2, 4),
