@@ -16,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
 
 #include "kernels/cuda/types.h"
 
@@ -28,8 +29,18 @@ bool CudaKernelsBuilt();
 // false for any other device (the CPU reference runs).
 bool OnCuda(const at::Tensor& t, const char* kernel);
 
-// float32, bfloat16, float16; anything else is an error naming `kernel` and the dtype.
-cuda::DType ToKernelDType(const at::Tensor& t, const char* kernel);
+// float32, bfloat16, float16; anything else is an error naming `kernel` and the dtype. Inline:
+// the CUDA emulator's copy of this library (tests/cuda_emulation) shares it.
+inline cuda::DType ToKernelDType(const at::Tensor& t, const char* kernel) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return cuda::DType::kFloat;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    case at::kHalf: return cuda::DType::kHalf;
+    default:
+      TORCH_CHECK(false, "fsdp kernel ", kernel, ": dtype ", t.scalar_type(),
+                  " is not supported (float32, bfloat16, float16)");
+  }
+}
 
 // The current CUDA stream of `t`'s device (ATen's), for a launcher.
 cuda::Stream CurrentStream(const at::Tensor& t);

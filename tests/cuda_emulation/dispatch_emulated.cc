@@ -18,17 +18,6 @@ bool OnCuda(const at::Tensor& t, const char* kernel) {
   return true;
 }
 
-cuda::DType ToKernelDType(const at::Tensor& t, const char* kernel) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return cuda::DType::kFloat;
-    case at::kBFloat16: return cuda::DType::kBFloat16;
-    case at::kHalf: return cuda::DType::kHalf;
-    default:
-      TORCH_CHECK(false, "emulated fsdp kernel ", kernel, ": dtype ", t.scalar_type(),
-                  " is not supported (float32, bfloat16, float16)");
-  }
-}
-
 cuda::Stream CurrentStream(const at::Tensor& /*t*/) { return nullptr; }
 
 void CheckLaunch(cuda::LaunchStatus status, const char* kernel) {
