@@ -59,6 +59,24 @@ struct Tolerance {
 // rounds the other way changes a weight by 2^-8: the tolerance after the first step is 1e-4.
 // This needs bitwise-reproducible bf16 kernels, i.e. the CPU's; on CUDA (atomics in some
 // backward kernels) the first-step check is skipped and the bf16 tolerances are bf16's.
+// This rank's rows of `full` (a whole parameter's values or gradient): [local rows, row_numel].
+torch::Tensor LocalRows(const FsdpModel& fsdp, const FsdpParam& p, const torch::Tensor& full) {
+  const ParamSharding& s = p.sharding;
+  return full.reshape({s.dim0, s.row_numel}).narrow(0, fsdp.FirstLocalRow(p), p.sharded.size(0));
+}
+
+// The largest |shard - this rank's rows of full|, and the largest |rows of full| (the scale
+// the gradient tolerances are relative to).
+struct ShardDiff {
+  double err, scale;
+};
+ShardDiff DiffFromFull(const FsdpModel& fsdp, const FsdpParam& p, const torch::Tensor& full,
+                       const torch::Tensor& shard) {
+  torch::Tensor expected = LocalRows(fsdp, p, full);
+  torch::Tensor actual = shard.reshape(expected.sizes());
+  return {(actual - expected).abs().max().item<double>(), expected.abs().max().item<double>()};
+}
+
 struct MixedPrecisionResult {
   std::map<std::string, torch::Tensor> grads;  // fp32, the whole parameters
   double loss = 0;                             // the mean loss, as the engine reports it
@@ -233,14 +251,8 @@ void RunParity(const ParityCase& c, int rank) {
             p->sharded.size(0) == 0) {
           continue;
         }
-        const ParamSharding& s = p->sharding;
-        const int64_t rows = p->sharded.size(0);
-        torch::Tensor expected =
-            sum.reshape({s.dim0, s.row_numel}).narrow(0, fsdp.FirstLocalRow(*p), rows);
-        torch::Tensor actual = unclipped[p->names[0]].reshape({rows, s.row_numel});
-        const double scale = expected.abs().max().item<double>();
-        const double err = (actual - expected).abs().max().item<double>();
-        EXPECT_LE(err, 1e-5 * scale + 1e-9)
+        const ShardDiff d = DiffFromFull(fsdp, *p, sum, unclipped[p->names[0]]);
+        EXPECT_LE(d.err, 1e-5 * d.scale + 1e-9)
             << "step 0 gradient of " << name << " is not the fp32 sum of the micro-batches' "
             << "bf16 gradients (Note [Mixed-precision gradients, exactly])";
       }
@@ -262,16 +274,10 @@ void RunParity(const ParityCase& c, int rank) {
     for (const auto& item : reference->named_parameters()) {
       const FsdpParam* p = fsdp.FindParam(item.key());
       if (p == nullptr || !grads.count(p->names[0]) || !item.value().grad().defined()) continue;
-      const ParamSharding& s = p->sharding;
-      int64_t rows = p->sharded.size(0);
-      if (rows == 0) continue;
-      torch::Tensor expected = item.value().grad().reshape({s.dim0, s.row_numel})
-                                   .narrow(0, fsdp.FirstLocalRow(*p), rows);
-      torch::Tensor actual = grads[p->names[0]].reshape({rows, s.row_numel});
-      double scale = expected.abs().max().item<double>();
-      double err = (actual - expected).abs().max().item<double>();
-      worst_grad = std::max(worst_grad, err / std::max(scale, 1e-12));
-      EXPECT_LE(err, tol.grad_rel * scale + 1e-9) << "grad of " << item.key() << " step " << step;
+      if (p->sharded.size(0) == 0) continue;
+      const ShardDiff d = DiffFromFull(fsdp, *p, item.value().grad(), grads[p->names[0]]);
+      worst_grad = std::max(worst_grad, d.err / std::max(d.scale, 1e-12));
+      EXPECT_LE(d.err, tol.grad_rel * d.scale + 1e-9) << "grad of " << item.key() << " step " << step;
     }
     ref_opt->step();
     ref_opt->zero_grad();
@@ -284,12 +290,10 @@ void RunParity(const ParityCase& c, int rank) {
     for (const auto& item : reference->named_parameters()) {
       const FsdpParam* p = fsdp.FindParam(item.key());
       ASSERT_NE(p, nullptr) << item.key();
-      const ParamSharding& s = p->sharding;
       int64_t rows = p->sharded.size(0);
       if (rows > 0) {
-        torch::Tensor expected = item.value().detach().reshape({s.dim0, s.row_numel})
-                                     .narrow(0, fsdp.FirstLocalRow(*p), rows);
-        torch::Tensor actual = p->sharded.detach().reshape({rows, s.row_numel});
+        torch::Tensor expected = LocalRows(fsdp, *p, item.value().detach());
+        torch::Tensor actual = p->sharded.detach().reshape(expected.sizes());
         double err = (actual - expected).abs().max().item<double>();
         worst_param = std::max(worst_param, err);
         EXPECT_TRUE(torch::allclose(actual, expected, tol.rtol, tol.atol))
