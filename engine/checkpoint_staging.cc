@@ -40,8 +40,12 @@ namespace fsdp {
 //  6. Non-finite state is gated before Save is called (Note [Non-finite state is never
 //     saved], trainer.cc), unchanged: the flag read is a host sync of its own.
 // The price is host memory: one copy of the rank's saved state, pinned, for the whole run
-// (on CPU: one plain copy, which a save made anyway). The first save also pays for the page
-// locking, which the log line of that save shows.
+// (on CPU: one plain copy, which a save made anyway). Page-locking it is slow (the kernel maps
+// and pins every page: a large fraction of a second per GB), so the trainer reserves the
+// buffers at start-up (Reserve, through Checkpointer::ReserveStaging), shaped after the shards
+// and the optimizer state they will hold, and the first save blocks the loop no longer than
+// later ones. A buffer the first save did not find reserved (a shape the reservation did not
+// foresee) is allocated then, which that save's log line shows.
 
 StagedCopies::~StagedCopies() { Wait(); }
 
@@ -78,7 +82,6 @@ CheckpointStaging::Buffer CheckpointStaging::Allocate(const at::Tensor& src, boo
       b.host = at::empty({0}, opts);
       b.host.set_(std::move(storage), 0, src.sizes(), c10::contiguous_strides(src.sizes()));
       b.pinned = true;
-      last_allocated_pinned_bytes_ += bytes;
     } else if (!warned_unpinned_) {
       // Still correct (the copy then blocks the host for the transfer), only slower.
       FSDP_LOG_WARN(
@@ -89,8 +92,25 @@ CheckpointStaging::Buffer CheckpointStaging::Allocate(const at::Tensor& src, boo
     }
   }
   if (!b.host.defined()) b.host = at::empty(src.sizes(), opts);
-  last_allocated_bytes_ += bytes;
   return b;
+}
+
+bool CheckpointStaging::Fits(const Buffer& b, const at::Tensor& src) {
+  return b.host.sizes() == src.sizes() && b.host.scalar_type() == src.scalar_type() &&
+         (b.pinned || src.is_cpu());
+}
+
+int64_t CheckpointStaging::Reserve(const std::string& key, const at::Tensor& like) {
+  TORCH_INTERNAL_ASSERT(!in_snapshot_, "CheckpointStaging::Reserve inside a snapshot");
+  auto it = buffers_.find(key);
+  if (it != buffers_.end() && Fits(it->second, like)) return 0;
+  Buffer buffer = Allocate(like, /*pinned=*/!like.is_cpu());
+  // Plain memory is mapped by the first write: make it now, not in the first save's copy
+  // (page-locked memory is resident already).
+  if (!buffer.pinned) buffer.host.zero_();
+  const int64_t bytes = static_cast<int64_t>(buffer.host.nbytes());
+  buffers_[key] = std::move(buffer);
+  return bytes;
 }
 
 at::Tensor CheckpointStaging::Stage(const std::string& key, const at::Tensor& src) {
@@ -98,12 +118,13 @@ at::Tensor CheckpointStaging::Stage(const std::string& key, const at::Tensor& sr
   const bool on_device = !src.is_cpu();
   auto it = previous_.find(key);
   Buffer buffer;
-  if (it != previous_.end() && it->second.host.sizes() == src.sizes() &&
-      it->second.host.scalar_type() == src.scalar_type() && (on_device || !it->second.pinned)) {
+  if (it != previous_.end() && Fits(it->second, src)) {
     buffer = std::move(it->second);
     previous_.erase(it);
   } else {
     buffer = Allocate(src, /*pinned=*/on_device);
+    last_allocated_bytes_ += static_cast<int64_t>(buffer.host.nbytes());
+    if (buffer.pinned) last_allocated_pinned_bytes_ += static_cast<int64_t>(buffer.host.nbytes());
   }
   at::Tensor host = buffer.host;
   buffers_[key] = std::move(buffer);
@@ -151,7 +172,13 @@ StagedCopies CheckpointStaging::End() {
 
 int64_t CheckpointStaging::held_bytes() const {
   int64_t n = 0;
-  for (const auto& [key, b] : buffers_) n += b.host.numel() * b.host.element_size();
+  for (const auto& [key, b] : buffers_) n += static_cast<int64_t>(b.host.nbytes());
+  return n;
+}
+
+int64_t CheckpointStaging::held_pinned_bytes() const {
+  int64_t n = 0;
+  for (const auto& [key, b] : buffers_) n += b.pinned ? static_cast<int64_t>(b.host.nbytes()) : 0;
   return n;
 }
 

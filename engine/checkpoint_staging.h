@@ -13,6 +13,8 @@
 //   at::Tensor host = staging.Stage("model/w", shard);   // not to be read yet
 //   StagedCopies copies = staging.End();                 // the loop goes on from here
 //   ... on the writer thread: copies.Wait(); write `host` ...
+// Reserve, between snapshots, allocates a key's buffer ahead of its first Stage (at start-up,
+// so that the first save does not page-lock memory inside the training loop).
 #pragma once
 
 #include <atomic>
@@ -61,6 +63,11 @@ class CheckpointStaging {
   // now; a device one by a non_blocking copy on the side stream (after the current stream's
   // work so far), complete only after the StagedCopies' Wait.
   at::Tensor Stage(const std::string& key, const at::Tensor& src);
+  // Outside a snapshot: allocates now the buffer a later Stage(key, t) claims for a `t` of
+  // `like`'s sizes, dtype and kind (device: pinned, page-locked now; host: plain, its pages
+  // touched now), unless `key` holds one that fits already. Returns the bytes allocated.
+  // The buffers reserved and not staged by the next snapshot are freed at its End.
+  int64_t Reserve(const std::string& key, const at::Tensor& like);
   // Ends the snapshot: the current stream waits (on the device, no host sync) for the copies,
   // so later work on it may write the tensors staged; buffers of keys not staged this time are
   // freed.
@@ -69,6 +76,7 @@ class CheckpointStaging {
   // Host bytes the buffers hold, and how many of them the last snapshot allocated (0 when
   // every buffer was reused); pinned: page-locked ones.
   int64_t held_bytes() const;
+  int64_t held_pinned_bytes() const;
   int64_t last_allocated_bytes() const { return last_allocated_bytes_; }
   int64_t last_allocated_pinned_bytes() const { return last_allocated_pinned_bytes_; }
 
@@ -78,6 +86,8 @@ class CheckpointStaging {
     bool pinned = false;
   };
   Buffer Allocate(const at::Tensor& src, bool pinned);
+  // Whether `b` can hold a copy of `src`: same sizes and dtype, pinned if `src` is on a device.
+  static bool Fits(const Buffer& b, const at::Tensor& src);
 
   std::map<std::string, Buffer> buffers_;   // this snapshot's, by key
   std::map<std::string, Buffer> previous_;  // the last snapshot's, not yet claimed by Stage

@@ -66,6 +66,12 @@ nlohmann::json OptimizerRecord(const OptimizerOptions& o, const std::set<std::st
           {"hyperparameters", hyper}};
 }
 
+// The names a parameter's shard and its optimizer state tensors are saved under.
+std::string ShardKey(std::string_view param) { return StrCat("model/", param); }
+std::string StateKey(std::string_view param, std::string_view state) {
+  return StrCat("optim/", param, "/", state);
+}
+
 // Keys of a JSON object, sorted, joined ("beta1, beta2, eps").
 std::string KeysOf(const nlohmann::json& object) {
   std::vector<std::string> keys;
@@ -103,6 +109,24 @@ absl::Status Checkpointer::Finish() {
   return status;
 }
 
+int64_t Checkpointer::ReserveStaging() {
+  if (!config_.checkpoint.enabled || !writes_shards_) return 0;
+  const std::optional<OptimizerKind> kind = KindOf(optimizer_);
+  int64_t bytes = 0;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, shard] : model_.named_parameters()) {
+    if (!shard.defined() || shard.dim() == 0 || shard.size(0) == 0) continue;  // as Save
+    bytes += staging_.Reserve(ShardKey(name), shard);
+    // An optimizer's state tensors are shaped and typed like their parameter (zeros_like):
+    // the state a first step creates, or the one a resume loaded.
+    if (!kind || !model_.FindParam(name)->requires_grad) continue;  // frozen: no state
+    for (std::string_view state : StateTensorNames(*kind)) {
+      bytes += staging_.Reserve(StateKey(name, state), shard);
+    }
+  }
+  return bytes;
+}
+
 // Note [One save per step]: the SIGTERM save and the periodic save can fall on the same step.
 // Saving it twice made rank 0 read the first save's store reports as the second's and commit
 // the folder before the other ranks had rewritten their shards into it (a committed checkpoint
@@ -136,16 +160,17 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
         if (shape.empty()) rows = rows.reshape({});
         pending->items.push_back({key, rows, first, shape});
       };
-      add("model/" + name, shard);
+      add(ShardKey(name), shard);
       auto it = optimizer_.state().find(shard.unsafeGetTensorImpl());
       if (it == optimizer_.state().end()) continue;
       for (auto& [state_name, tensor] : StateTensors(*it->second)) {
         if (tensor->defined()) pending->optimizer_state.insert(std::string(state_name));
-        add(StrCat("optim/", name, "/", state_name), *tensor);
+        add(StateKey(name, state_name), *tensor);
       }
       pending->optimizer_step |= StepCounter(*it->second) != nullptr;
       if (int64_t* s = StepCounter(*it->second); s != nullptr && rank0) {
-        pending->items.push_back({StrCat("optim/", name, "/step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
+        pending->items.push_back(
+            {StateKey(name, "step"), at::tensor(*s, at::kLong).reshape({}), 0, {}});
       }
     }
     pending->copies = staging_.End();  // the device's next writes wait for the copies
@@ -312,7 +337,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     const FsdpParam* p = model_.FindParam(name);
     int64_t first = model_.FirstLocalRow(*p);
     at::Tensor dst = shard;
-    FSDP_RETURN_IF_ERROR(read_into("model/" + name, dst, first, p->sharding.shape));
+    FSDP_RETURN_IF_ERROR(read_into(ShardKey(name), dst, first, p->sharding.shape));
     if (!p->requires_grad) {
       // model.freeze: a parameter frozen now needs no optimizer state; any saved is not used.
       frozen_state.push_back(StrCat("optim/", name, "/"));
@@ -322,7 +347,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     std::unique_ptr<torch::optim::OptimizerParamState> state = NewParamState(optimizer_);
     bool any = false;
     for (auto& [state_name, tensor] : StateTensors(*state)) {
-      std::string key = StrCat("optim/", name, "/", state_name);
+      std::string key = StateKey(name, state_name);
       const bool stored = reader.Find(key) != nullptr;
       const bool listed = saved_state ? saved_state->count(std::string(state_name)) > 0 : stored;
       if (!listed) continue;
@@ -338,7 +363,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
       any = true;
     }
     if (int64_t* step = StepCounter(*state); step != nullptr) {
-      const std::string key = StrCat("optim/", name, "/step");
+      const std::string key = StateKey(name, "step");
       const ckpt::TensorEntry* e = reader.Find(key);
       if (e == nullptr && (saved_step || any)) {
         return absl::FailedPreconditionError(StrCat(
@@ -472,8 +497,9 @@ absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const Data
   }
   FSDP_RETURN_IF_ERROR(Save(step, data));
   if (ctx_->rank() == 0) {
-    // The first save allocates the staging buffers (pinned: page-locking is slow), later ones
-    // reuse them: say so, or the first save's blocked time reads as the steady state.
+    // Saves reuse the staging buffers the trainer reserved (ReserveStaging); one that had to
+    // allocate some (pinned: page-locking is slow) says so, or its blocked time would read as
+    // the steady state.
     const int64_t allocated = staging_.last_allocated_bytes();
     const int64_t pinned = staging_.last_allocated_pinned_bytes();
     std::string staged;

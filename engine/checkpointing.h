@@ -53,6 +53,13 @@ class Checkpointer {
   // state is written and committed (sync). A step already saved or being saved by this
   // checkpointer is not saved again: Save waits for it instead (Note [One save per step]).
   absl::Status Save(int64_t step, const DataPosition& data);
+  // Allocates the staging buffers every save copies into (Note [Checkpoint staging]) now,
+  // shaped after this rank's shards and the optimizer state each trainable one will have
+  // (created by the first step when not resumed), so that the first save does not page-lock
+  // memory inside the training loop. Returns the bytes allocated; 0 when checkpoints are off
+  // or this rank writes no shards (a replica). Not collective.
+  int64_t ReserveStaging();
+  int64_t staging_held_pinned_bytes() const { return staging_.held_pinned_bytes(); }
   // Waits for a background save to finish and reports its error.
   absl::Status Finish();
   // The cadence (checkpoint.interval): saves after `step` completed steps when the interval

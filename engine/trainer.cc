@@ -424,6 +424,19 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     FSDP_RETURN_IF_ERROR(trained->InitFromSafetensors(config.model.init_from));
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
   }
+  if (checkpointer && checkpointer->enabled()) {
+    // Note [Checkpoint staging]: the saves' host buffers, page-locked here rather than by the
+    // first save inside the loop.
+    auto reserve_start = std::chrono::steady_clock::now();
+    const int64_t reserved = checkpointer->ReserveStaging();
+    if (rank == 0 && reserved > 0 && !options.quiet) {
+      const int64_t pinned = checkpointer->staging_held_pinned_bytes();
+      std::cout << fmt::format(
+          "checkpoint: {:.1f} MiB of {}host staging reserved in {:.2f} s\n", reserved / 1048576.0,
+          pinned >= reserved ? "pinned " : pinned > 0 ? "partly pinned " : "",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - reserve_start).count());
+    }
+  }
   InstallTermHandler();
 
   std::optional<MetricsWriter> jsonl;

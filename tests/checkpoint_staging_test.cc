@@ -65,6 +65,31 @@ TEST(CheckpointStagingTest, ReusesHostBuffersAcrossSnapshots) {
   EXPECT_EQ(staging.last_allocated_bytes(), Bytes(a3));
 }
 
+// Reserve allocates ahead of the first Stage: a snapshot staging what was reserved allocates
+// nothing; a reserved key the snapshot does not stage is freed at its End; a reservation that
+// no longer fits is replaced.
+TEST(CheckpointStagingTest, ReservedBuffersAreTheFirstSnapshots) {
+  at::Tensor a = at::arange(12, at::kFloat).reshape({3, 4});
+  at::Tensor b = at::arange(5, at::kLong);
+  CheckpointStaging staging;
+  EXPECT_EQ(staging.Reserve("a", a), Bytes(a));
+  EXPECT_EQ(staging.Reserve("a", a), 0);  // fits already
+  EXPECT_EQ(staging.Reserve("b", at::empty({4}, at::kLong)), 4 * 8);
+  EXPECT_EQ(staging.Reserve("b", b), Bytes(b));  // another shape: replaced
+  EXPECT_EQ(staging.Reserve("unused", at::ones({9})), 9 * 4);
+  EXPECT_EQ(staging.held_bytes(), Bytes(a) + Bytes(b) + 9 * 4);
+  EXPECT_EQ(staging.held_pinned_bytes(), 0);  // host tensors: plain memory
+  staging.Begin();
+  EXPECT_THROW(staging.Reserve("c", a), c10::Error);  // not inside a snapshot
+  at::Tensor a1 = staging.Stage("a", a);
+  at::Tensor b1 = staging.Stage("b", b);
+  staging.End().Wait();
+  EXPECT_EQ(staging.last_allocated_bytes(), 0);
+  EXPECT_TRUE(at::equal(a1, a));
+  EXPECT_TRUE(at::equal(b1, b));
+  EXPECT_EQ(staging.held_bytes(), Bytes(a) + Bytes(b));  // "unused" freed
+}
+
 TEST(CheckpointStagingTest, SnapshotIsTheValueAtStage) {
   at::Tensor src = at::arange(10, at::kFloat);
   CheckpointStaging staging;
@@ -201,8 +226,10 @@ void MakeRun(const std::string& device, const RunConfig& config, int seed, Run& 
 
 // Two async saves of a run whose next step is issued right after each Save returns; each
 // checkpoint reloads into a fresh model and optimizer bitwise equal to the state at its save,
-// and the second save reused the first one's staging buffers.
-void SaveTwiceAndReload(const std::string& device) {
+// and the second save reused the first one's staging buffers. With `reserve`, the staging is
+// reserved before the first step (as the trainer does): then the first save allocates nothing
+// either, although the optimizer state it stages did not exist at the reservation.
+void SaveTwiceAndReload(const std::string& device, bool reserve) {
   const std::string dir = testing::FreshTempDir("staging-" + device);
   RunConfig config;
   config.run.dir = dir;
@@ -214,6 +241,19 @@ void SaveTwiceAndReload(const std::string& device) {
   std::vector<TensorMap> saved;
   {
     Checkpointer ckpt(config, run.ctx, *run.mesh, *run.fsdp, *run.optimizer);
+    if (reserve) {
+      ASSERT_TRUE(run.optimizer->state().empty());
+      const int64_t reserved = ckpt.ReserveStaging();
+      // Every shard, and AdamW's two state tensors for each trainable one (not the frozen
+      // pos_emb, which has no state).
+      int64_t expected = 0;
+      for (const auto& [name, shard] : run.fsdp->named_parameters()) {
+        expected += (run.fsdp->FindParam(name)->requires_grad ? 3 : 1) * Bytes(shard);
+      }
+      EXPECT_EQ(reserved, expected);
+      EXPECT_EQ(ckpt.ReserveStaging(), 0) << "a second reservation allocated again";
+      EXPECT_EQ(ckpt.staging_held_pinned_bytes(), device == "cpu" ? 0 : reserved);
+    }
     for (int save = 1; save <= 2; ++save) {
       run.Step(10 * save);
       saved.push_back(StateOf(*run.fsdp, *run.optimizer));
@@ -221,10 +261,10 @@ void SaveTwiceAndReload(const std::string& device) {
       ASSERT_TRUE(status.ok()) << status;
       // The race of Note [Checkpoint staging]: the next update, issued at once.
       run.Step(10 * save + 1);
-      if (save == 1) {
+      if (save == 1 && !reserve) {
         EXPECT_GT(ckpt.last_staging_allocated_bytes(), 0);
       } else {
-        EXPECT_EQ(ckpt.last_staging_allocated_bytes(), 0) << "the second save reallocated";
+        EXPECT_EQ(ckpt.last_staging_allocated_bytes(), 0) << "save " << save << " allocated";
       }
     }
     absl::Status finished = ckpt.Finish();
@@ -246,11 +286,22 @@ void SaveTwiceAndReload(const std::string& device) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(CheckpointerStagingTest, AsyncSavesReloadBitwiseOnCpu) { SaveTwiceAndReload("cpu"); }
+TEST(CheckpointerStagingTest, AsyncSavesReloadBitwiseOnCpu) {
+  SaveTwiceAndReload("cpu", /*reserve=*/false);
+}
+
+TEST(CheckpointerStagingTest, ReservedAsyncSavesAllocateNothingOnCpu) {
+  SaveTwiceAndReload("cpu", /*reserve=*/true);
+}
 
 TEST(CheckpointerStagingTest, AsyncSavesReloadBitwiseCuda) {
   FSDP_SKIP_WITHOUT_GPU();
-  SaveTwiceAndReload("cuda");
+  SaveTwiceAndReload("cuda", /*reserve=*/false);
+}
+
+TEST(CheckpointerStagingTest, ReservedAsyncSavesAllocateNothingCuda) {
+  FSDP_SKIP_WITHOUT_GPU();
+  SaveTwiceAndReload("cuda", /*reserve=*/true);
 }
 
 }  // namespace
