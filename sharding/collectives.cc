@@ -78,14 +78,17 @@ void FinishGather(Gather& gather, std::vector<FsdpParam>& params, const UnitLayo
                   CommStats& stats, DeviceStreams& streams) {
   if (gather.work) WaitFor(gather.work, CommKind::kAllGather, stats);
   if (!gather.direct) {
+    // Every parameter's [group_size, piece] column block, copied out in one op: on CUDA one
+    // kernel for the whole unit (FSDP2's copy-out), not one strided copy per parameter.
     at::Tensor rows = gather.output.view({gather.group_size, layout.chunk_numel});
+    std::vector<at::Tensor> outs;
+    outs.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       FsdpParam& p = params[i];
       p.AllocateUnsharded();
-      p.UnshardedFlat()
-          .view({gather.group_size, layout.pieces[i]})
-          .copy_(rows.narrow(1, layout.offsets[i], layout.pieces[i]));
+      outs.push_back(p.UnshardedFlat().view({gather.group_size, layout.pieces[i]}));
     }
+    at::split_with_sizes_copy_out(outs, rows, layout.pieces, /*dim=*/1);
     // See Note [Copy-in stream]: the copy-out may still read these on the compute stream.
     streams.Stash({std::move(gather.input), std::move(gather.output)});
   }
@@ -158,6 +161,31 @@ void CopyGradRows(const at::Tensor& grad, const ParamSharding& s, int n, at::Ten
   }
 }
 
+// Fills `rows` ([n, chunk_numel], Note [Unit flat buffer]) with the unit's gradients as FSDP2
+// packs them: one _chunk_cat over the gradients seen as [dim0, row_numel] pads each to a
+// multiple of n rows and lays chunk k of every one into row k (on CUDA one kernel for the
+// unit, casting bf16 to fp32 as it copies, instead of a padded copy per parameter). That is
+// the flat layout when each rank's chunk holds one shard per parameter (n == num_shards: no
+// sub-group reshard) and every gradient exists, in one dtype; else returns false and leaves
+// `rows` to CopyGradRows.
+bool PackGradRows(const std::vector<FsdpParam>& params, const std::vector<int>& grad_params,
+                  const UnitLayout& layout, at::Tensor rows) {
+  if (layout.shards_per_rank != 1 || grad_params.empty()) return false;
+  std::vector<at::Tensor> grads;
+  grads.reserve(grad_params.size());
+  for (int index : grad_params) {
+    const FsdpParam& p = params[index];
+    const at::Tensor& grad = p.param.grad();
+    if (!grad.defined() || grad.numel() == 0 ||
+        (!grads.empty() && grad.scalar_type() != grads[0].scalar_type())) {
+      return false;
+    }
+    grads.push_back(grad.reshape({p.sharding.dim0, p.sharding.row_numel}));
+  }
+  at::_chunk_cat_out(rows, grads, /*dim=*/0, /*num_chunks=*/layout.group_size);
+  return true;
+}
+
 }  // namespace
 
 // See Note [Reduce-scattering from the gradients].
@@ -197,13 +225,16 @@ Reduce ReduceScatterFlat(std::vector<FsdpParam>& params, const std::vector<int>&
   Reduce reduce;
   reduce.input = at::empty({grad_layout.total_numel()}, opts);
   at::Tensor rows = reduce.input.view({n, grad_layout.chunk_numel});
+  const bool packed = PackGradRows(params, grad_params, grad_layout, rows);
   for (size_t j = 0; j < grad_params.size(); ++j) {
     FsdpParam& p = params[grad_params[j]];
     const ParamSharding& s = p.sharding;
     at::Tensor& grad = p.param.mutable_grad();
-    CopyGradRows(grad, s, n,
-                 rows.narrow(1, grad_layout.offsets[j], grad_layout.pieces[j])
-                     .view({n, s.rows_per_shard, s.row_numel}));
+    if (!packed) {
+      CopyGradRows(grad, s, n,
+                   rows.narrow(1, grad_layout.offsets[j], grad_layout.pieces[j])
+                       .view({n, s.rows_per_shard, s.row_numel}));
+    }
     grad.reset();  // the unsharded gradient is not needed any more
   }
   if (n == 1) {
