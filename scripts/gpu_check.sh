@@ -185,7 +185,7 @@ if stage "ckpt_125m" 60; then
     --set checkpoint.enabled=true --set checkpoint.interval=20 --set checkpoint.async=true \
     "${kernels[@]}" \
     >"$out/ckpt_125m.log" 2>&1 || log "ckpt_125m failed (see $out/ckpt_125m.log)"
-  grep "^checkpoint:" "$out/ckpt_125m.log" >&2
+  grep -E "^(\[rank0\]: )?checkpoint: (step|[0-9])" "$out/ckpt_125m.log" >&2  # rank 0 prefixed when several
 fi
 stage "profile_2x4" 45 && run profile_2x4 "${accum2x4[@]}" --set training.steps=8 \
   --set training.profile=5:2
