@@ -12,8 +12,8 @@
 #     GPU_CHECK_SKIP_BUILD=1 scripts/gpu_check.sh   # plumbing check on a CPU box (no GPU figures)
 #
 # Environment: FSDP_TORCH_DIR (default: the torch that python3 imports), JOBS (default: nproc),
-# GPU_CHECK_STEPS (steps per llama_1b run, default 30; 15 with GPU_CHECK_PART=large), GPU_CHECK_OUT (default: $OUT or
-# gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default configs/llama_1b.yaml),
+# GPU_CHECK_STEPS (steps per llama_1b run, default 30; 15 with GPU_CHECK_PART=large), GPU_CHECK_OUT (the
+# working folder, default gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default configs/llama_1b.yaml),
 # GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml), GPU_CHECK_SKIP_BUILD=1 (use the existing
 # build), GPU_CHECK_CPU=1 (run without a GPU: checks the script itself, measures nothing),
 # GPU_CHECK_PART (speed, the default: issue 13 and 15's runs; large: issue 14's runs, no GPU
@@ -23,12 +23,15 @@
 # (auto, fused, composite: model.kernels for every run; default auto, or composite when a
 # fused-kernel GPU test failed).
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
+# Under the device tool ($OUT set), what comes back is small: the table (table-PART.txt), every
+# log, metrics and plan file in one archive (gpu_check-PART.tar.gz) and the profile's trace
+# (trace-PART.json.gz), each under the tool's 16 MiB per file; checkpoints stay behind.
 set -uo pipefail
 
 script_start=$(date +%s)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
-out="${GPU_CHECK_OUT:-${OUT:-$here/gpu_check}}"
+out="${GPU_CHECK_OUT:-$here/gpu_check}"
 part="${GPU_CHECK_PART:-speed}"
 case "$part" in
   speed) steps="${GPU_CHECK_STEPS:-30}" ;;
@@ -41,7 +44,33 @@ ckpt_config="${GPU_CHECK_CKPT_CONFIG:-configs/gpt_125m.yaml}"
 plan_gpu=h100
 [ "${GPU_CHECK_CPU:-0}" = 1 ] && plan_gpu=cpu
 mkdir -p "$out"
+rm -f "$out/table.txt" "$out/skipped.txt" "$out/gpu_check.log"
+exec 2> >(tee -a "$out/gpu_check.log" >&2)  # the script's own lines, for the archive
+exec 3>&2  # the same, for lines logged where a command's stderr goes to its own log
 log() { echo "gpu_check: $*" >&2; }
+
+# What the device tool brings back (at most 8 files of 16 MiB from $OUT): the table, the logs
+# in one archive, the trace. Runs at exit, so a failed build still returns its log.
+pack_results() {
+  local dest="${OUT:-}"
+  [ -n "$dest" ] && [ -d "$dest" ] || return 0
+  [ "$(cd "$dest" && pwd)" = "$(cd "$out" && pwd)" ] && return 0
+  [ -f "$out/table.txt" ] && cp "$out/table.txt" "$dest/table-$part.txt"
+  (cd "$out" && find . -type f -size -8M -not -path '*/checkpoints/*' \
+      \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.jsonl' \) -print0 |
+    tar --null -czf "$dest/gpu_check-$part.tar.gz" -T -) ||
+    log "packing the logs into $dest failed"
+  local trace
+  [ "$part" = speed ] && trace=$(find "$out" -path "*profile*" -name rank0.json 2>/dev/null | head -1)
+  if [ -n "$trace" ]; then
+    gzip -c "$trace" >"$dest/trace-$part.json.gz"
+    if [ "$(stat -c %s "$dest/trace-$part.json.gz")" -gt $((16 << 20)) ]; then
+      rm -f "$dest/trace-$part.json.gz"
+      log "the profile's trace is over 16 MiB compressed: left in $trace"
+    fi
+  fi
+}
+trap pack_results EXIT
 
 if [ "${GPU_CHECK_CPU:-0}" = 1 ]; then
   log "GPU_CHECK_CPU=1: no GPU used; this run checks the script, not the engine's GPU speed"
@@ -71,6 +100,8 @@ log "built in $(($(date +%s) - start)) s"
 # the deadline (GPU_CHECK_DEADLINE_S after the script started, default 570: the device tool
 # stops a call at 600 s) covers its estimate, so a slow machine still returns its logs and the
 # table of what ran.
+# A stage that overruns its estimate is stopped at the deadline (bounded), so the table is
+# still printed inside the call.
 deadline=$((script_start + ${GPU_CHECK_DEADLINE_S:-570}))
 stage() {  # stage NAME ESTIMATE_S: true if there is time for it
   local left=$((deadline - $(date +%s)))
@@ -81,11 +112,19 @@ stage() {  # stage NAME ESTIMATE_S: true if there is time for it
   fi
   log "$1 ($left s left)"
 }
+bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (TERM, then KILL)
+  local left=$((deadline - $(date +%s))) rc
+  [ "$left" -gt 0 ] || left=1
+  timeout -k 10 "$left" "$@"
+  rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then log "stopped at the deadline: ${*:1:2}" 2>&3; fi
+  return "$rc"
+}
 
 # ---- the GPU tests ----------------------------------------------------------------------------
 gpu_tests=0
 if [ "$part" = speed ] && stage "ctest -L gpu" 60; then
-  (cd "$build" && ctest -L gpu --output-on-failure --timeout 120) >"$out/ctest_gpu.log" 2>&1
+  (cd "$build" && bounded ctest -L gpu --output-on-failure --timeout 120) >"$out/ctest_gpu.log" 2>&1
   gpu_tests=$?
   gpu_summary=$(grep -E "tests passed|tests failed" "$out/ctest_gpu.log" | tail -1)
   log "ctest -L gpu: ${gpu_summary:-no summary (see $out/ctest_gpu.log)}"
@@ -109,7 +148,7 @@ fi
 bin="$build/bin/fsdp"
 run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log, folder $out/NAME
   local name=$1; shift
-  "$bin" train "$config" --quiet --set run.dir="$out/$name" --set parallelism.nproc=1 \
+  bounded "$bin" train "$config" --quiet --set run.dir="$out/$name" --set parallelism.nproc=1 \
     --set training.steps="$steps" --set training.log_interval="$steps" \
     --set training.eval_interval=0 --set metrics.progress_bar=off "${kernels[@]}" "$@" \
     >"$out/$name.log" 2>&1 ||
@@ -121,7 +160,7 @@ accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
 # run beside `fsdp plan`'s prediction for it, then the largest Llama 3 shape on one GPU.
 plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON
   local name=$1 cfg=$2; shift 2
-  "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" \
+  bounded "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" \
     "${kernels[@]}" "$@" \
     >"$out/$name.plan.log" 2>&1 || log "plan $name failed (see $out/$name.plan.log)"
 }
@@ -144,8 +183,9 @@ run_large() {
   local big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
   local big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
   plan plan_big "$big_config" "${big[@]}"
-  if stage "big_1gpu" 150; then
-    "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
+  # Deferred init of 5.4B parameters on the host and their pinning take minutes by themselves.
+  if stage "big_1gpu" 240; then
+    bounded "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
       --set training.steps=6 --set training.log_interval=6 --set training.eval_interval=0 \
       --set metrics.progress_bar=off --set checkpoint.enabled=false "${kernels[@]}" "${big[@]}" \
       >"$out/big_1gpu.log" 2>&1 || log "big_1gpu failed (see $out/big_1gpu.log)"
@@ -155,7 +195,7 @@ if [ "$part" = speed ]; then
 # fsdp.cpp (fused kernels on CUDA), FSDP2 as users run it, eager, torch.compile and the
 # unwrapped model, same weights and batches (bench compare's reference modes).
 if stage "bench compare 2x4" 240; then
-  "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
+  bounded "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
     --reference fsdp2,eager,compile --unwrapped --no-plot --out "$out/compare" \
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare.log" 2>&1 ||
     log "bench compare failed (see $out/compare.log)"
@@ -170,7 +210,7 @@ stage "unwrapped_2x4" 45 && run unwrapped_2x4 "${accum2x4[@]}" \
 
 # ---- each fused kernel against its composite reference at llama_1b's shapes ------------------
 if stage "bench kernels" 45; then
-  "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
+  bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
     --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
 fi
 stage "fsdp_8x1" 45 && run fsdp_8x1 --set training.micro_batch_size=8 --set training.grad_accum_steps=1
@@ -180,12 +220,13 @@ stage "fsdp_8x1" 45 && run fsdp_8x1 --set training.micro_batch_size=8 --set trai
 # previous save, and any staging a save allocated (the trainer reserves it at start-up, in a line
 # of its own); the target is <= 100 ms per save.
 if stage "ckpt_125m" 60; then
-  "$bin" train "$ckpt_config" --set run.dir="$out/ckpt_125m" --set training.steps=60 \
+  bounded "$bin" train "$ckpt_config" --set run.dir="$out/ckpt_125m" --set training.steps=60 \
     --set training.log_interval=10 --set training.eval_interval=0 --set metrics.progress_bar=off \
     --set checkpoint.enabled=true --set checkpoint.interval=20 --set checkpoint.async=true \
     "${kernels[@]}" \
     >"$out/ckpt_125m.log" 2>&1 || log "ckpt_125m failed (see $out/ckpt_125m.log)"
   grep -E "^(\[rank0\]: )?checkpoint: (step|[0-9])" "$out/ckpt_125m.log" >&2  # rank 0 prefixed when several
+  rm -rf "$out/ckpt_125m/checkpoints"  # 1.5 GB each: the log has what was measured
 fi
 stage "profile_2x4" 45 && run profile_2x4 "${accum2x4[@]}" --set training.steps=8 \
   --set training.profile=5:2
@@ -193,7 +234,7 @@ stage "per_tensor_2x4" 45 && run per_tensor_2x4 "${accum2x4[@]}" \
   --set optimizer.implementation=per_tensor
 # The CUDA kernels under compute-sanitizer (out-of-bounds and race checks), if time is left.
 if command -v compute-sanitizer >/dev/null && stage "compute-sanitizer" 60; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$build/bin/fsdp_kernels_tests" \
+  bounded compute-sanitizer --tool memcheck --error-exitcode 9 "$build/bin/fsdp_kernels_tests" \
     --gtest_filter='*Cuda*' >"$out/sanitizer.log" 2>&1
   log "compute-sanitizer memcheck: exit $? (see $out/sanitizer.log)"
 fi
@@ -203,7 +244,7 @@ fi
 
 [ ${#kernels[@]} -gt 0 ] && log "the runs used ${kernels[*]}"
 # ---- one table --------------------------------------------------------------------------------
-python3 - "$out" <<'EOF'
+python3 - "$out" <<'EOF' | tee "$out/table.txt"
 import json, os, statistics, sys
 out = sys.argv[1]
 rows = []
