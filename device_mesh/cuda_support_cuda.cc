@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <fmt/format.h>
@@ -44,11 +45,17 @@ void CudaSynchronize() {
 std::function<bool()> MarkCurrentCudaStream() {
   if (CudaDeviceCount() == 0) return nullptr;
   auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
-  event->record(at::cuda::getCurrentCUDAStream());
+  const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+  event->record(stream);
   // A CUDA error here (a kernel that faulted) is the training thread's to report: the query
   // then says "passed" rather than throwing out of the watchdog's thread.
-  return [event]() noexcept {
+  // The query runs on the watchdog's thread, whose current device is 0 unless set: a runtime
+  // call there would create a context on GPU 0 (~0.5 GiB) for every rank of a node. Under the
+  // event's own device the thread touches only that one (and CUDAGuard restores device 0
+  // without creating its context; CUDAEvent's destructor guards itself the same way).
+  return [event, device = stream.device_index()]() noexcept {
     try {
+      c10::cuda::CUDAGuard on_device(device);
       return event->query();
     } catch (const std::exception&) {
       return true;

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/SDPBackend.h>
+#include <ATen/core/grad_mode.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -40,9 +41,17 @@ AttentionBackend FromAten(int64_t choice) {
 AttentionBackend Probe(const std::vector<AttentionBackend>& enabled, const ModelArgs& model,
                        at::ScalarType dtype, c10::Device device) {
   EnableOnly(enabled);
+  // As the model calls it in training: inputs that need gradients (some backends refuse a
+  // shape only for the backward, e.g. head_dim > 192 on sm86/89) in the model's layout,
+  // [batch, seq, heads, head_dim] transposed to [batch, heads, seq, head_dim].
+  at::AutoGradMode grad(true);
   auto options = at::TensorOptions().dtype(dtype).device(device);
-  at::Tensor q = at::empty({1, model.n_heads, model.seq_len, model.head_dim()}, options);
-  at::Tensor kv = at::empty({1, model.kv_heads(), model.seq_len, model.head_dim()}, options);
+  at::Tensor q = at::empty({1, model.seq_len, model.n_heads, model.head_dim()}, options)
+                     .requires_grad_()
+                     .transpose(1, 2);
+  at::Tensor kv = at::empty({1, model.seq_len, model.kv_heads(), model.head_dim()}, options)
+                      .requires_grad_()
+                      .transpose(1, 2);
   try {
     return FromAten(at::_fused_sdp_choice(q, kv, kv, {}, 0.0, /*is_causal=*/true, std::nullopt,
                                           /*enable_gqa=*/model.kv_heads() != model.n_heads));

@@ -1,6 +1,7 @@
 #include "engine/checkpoint_staging.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -47,11 +48,27 @@ namespace fsdp {
 // later ones. A buffer the first save did not find reserved (a shape the reservation did not
 // foresee) is allocated then, which that save's log line shows.
 
-StagedCopies::~StagedCopies() { Wait(); }
+StagedCopies::~StagedCopies() {
+  try {
+    Wait();
+  } catch (const std::exception& e) {
+    // A sticky CUDA error (a kernel that faulted, an aborted communicator): the training
+    // thread reports it; a destructor must not throw it.
+    FSDP_LOG_WARN("checkpoint staging: waiting for the device->host copies failed: {}",
+                  e.what());
+  }
+}
 
 void StagedCopies::Wait() {
-  if (copied_) copied_->synchronize();
-  copied_.reset();
+  if (copied_) {
+    // Wait runs on the checkpoint writer's thread, whose current device is 0 unless set: the
+    // event is waited for and destroyed under its own device, or c10 would create a context
+    // on GPU 0 for every rank of the node (destroying an event restores the device it found).
+    c10::DeviceGuard on_device(copied_->device());
+    c10::Event copied = std::move(*copied_);
+    copied_.reset();  // a second Wait (the destructor's, after an error) does not wait again
+    copied.synchronize();
+  }
   sources_.clear();
   if (waited_) waited_->store(true);
 }
