@@ -123,8 +123,11 @@ bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (
 
 # ---- the GPU tests ----------------------------------------------------------------------------
 gpu_tests=0
-if [ "$part" = speed ] && stage "ctest -L gpu" 60; then
-  (cd "$build" && bounded ctest -L gpu --output-on-failure --timeout 120) >"$out/ctest_gpu.log" 2>&1
+# ~32 tests, most of their time CUDA and process start-up: four at a time (none times anything,
+# and their memory is a few GiB at most).
+if [ "$part" = speed ] && stage "ctest -L gpu" 90; then
+  (cd "$build" && bounded ctest -L gpu -j 4 --output-on-failure --timeout 120) \
+    >"$out/ctest_gpu.log" 2>&1
   gpu_tests=$?
   gpu_summary=$(grep -E "tests passed|tests failed" "$out/ctest_gpu.log" | tail -1)
   log "ctest -L gpu: ${gpu_summary:-no summary (see $out/ctest_gpu.log)}"
