@@ -41,7 +41,8 @@ namespace fsdp {
 //  6. Non-finite state is gated before Save is called (Note [Non-finite state is never
 //     saved], trainer.cc), unchanged: the flag read is a host sync of its own.
 // The price is host memory: one copy of the rank's saved state, pinned, for the whole run
-// (on CPU: one plain copy, which a save made anyway). Page-locking it is slow (the kernel maps
+// (host tensors: one plain copy with async saves; a synchronous save writes them in place,
+// Checkpointer::WritesInPlace). Page-locking it is slow (the kernel maps
 // and pins every page: a large fraction of a second per GB), so the trainer reserves the
 // buffers at start-up (Reserve, through Checkpointer::ReserveStaging), shaped after the shards
 // and the optimizer state they will hold, and the first save blocks the loop no longer than

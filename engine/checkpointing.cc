@@ -109,6 +109,14 @@ absl::Status Checkpointer::Finish() {
   return status;
 }
 
+bool Checkpointer::WritesInPlace(const at::Tensor& t) const {
+  // A synchronous save holds the loop until its files are written, so a host tensor cannot
+  // change under the write and needs no snapshot (nor its memory: with parallelism.offload a
+  // second host copy of the masters and optimizer state). Device tensors still go through
+  // host buffers, and an async save snapshots everything.
+  return !config_.checkpoint.async && t.is_cpu();
+}
+
 int64_t Checkpointer::ReserveStaging() {
   if (!config_.checkpoint.enabled || !writes_shards_) return 0;
   const std::optional<OptimizerKind> kind = KindOf(optimizer_);
@@ -116,6 +124,7 @@ int64_t Checkpointer::ReserveStaging() {
   at::NoGradGuard no_grad;
   for (const auto& [name, shard] : model_.named_parameters()) {
     if (!shard.defined() || shard.dim() == 0 || shard.size(0) == 0) continue;  // as Save
+    if (WritesInPlace(shard)) continue;  // and its optimizer state, on the same device
     bytes += staging_.Reserve(ShardKey(name), shard);
     // An optimizer's state tensors are shaped and typed like their parameter (zeros_like):
     // the state a first step creates, or the one a resume loaded.
@@ -156,7 +165,7 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
       const std::vector<int64_t>& shape = p->sharding.shape;
       auto add = [&](const std::string& key, const at::Tensor& t) {
         if (!writes_shards_ || !t.defined() || t.size(0) == 0) return;
-        at::Tensor rows = staging_.Stage(key, t.detach());
+        at::Tensor rows = WritesInPlace(t) ? t.detach() : staging_.Stage(key, t.detach());
         if (shape.empty()) rows = rows.reshape({});
         pending->items.push_back({key, rows, first, shape});
       };

@@ -56,8 +56,9 @@ class Checkpointer {
   // Allocates the staging buffers every save copies into (Note [Checkpoint staging]) now,
   // shaped after this rank's shards and the optimizer state each trainable one will have
   // (created by the first step when not resumed), so that the first save does not page-lock
-  // memory inside the training loop. Returns the bytes allocated; 0 when checkpoints are off
-  // or this rank writes no shards (a replica). Not collective.
+  // memory inside the training loop. Returns the bytes allocated; 0 when checkpoints are off,
+  // this rank writes no shards (a replica), or nothing needs staging (synchronous saves of
+  // host tensors write them in place). Not collective.
   int64_t ReserveStaging();
   int64_t staging_held_pinned_bytes() const { return staging_.held_pinned_bytes(); }
   // Waits for a background save to finish and reports its error.
@@ -84,6 +85,8 @@ class Checkpointer {
  private:
   struct Pending;
   absl::Status WriteAndCommit(const Pending& pending);
+  // Whether a save writes `t` as it is rather than from a staging buffer.
+  bool WritesInPlace(const at::Tensor& t) const;
 
   const RunConfig& config_;
   std::shared_ptr<DistContext> ctx_;

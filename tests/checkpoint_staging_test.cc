@@ -229,12 +229,14 @@ void MakeRun(const std::string& device, const RunConfig& config, int seed, Run& 
 // and the second save reused the first one's staging buffers. With `reserve`, the staging is
 // reserved before the first step (as the trainer does): then the first save allocates nothing
 // either, although the optimizer state it stages did not exist at the reservation.
-void SaveTwiceAndReload(const std::string& device, bool reserve) {
+// Synchronous saves of host tensors write them in place: nothing reserved or staged at all.
+void SaveTwiceAndReload(const std::string& device, bool reserve, bool async = true) {
   const std::string dir = testing::FreshTempDir("staging-" + device);
   RunConfig config;
   config.run.dir = dir;
   config.checkpoint.enabled = true;
-  config.checkpoint.async = true;
+  config.checkpoint.async = async;
+  const bool in_place = !async && device == "cpu";
   config.checkpoint.keep_latest_k = 5;
   Run run;
   ASSERT_NO_FATAL_FAILURE(MakeRun(device, config, 1, run));
@@ -250,7 +252,7 @@ void SaveTwiceAndReload(const std::string& device, bool reserve) {
       for (const auto& [name, shard] : run.fsdp->named_parameters()) {
         expected += (run.fsdp->FindParam(name)->requires_grad ? 3 : 1) * Bytes(shard);
       }
-      EXPECT_EQ(reserved, expected);
+      EXPECT_EQ(reserved, in_place ? 0 : expected);
       EXPECT_EQ(ckpt.ReserveStaging(), 0) << "a second reservation allocated again";
       EXPECT_EQ(ckpt.staging_held_pinned_bytes(), device == "cpu" ? 0 : reserved);
     }
@@ -261,7 +263,10 @@ void SaveTwiceAndReload(const std::string& device, bool reserve) {
       ASSERT_TRUE(status.ok()) << status;
       // The race of Note [Checkpoint staging]: the next update, issued at once.
       run.Step(10 * save + 1);
-      if (save == 1 && !reserve) {
+      if (in_place) {
+        EXPECT_EQ(ckpt.last_staging_allocated_bytes(), 0);
+        EXPECT_EQ(ckpt.staging_held_bytes(), 0) << "a synchronous save staged host tensors";
+      } else if (save == 1 && !reserve) {
         EXPECT_GT(ckpt.last_staging_allocated_bytes(), 0);
       } else {
         EXPECT_EQ(ckpt.last_staging_allocated_bytes(), 0) << "save " << save << " allocated";
@@ -292,6 +297,10 @@ TEST(CheckpointerStagingTest, AsyncSavesReloadBitwiseOnCpu) {
 
 TEST(CheckpointerStagingTest, ReservedAsyncSavesAllocateNothingOnCpu) {
   SaveTwiceAndReload("cpu", /*reserve=*/true);
+}
+
+TEST(CheckpointerStagingTest, SynchronousSavesWriteHostTensorsInPlace) {
+  SaveTwiceAndReload("cpu", /*reserve=*/true, /*async=*/false);
 }
 
 TEST(CheckpointerStagingTest, AsyncSavesReloadBitwiseCuda) {
