@@ -36,7 +36,8 @@ nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   j["memory_bytes"] = {{"params", m.params},       {"grads", m.grads},
                        {"optimizer", m.optimizer}, {"unsharded_units", m.unsharded_units},
                        {"activations", m.activations}, {"padding", m.padding},
-                       {"total", m.total},         {"host", m.host}};
+                       {"total", m.total},         {"host", m.host},
+                       {"checkpoint_staging", m.checkpoint_staging}};
   j["time_s"] = {{"compute", t.compute_s},           {"recompute", t.recompute_s},
                  {"all_gather", t.all_gather_s},     {"reduce_scatter", t.reduce_scatter_s},
                  {"all_reduce", t.all_reduce_s},     {"comm", t.comm_s},
@@ -153,8 +154,20 @@ int RunPlanCommand(const PlanCommand& command) {
         100 * p.time.mfu);
   }
   std::cout << "\n(memory: GiB per rank at the step's peak; host: pinned host memory per rank with "
-               "offload; total can be less than the sum: see docs/cost_model.md)\n"
-            << rec->message << "\n";
+               "offload; total can be less than the sum: see docs/cost_model.md)\n";
+  // The configuration's own AC and offload, on its best layout (the first listed).
+  if (!rec->configured.empty() && rec->configured.front().memory.checkpoint_staging > 0) {
+    const plan::Prediction& c = rec->configured.front();
+    std::cout << fmt::format(
+        "checkpoints: {:.2f} GiB of host memory per rank ({} {}x{}, offload {}) for the saves' "
+        "staging, reserved at start-up: counted in `fits`, not in `host`{}\n",
+        c.memory.checkpoint_staging / kGiB, c.runs_as, c.layout.replicate, c.layout.shard,
+        OffloadName(c.offload),
+        c.offload != Offload::kNone ? "; checkpoint.async: false writes the offloaded state in "
+                                      "place and needs none"
+                                    : "");
+  }
+  std::cout << rec->message << "\n";
   if (!command.json_out.empty()) {
     nlohmann::ordered_json j;
     j["config"] = command.config_path;

@@ -315,11 +315,21 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const bool cpu_profile = hw.cores_per_node > 0;
   if (cpu_profile) memory /= ranks_on_node;  // CPU: the node's memory, shared
   const double usable = memory * hw.usable_memory_fraction;
+  // Note [Checkpoint staging] (engine/checkpoint_staging.cc): with checkpoints on, every save
+  // copies the rank's fp32 shards and optimizer state into host buffers reserved at start-up
+  // and held for the run (pinned for device tensors); a synchronous save writes host tensors
+  // (a CPU run's, offloaded masters and state) in place instead. Replicas other than the
+  // first save nothing, but a node's ranks usually all belong to it: counted for every rank.
+  const bool saved_on_device = offload == Offload::kNone && !cpu_profile;
+  if (config.checkpoint.enabled && (saved_on_device || config.checkpoint.async)) {
+    mem.checkpoint_staging = real / n * (4 + state_bytes);
+  }
+  const double host_total = mem.host + mem.checkpoint_staging;
   // A CPU profile's host memory is the same pool as its "device" memory.
   const double host_usable =
       cpu_profile ? 0 : hw.host_memory_bytes / ranks_on_node * kUsableHostFraction;
-  const bool device_fits = mem.total + (cpu_profile ? mem.host : 0) <= usable;
-  const bool host_fits = cpu_profile || mem.host <= host_usable;
+  const bool device_fits = mem.total + (cpu_profile ? host_total : 0) <= usable;
+  const bool host_fits = cpu_profile || host_total <= host_usable;
   p.fits = device_fits && host_fits;
   p.host_fits = host_fits;
 
@@ -448,10 +458,16 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 
   if (!device_fits) {
     p.note = fmt::format("needs {:.1f} GiB of {:.1f} GiB usable",
-                         (mem.total + (cpu_profile ? mem.host : 0)) / kGiB, usable / kGiB);
+                         (mem.total + (cpu_profile ? host_total : 0)) / kGiB, usable / kGiB);
   } else if (!host_fits) {
-    p.note = fmt::format("host: needs {:.1f} GiB of {:.1f} GiB per rank", mem.host / kGiB,
+    p.note = fmt::format("host: needs {:.1f} GiB of {:.1f} GiB per rank", host_total / kGiB,
                          host_usable / kGiB);
+    if (mem.checkpoint_staging > 0) {
+      p.note += fmt::format(" ({:.1f} GiB of it checkpoint staging{})",
+                            mem.checkpoint_staging / kGiB,
+                            offload != Offload::kNone ? "; checkpoint.async: false needs none"
+                                                      : "");
+    }
   } else if (time.exposed_comm_s > 0.2 * time.step_s) {
     p.note = "communication-bound";
   } else if (time.exposed_copy_s > 0.2 * time.step_s) {

@@ -99,12 +99,15 @@ struct Layout {
 // parameter shards on the device; unsharded_units the gathered units, their gradients and
 // collective buffers in flight at the peak; activations those alive at the peak (Note
 // [Checkpointed activations]); total the modelled device peak of the step; host the rank's
-// share of pinned host memory with offload (shards, gradients, optimizer state). With
-// training.grad_sync last and several micro-batches, grads also holds every unit's unsharded
-// gradients (compute dtype), alive across the micro-batches.
+// share of pinned host memory with offload (shards, gradients, optimizer state);
+// checkpoint_staging the host buffers checkpoint saves copy the rank's state into (Note
+// [Checkpoint staging]: with checkpoint.enabled, for device tensors and for async saves), on
+// top of host (both count for `fits`). With training.grad_sync last and several micro-batches,
+// grads also holds every unit's unsharded gradients (compute dtype), alive across the
+// micro-batches.
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, unsharded_units = 0, activations = 0, padding = 0,
-         total = 0, host = 0;
+         total = 0, host = 0, checkpoint_staging = 0;
 };
 // Seconds per optimizer step; tokens_per_s is global (all ranks). compute_s includes
 // recompute_s (activation checkpointing); optimizer_s is on the host with offload; host_copy_s

@@ -266,6 +266,48 @@ TEST(OffloadTest, ACpuProfileHasOnePoolAndTheHostMustFit) {
   EXPECT_THAT(no_host.note, HasSubstr("host"));
 }
 
+// Note [Checkpoint staging]: with checkpoints on, the saves' host buffers hold the rank's
+// fp32 shards and AdamW state (12 bytes per parameter over the shard degree) for the run:
+// always for device tensors, for host tensors (offload, a CPU run) only with async saves.
+TEST(CheckpointStagingTest, HostBuffersOfTheSavesCountWhereTheEngineKeepsThem) {
+  const Layout layout{Strategy::kFullShard, 1, 8};
+  auto staging = [&](const std::string& config, const std::string& gpu, const Layout& at,
+                     const std::string& offload, const std::string& enabled,
+                     const std::string& async) {
+    PlanRequest r = Request(config, at.shard, at.shard, gpu,
+                            {"checkpoint.enabled=" + enabled, "checkpoint.async=" + async});
+    return Predict(WithModes(r, "none", offload), at)->memory.checkpoint_staging;
+  };
+  const double p = static_cast<double>(
+      CountModel(Request("llama_1b", 8, 8, "h100").config.model).params);
+  const double saved = 12 * p / 8;
+  EXPECT_EQ(staging("llama_1b", "h100", layout, "none", "false", "true"), 0);
+  EXPECT_NEAR(staging("llama_1b", "h100", layout, "none", "true", "true"), saved, 1e-9 * saved);
+  EXPECT_NEAR(staging("llama_1b", "h100", layout, "none", "true", "false"), saved, 1e-9 * saved);
+  EXPECT_NEAR(staging("llama_1b", "h100", layout, "params", "true", "true"), saved, 1e-9 * saved);
+  EXPECT_EQ(staging("llama_1b", "h100", layout, "params", "true", "false"), 0);
+  EXPECT_EQ(staging("llama_1b", "h100", layout, "optimizer", "true", "false"), 0);
+  const Layout cpu{Strategy::kFullShard, 1, 2};
+  EXPECT_EQ(staging("default", "cpu", cpu, "none", "true", "false"), 0);  // written in place
+  EXPECT_GT(staging("default", "cpu", cpu, "none", "true", "true"), 0);
+
+  // It counts for `fits`: a host that holds the offloaded state but not its snapshot as well.
+  PlanRequest r = Request("llama_1b", 8, 8, "h100",
+                          {"checkpoint.enabled=true", "checkpoint.async=true"});
+  r = WithModes(r, "none", "params");
+  Prediction offloaded = *Predict(r, layout);
+  // The rank's usable share (80% of the node's host memory over its 8 ranks) holds the
+  // offloaded state and half the staging.
+  r.hw.host_memory_bytes =
+      8 * (offloaded.memory.host + 0.5 * offloaded.memory.checkpoint_staging) / 0.8;
+  Prediction tight = *Predict(r, layout);
+  EXPECT_FALSE(tight.fits);
+  EXPECT_THAT(tight.note, ::testing::AllOf(HasSubstr("checkpoint staging"),
+                                HasSubstr("checkpoint.async: false needs none")));
+  r.config.checkpoint.async = false;
+  EXPECT_TRUE(Predict(r, layout)->host_fits);
+}
+
 TEST(RecommendTest, Llama3_8bOn64H100FitsOnlyWithCheckpointing) {
   // torchtitan's published Llama 3.1 8B runs on H100: seq 8192, local batch 2 (configs/
   // llama3_8b.yaml), docs/benchmarks.md.
