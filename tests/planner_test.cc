@@ -269,7 +269,7 @@ TEST(OffloadTest, ACpuProfileHasOnePoolAndTheHostMustFit) {
 // Note [Checkpoint staging]: with checkpoints on, the saves' host buffers hold the rank's
 // fp32 shards and AdamW state (12 bytes per parameter over the shard degree) for the run:
 // always for device tensors, for host tensors (offload, a CPU run) only with async saves.
-TEST(CheckpointStagingTest, HostBuffersOfTheSavesCountWhereTheEngineKeepsThem) {
+TEST(StagingMemoryTest, HostBuffersOfTheSavesCountWhereTheEngineKeepsThem) {
   const Layout layout{Strategy::kFullShard, 1, 8};
   auto staging = [&](const std::string& config, const std::string& gpu, const Layout& at,
                      const std::string& offload, const std::string& enabled,
