@@ -123,7 +123,7 @@ bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (
 
 # ---- the GPU tests ----------------------------------------------------------------------------
 gpu_tests=0
-# ~32 tests, most of their time CUDA and process start-up: four at a time (none times anything,
+# ~31 tests, most of their time CUDA and process start-up: four at a time (none times anything,
 # and their memory is a few GiB at most).
 if [ "$part" = speed ] && stage "ctest -L gpu" 90; then
   (cd "$build" && bounded ctest -L gpu -j 4 --output-on-failure --timeout 120) \
