@@ -1,8 +1,13 @@
 #include "sharding/deferred_init.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 namespace fsdp {
 namespace {
@@ -38,11 +43,47 @@ double Value(const InitSpec& spec, uint64_t key, int64_t index) {
   return 0;
 }
 
+// Runs fn(lo, hi) over [0, n) split across the rank's intra-op thread count (at::
+// get_num_threads: OMP_NUM_THREADS, which the launcher sets to cores / ranks). Plain threads:
+// at::parallel_for is sequential in code built without -fopenmp (its OpenMP body is inline in
+// ATen's headers), and the project must not add -fopenmp (../shared/LIBTORCH-NOTES.md).
+void ParallelRange(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  constexpr int64_t kMinPerThread = int64_t{1} << 16;
+  const int64_t threads =
+      std::clamp<int64_t>(n / kMinPerThread, 1, std::max(1, at::get_num_threads()));
+  const int64_t per = (n + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.emplace_back([&fn, t, per, n] { fn(t * per, std::min(n, (t + 1) * per)); });
+  }
+  fn(0, std::min(n, per));
+  for (std::thread& th : pool) th.join();
+}
+
+// Each value in double, rounded once to out's dtype by copy_. Values are a pure function of
+// the element's index, so the elements are computed on the rank's threads (ParallelRange) with
+// results independent of their number, in chunks that bound the double temporary (a
+// vocabulary x dim embedding would need GBs at once) and, for a CUDA `out`, let each chunk's
+// copy follow its computation. ~30 ns per normal value on one core: minutes for billions of
+// parameters on one thread.
 void Fill(const InitSpec& spec, uint64_t key, int64_t first_element, at::Tensor& out) {
-  at::Tensor values = at::empty({out.numel()}, at::kDouble);
-  double* data = values.data_ptr<double>();
-  for (int64_t i = 0; i < out.numel(); ++i) data[i] = Value(spec, key, first_element + i);
-  out.copy_(values.view(out.sizes()));
+  const int64_t n = out.numel();
+  constexpr int64_t kChunk = int64_t{1} << 22;  // 32 MiB of doubles
+  const bool contiguous = out.is_contiguous();
+  at::Tensor values = at::empty({contiguous ? std::min(n, kChunk) : n}, at::kDouble);
+  at::Tensor flat = contiguous ? out.view({-1}) : at::Tensor();
+  for (int64_t begin = 0; begin < n; begin += values.numel()) {
+    const int64_t len = std::min(values.numel(), n - begin);
+    double* data = values.data_ptr<double>();
+    ParallelRange(len, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) data[i] = Value(spec, key, first_element + begin + i);
+    });
+    if (contiguous) {
+      flat.narrow(0, begin, len).copy_(values.narrow(0, 0, len));
+    } else {
+      out.copy_(values.view(out.sizes()));  // one chunk: the whole tensor
+    }
+  }
 }
 
 }  // namespace

@@ -533,6 +533,32 @@ TEST(FsdpDeferredInitTest, ShardsAreCreatedFromTheSeedWithoutTheFullModel) {
   }
 }
 
+// Values are a function of the global element index alone: a shard filled from a row in the
+// middle equals the whole tensor's rows there, across the fill's chunks (2^22 elements) and
+// whatever the number of threads computing them.
+TEST(FsdpDeferredInitTest, ValuesDependOnTheIndexOnlyAcrossChunksAndThreads) {
+  const int64_t n = 3 * (int64_t{1} << 21) + 11;  // a chunk and a half, and a tail
+  const InitSpec spec = InitSpec::Normal(0.02);
+  at::Tensor full = SeededFull(7, "w", {n}, spec);
+  const int64_t first = 1234567;
+  at::Tensor rows = at::empty({n - first}, at::kFloat);
+  SeededInit(7, [&](const std::string&) { return spec; })("w", first, 1, rows);
+  EXPECT_TRUE(at::equal(rows, full.narrow(0, first, n - first)));
+  const int64_t chunk = int64_t{1} << 22;
+  EXPECT_NE(full[0].item<float>(), full[chunk].item<float>());  // no chunk restarts the index
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  at::Tensor one_thread = SeededFull(7, "w", {n}, spec);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(one_thread, full));
+  // Into bf16: the double rounded once, as before the chunking.
+  at::Tensor bf16 = at::empty({1000}, at::kBFloat16);
+  SeededInit(7, [&](const std::string&) { return spec; })("w", 0, 1, bf16);
+  at::Tensor doubles = at::empty({1000}, at::kDouble);
+  SeededInit(7, [&](const std::string&) { return spec; })("w", 0, 1, doubles);
+  EXPECT_TRUE(at::equal(bf16, doubles.to(at::kBFloat16)));
+}
+
 TEST(FsdpDeferredInitTest, DeferredWithoutInitialiserIsAnError) {
   testing::RunOnRanks(1, [](int) {
     RawNet model(16, 8, 1, /*deferred=*/true);
