@@ -39,9 +39,10 @@ constexpr std::array<std::pair<OptimizerKind, std::string_view>, 3> kKinds = {{
 // On CPU ATen's fused kernels open one parallel region per tensor, however small (grain 0):
 // dozens of fork/joins per step, which cost more than the arithmetic when threads are shared
 // (1-rank runs next to others) and made a step several times slower. So on CPU the small tensors
-// of a batch step one per task inside one parallel region (where the kernel's own parallel_for
-// runs inline), and only tensors of kLargeCpuTensor elements or more use the kernel's own
-// parallelism.
+// of a batch step one after another inside one at::parallel_for, where the kernel's own
+// parallel_for runs inline (in this project's build, without -fopenmp, that at::parallel_for
+// itself runs on the calling thread: docs/architecture.md), and only tensors of
+// kLargeCpuTensor elements or more use the kernel's own parallelism.
 // Weight decay follows libtorch: AdamW's decoupled (p *= 1 - lr * wd), Adam's and SGD's L2
 // (grad + wd * p). Results equal the per-tensor step to rounding, not bitwise (other operation
 // orders and fused multiply-adds).
@@ -70,7 +71,7 @@ at::TensorList One(const std::vector<at::Tensor>& list, size_t i) {
 }
 
 // Calls `call(list_of_one)` for each tensor of a CPU batch (see Note [Fused optimizer steps]):
-// large tensors one after another, the small ones spread over one parallel region.
+// large tensors with the kernel's own threads, the small ones inside one parallel region.
 template <typename Call>
 void ForEachCpuTensor(const Batch& b, const Call& call) {
   std::vector<size_t> small;
