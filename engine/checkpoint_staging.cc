@@ -188,15 +188,11 @@ StagedCopies CheckpointStaging::End() {
   return copies;
 }
 
-int64_t CheckpointStaging::held_bytes() const {
+int64_t CheckpointStaging::HeldBytes(bool pinned_only) const {
   int64_t n = 0;
-  for (const auto& [key, b] : buffers_) n += static_cast<int64_t>(b.host.nbytes());
-  return n;
-}
-
-int64_t CheckpointStaging::held_pinned_bytes() const {
-  int64_t n = 0;
-  for (const auto& [key, b] : buffers_) n += b.pinned ? static_cast<int64_t>(b.host.nbytes()) : 0;
+  for (const auto& [key, b] : buffers_) {
+    if (b.pinned || !pinned_only) n += static_cast<int64_t>(b.host.nbytes());
+  }
   return n;
 }
 

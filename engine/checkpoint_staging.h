@@ -75,8 +75,8 @@ class CheckpointStaging {
 
   // Host bytes the buffers hold, and how many of them the last snapshot allocated (0 when
   // every buffer was reused); pinned: page-locked ones.
-  int64_t held_bytes() const;
-  int64_t held_pinned_bytes() const;
+  int64_t held_bytes() const { return HeldBytes(/*pinned_only=*/false); }
+  int64_t held_pinned_bytes() const { return HeldBytes(/*pinned_only=*/true); }
   int64_t last_allocated_bytes() const { return last_allocated_bytes_; }
   int64_t last_allocated_pinned_bytes() const { return last_allocated_pinned_bytes_; }
 
@@ -86,6 +86,7 @@ class CheckpointStaging {
     bool pinned = false;
   };
   Buffer Allocate(const at::Tensor& src, bool pinned);
+  int64_t HeldBytes(bool pinned_only) const;
   // Whether `b` can hold a copy of `src`: same sizes and dtype, pinned if `src` is on a device.
   static bool Fits(const Buffer& b, const at::Tensor& src);
 

@@ -109,6 +109,13 @@ absl::Status Checkpointer::Finish() {
   return status;
 }
 
+std::string StagingLabel(int64_t bytes, int64_t pinned_bytes) {
+  return fmt::format("{:.1f} MiB of {}host staging", bytes / 1048576.0,
+                     pinned_bytes >= bytes ? "pinned "
+                     : pinned_bytes > 0    ? "partly pinned "
+                                           : "");
+}
+
 bool Checkpointer::WritesInPlace(const at::Tensor& t) const {
   // A synchronous save holds the loop until its files are written, so a host tensor cannot
   // change under the write and needs no snapshot (nor its memory: with parallelism.offload a
@@ -513,8 +520,7 @@ absl::StatusOr<bool> Checkpointer::MaybeSave(int64_t step, bool last, const Data
     const int64_t pinned = staging_.last_allocated_pinned_bytes();
     std::string staged;
     if (allocated > 0) {
-      staged = fmt::format("; {:.1f} MiB of {}host staging allocated", allocated / 1048576.0,
-                           pinned == allocated ? "pinned " : pinned > 0 ? "partly pinned " : "");
+      staged = fmt::format("; {} allocated", StagingLabel(allocated, pinned));
     }
     // Blocked waiting for the previous save to commit: the interval is shorter than a write.
     std::string waited;

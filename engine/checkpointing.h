@@ -106,6 +106,10 @@ class Checkpointer {
   CheckpointStaging staging_;
 };
 
+// "N MiB of [pinned |partly pinned ]host staging": what the start-up reservation and a save's
+// allocation print (`pinned_bytes` of the `bytes` page-locked).
+std::string StagingLabel(int64_t bytes, int64_t pinned_bytes);
+
 // Fills tensors from a safetensors file (model.init_from): for each target, the rows
 // [first_row, first_row + dst.size(0)) of the file's tensor `name`, which must have `shape`.
 // Errors name the file and the tensor. A folder is a Hugging Face Llama checkpoint

@@ -430,10 +430,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     auto reserve_start = std::chrono::steady_clock::now();
     const int64_t reserved = checkpointer->ReserveStaging();
     if (rank == 0 && reserved > 0 && !options.quiet) {
-      const int64_t pinned = checkpointer->staging_held_pinned_bytes();
       std::cout << fmt::format(
-          "checkpoint: {:.1f} MiB of {}host staging reserved in {:.2f} s\n", reserved / 1048576.0,
-          pinned >= reserved ? "pinned " : pinned > 0 ? "partly pinned " : "",
+          "checkpoint: {} reserved in {:.2f} s\n",
+          StagingLabel(reserved, checkpointer->staging_held_pinned_bytes()),
           std::chrono::duration<double>(std::chrono::steady_clock::now() - reserve_start).count());
     }
   }

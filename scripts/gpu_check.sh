@@ -60,7 +60,7 @@ pack_results() {
       \( -name '*.log' -o -name '*.txt' -o -name '*.json' -o -name '*.jsonl' \) -print0 |
     tar --null -czf "$dest/gpu_check-$part.tar.gz" -T -) ||
     log "packing the logs into $dest failed"
-  local trace
+  local trace=""
   [ "$part" = speed ] && trace=$(find "$out" -path "*profile*" -name rank0.json 2>/dev/null | head -1)
   if [ -n "$trace" ]; then
     gzip -c "$trace" >"$dest/trace-$part.json.gz"
