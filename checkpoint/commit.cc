@@ -139,7 +139,8 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
       StrCat(root, ": no checkpoint (no step_<N> folder with a ", kMetadataFile, ")"));
 }
 
-absl::Status PruneCheckpoints(const std::string& root, int keep) {
+absl::Status PruneCheckpoints(const std::string& root, int keep,
+                              std::optional<int64_t> committed_step) {
   if (keep < 1) {
     return absl::InvalidArgumentError(StrCat("keep must be at least 1, got ", keep));
   }
@@ -151,7 +152,7 @@ absl::Status PruneCheckpoints(const std::string& root, int keep) {
     if (d.kind != DirKind::kCommitted) continue;
     if (!newest) newest = d.step;
     committed[d.step] = true;
-    if (++kept > keep) FSDP_RETURN_IF_ERROR(RemoveAll(d.path));
+    if (++kept > keep && d.step != committed_step) FSDP_RETURN_IF_ERROR(RemoveAll(d.path));
   }
   if (!newest) return absl::OkStatus();
   for (const StepDir& d : dirs) {
@@ -162,6 +163,32 @@ absl::Status PruneCheckpoints(const std::string& root, int keep) {
     if (stale_tmp || stale_old) FSDP_RETURN_IF_ERROR(RemoveAll(d.path));
   }
   return absl::OkStatus();
+}
+
+// See Note [A run that goes back] (format.h).
+absl::StatusOr<std::vector<std::string>> SetAsideCheckpointsAfter(const std::string& root,
+                                                                  int64_t step) {
+  std::vector<std::string> moved;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return moved;
+  FSDP_ASSIGN_OR_RETURN(std::vector<StepDir> dirs, ListStepDirs(root));
+  const std::string aside = JoinPath(root, kSupersededDir);
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {  // oldest first
+    const StepDir& d = *it;
+    if (d.kind != DirKind::kCommitted || d.step <= step) continue;
+    fs::create_directories(aside, ec);
+    if (ec) return ErrnoError(aside, "create", ec.value());
+    const std::string name = fs::path(d.path).filename().string();
+    std::string dst = JoinPath(aside, name);
+    for (int n = 2; fs::exists(dst, ec); ++n) dst = JoinPath(aside, StrCat(name, ".", n));
+    FSDP_RETURN_IF_ERROR(Rename(d.path, dst));
+    moved.push_back(dst);
+  }
+  if (!moved.empty()) {
+    FSDP_RETURN_IF_ERROR(FsyncPath(aside));
+    FSDP_RETURN_IF_ERROR(FsyncPath(root));
+  }
+  return moved;
 }
 
 }  // namespace fsdp::ckpt

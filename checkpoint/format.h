@@ -77,9 +77,26 @@ std::string StepDirName(int64_t step);
 // The newest committed checkpoint under `root` (folders step_N with a metadata.json), or
 // kNotFound naming root.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
-// Removes committed checkpoints beyond the newest `keep` (never the newest) and stale .tmp
-// folders older than the newest committed one.
-absl::Status PruneCheckpoints(const std::string& root, int keep);
+// Removes committed checkpoints beyond the newest `keep` (never the newest, nor `committed`:
+// the step a save has just committed) and stale .tmp folders older than the newest committed
+// one.
+absl::Status PruneCheckpoints(const std::string& root, int keep,
+                              std::optional<int64_t> committed = std::nullopt);
+
+// Note [A run that goes back]
+// A run that starts at step S (resumed from S, or from scratch: 0) in a folder that holds
+// committed checkpoints of later steps continues another timeline than theirs: they were
+// written by an earlier run that went further (a rewind past a loss spike, a restart from an
+// older checkpoint). Left in place, they would stay "latest" for load: latest (a later resume
+// would jump back into the abandoned run), and keep_latest_k, which keeps the highest steps,
+// would delete this run's own saves in their favour as soon as they were committed.
+// metrics.jsonl is truncated to S for the same reason (MetricsWriter). They are not deleted
+// either: SetAsideCheckpointsAfter moves them into <root>/superseded/, where neither
+// LatestCheckpoint nor PruneCheckpoints looks, and returns their new paths; a name already
+// taken there gets a ".2", ".3", ... suffix.
+inline constexpr char kSupersededDir[] = "superseded";
+absl::StatusOr<std::vector<std::string>> SetAsideCheckpointsAfter(const std::string& root,
+                                                                  int64_t step);
 
 class CheckpointReader {
  public:

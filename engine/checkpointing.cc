@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include <ATen/ATen.h>
+#include <yaml-cpp/yaml.h>
 
 #include "checkpoint/format.h"
 #include "checkpoint/safetensors.h"
@@ -80,6 +81,36 @@ std::string KeysOf(const nlohmann::json& object) {
   return StrJoin(keys, ", ");
 }
 
+// Note [Attention heads in a checkpoint]
+// The shape checks cannot see a checkpoint loaded into another head layout: wq and wo are
+// [dim, dim] for any n_heads, and wk, wv are [kv_heads x head_dim, dim], the same for 4 heads
+// with 2 KV heads as for 8 with 4. Loaded, the weights would be split into other heads than
+// they were trained as: a different model, silently. The config saved with the checkpoint
+// (metadata extra.config) names the layout, and a load compares it; a checkpoint without it
+// (or with a config that does not parse) is checked by shapes only.
+absl::Status CheckAttentionHeads(const std::string& dir, const nlohmann::json& extra,
+                                 const ModelArgs& model) {
+  if (!extra.contains("config") || !extra["config"].is_string()) return absl::OkStatus();
+  int64_t heads = 0, kv_heads = 0;
+  try {
+    YAML::Node saved = YAML::Load(extra["config"].get<std::string>());
+    YAML::Node m = saved["model"];
+    if (!m || !m["n_heads"]) return absl::OkStatus();
+    heads = m["n_heads"].as<int64_t>();
+    kv_heads = m["n_kv_heads"] ? m["n_kv_heads"].as<int64_t>() : 0;
+  } catch (const YAML::Exception&) {
+    return absl::OkStatus();
+  }
+  if (kv_heads <= 0) kv_heads = heads;
+  if (heads == model.n_heads && kv_heads == model.kv_heads()) return absl::OkStatus();
+  return absl::FailedPreconditionError(StrCat(
+      dir, ": saved with model.n_heads: ", heads, " and ", kv_heads,
+      " key/value heads (model.n_kv_heads), the config has model.n_heads: ", model.n_heads,
+      " and ", model.kv_heads(),
+      "; the attention weights have the same shapes but would be split into other heads (a "
+      "different model): set model.n_heads: ", heads, " and model.n_kv_heads: ", kv_heads));
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(const RunConfig& config, std::shared_ptr<DistContext> ctx,
@@ -90,16 +121,28 @@ Checkpointer::Checkpointer(const RunConfig& config, std::shared_ptr<DistContext>
       mesh_(mesh),
       model_(model),
       optimizer_(optimizer),
-      worker_status_(std::make_shared<absl::Status>()) {
-  root_ = config.checkpoint.dir.empty()
-              ? (std::filesystem::path(config.run.dir) / "checkpoints").string()
-              : config.checkpoint.dir;
+      worker_status_(std::make_shared<absl::Status>()),
+      worker_done_(std::make_shared<std::atomic<bool>>(false)) {
+  root_ = CheckpointRoot(config);
   int r = mesh.shape().AxisIndex("replicate");
   writes_shards_ = r < 0 || mesh.coord(r) == 0;  // replicas hold identical shards
 }
 
 Checkpointer::~Checkpointer() {
   if (worker_.joinable()) worker_.join();
+}
+
+std::string CheckpointRoot(const RunConfig& config) {
+  return config.checkpoint.dir.empty()
+             ? (std::filesystem::path(config.run.dir) / "checkpoints").string()
+             : config.checkpoint.dir;
+}
+
+absl::Status Checkpointer::PollBackgroundSave() {
+  if (!worker_.joinable() || !worker_done_->load(std::memory_order_acquire)) {
+    return absl::OkStatus();
+  }
+  return Finish();
 }
 
 absl::Status Checkpointer::Finish() {
@@ -192,12 +235,14 @@ absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
     pending->copies = staging_.End();  // the device's next writes wait for the copies
   }
   if (config_.checkpoint.async) {
-    worker_ = std::thread([this, pending, status = worker_status_] {
+    worker_done_->store(false, std::memory_order_relaxed);
+    worker_ = std::thread([this, pending, status = worker_status_, done = worker_done_] {
       absl::Status s = CallTorch("checkpoint", [&] {
         pending->copies.Wait();  // Note [Checkpoint staging], point 4
         *status = WriteAndCommit(*pending);
       });
       if (!s.ok()) *status = s;
+      done->store(true, std::memory_order_release);
     });
   } else {
     pending->copies.Wait();
@@ -269,7 +314,8 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
   for (const ckpt::RankManifest& m : manifests) metadata.files.push_back(m.file);
   FSDP_RETURN_IF_ERROR(ckpt::WriteMetadata(tmp_dir, metadata));
   FSDP_RETURN_IF_ERROR(ckpt::CommitCheckpoint(tmp_dir, final_dir));
-  FSDP_RETURN_IF_ERROR(ckpt::PruneCheckpoints(root_, static_cast<int>(config_.checkpoint.keep_latest_k)));
+  FSDP_RETURN_IF_ERROR(ckpt::PruneCheckpoints(root_, static_cast<int>(config_.checkpoint.keep_latest_k),
+                                                pending.step));
   std::cout << fmt::format("checkpoint: step {} committed to {} ({:.2f} s after the save began)\n",
                            pending.step, final_dir,
                            std::chrono::duration<double>(Clock::now() - pending.started).count());
@@ -295,6 +341,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
   FSDP_ASSIGN_OR_RETURN(ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(dir));
   const CheckpointSection& cs = config_.checkpoint;
   const nlohmann::json& extra_meta = reader.metadata().extra;
+  FSDP_RETURN_IF_ERROR(CheckAttentionHeads(dir, extra_meta, config_.model));
   // What the saved optimizer kept (Note [Strict loads]); absent in checkpoints written before
   // the record existed, which are then checked tensor by tensor only.
   std::optional<std::set<std::string>> saved_state;

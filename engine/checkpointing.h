@@ -15,6 +15,7 @@
 //   (or by hand: ckpt.Save(step, position) ... ckpt.Finish(), which waits for the last write)
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -38,6 +39,9 @@ struct ResumePoint {
   DataPosition data;
   std::string dir;   // the checkpoint loaded
 };
+
+// The folder a run's checkpoints go to: checkpoint.dir, or <run.dir>/checkpoints when unset.
+std::string CheckpointRoot(const RunConfig& config);
 
 class Checkpointer {
  public:
@@ -63,6 +67,10 @@ class Checkpointer {
   int64_t staging_held_pinned_bytes() const { return staging_.held_pinned_bytes(); }
   // Waits for a background save to finish and reports its error.
   absl::Status Finish();
+  // The error of a background save that has ended with one, or OK; never waits (a save still
+  // writing is left alone). Called every step, so that a failed async save stops the run at
+  // the next step rather than at the next save, an interval of training later.
+  absl::Status PollBackgroundSave();
   // The cadence (checkpoint.interval): saves after `step` completed steps when the interval
   // divides it, or when `last` (the end of the run, or SIGTERM), which also waits for the write
   // to commit. Rank 0 prints what it did. Returns whether it saved; never saves when
@@ -99,6 +107,8 @@ class Checkpointer {
   int64_t saves_ = 0;                   // Save calls that wrote: the store keys' sequence
   std::optional<int64_t> saved_step_;  // the step of the last of them
   std::shared_ptr<absl::Status> worker_status_;
+  // Set by the worker once worker_status_ holds its result.
+  std::shared_ptr<std::atomic<bool>> worker_done_;
   double last_blocking_seconds_ = 0;
   double last_waiting_seconds_ = 0;
   // The host buffers saves write from (Note [Checkpoint staging]); ~Checkpointer joins the

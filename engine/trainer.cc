@@ -18,6 +18,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "checkpoint/format.h"
 #include "common/failure.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -123,6 +124,13 @@ absl::Status NonFiniteError(int64_t step) {
           "step ", step, ": the loss or the gradient norm is not finite (NaN or inf); "
           "stopping. Lower optimizer.lr, or set training.on_nonfinite: skip")),
       FailureClass::kNonFinite);
+}
+
+// A save's error, of class checkpoint unless it has a more specific one (a timeout waiting for
+// a rank's shard, a write error's I/O class).
+absl::Status AsCheckpointFailure(absl::Status s) {
+  if (s.ok() || ClassifyFailure(s) != FailureClass::kError) return s;
+  return WithFailureClass(std::move(s), FailureClass::kCheckpoint);
 }
 
 // SIGTERM reached every rank at the same log interval: the caller saved (a step already saved
@@ -344,6 +352,21 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
         std::cout << "fsdp train: resolved configuration (" << config.source_file << ")\n"
                   << yaml << "\n";
       }
+      if (config.checkpoint.enabled) {
+        // A checkpoint folder that cannot be one is found now rather than by the first save,
+        // an interval of training later.
+        const std::string root = CheckpointRoot(config);
+        const char* key = config.checkpoint.dir.empty() ? "run.dir" : "checkpoint.dir";
+        std::filesystem::create_directories(root, ec);
+        if (ec || !std::filesystem::is_directory(root) || ::access(root.c_str(), W_OK) != 0) {
+          return absl::FailedPreconditionError(StrCat(
+              key, ": the checkpoint folder '", root, "' ",
+              ec ? StrCat("cannot be created: ", ec.message())
+                 : !std::filesystem::is_directory(root) ? std::string("is not a folder")
+                                                        : std::string("is not writable"),
+              "; set checkpoint.dir to a writable folder, or checkpoint.enabled: false"));
+        }
+      }
       std::ofstream out(run_dir / "config.yaml");
       if (!(out << yaml).flush()) {
         return absl::FailedPreconditionError(
@@ -424,6 +447,23 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     FSDP_RETURN_IF_ERROR(trained->InitFromSafetensors(config.model.init_from));
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
   }
+  if (checkpointer && checkpointer->enabled() && rank == 0) {
+    // Note [A run that goes back] (checkpoint/format.h): rank 0 commits and prunes, so moving
+    // the later steps' checkpoints aside here comes before any of this run's commits.
+    absl::StatusOr<std::vector<std::string>> moved =
+        ckpt::SetAsideCheckpointsAfter(checkpointer->root(), start_step);
+    if (!moved.ok()) return WithFailureClass(moved.status(), FailureClass::kCheckpoint);
+    if (!moved->empty()) {
+      std::vector<std::string> names;
+      for (const std::string& p : *moved) names.push_back(std::filesystem::path(p).filename());
+      std::cout << fmt::format(
+          "checkpoint: this run goes on from step {}; {} committed checkpoint(s) of later steps "
+          "written by an earlier run ({}) moved to {} (load: latest and keep_latest_k no longer "
+          "see them; delete them when they are not needed)\n",
+          start_step, moved->size(), StrJoin(names, ", "),
+          (std::filesystem::path(checkpointer->root()) / ckpt::kSupersededDir).string());
+    }
+  }
   if (checkpointer && checkpointer->enabled()) {
     // Note [Checkpoint staging]: the saves' host buffers, page-locked here rather than by the
     // first save inside the loop.
@@ -475,8 +515,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
             FailureClass::kNonFinite);
       }
     }
-    FSDP_ASSIGN_OR_RETURN(bool saved, checkpointer->MaybeSave(step, last, loader.position()));
-    if (saved) metrics.RecordCheckpoint(step, checkpointer->last_blocking_seconds());
+    absl::StatusOr<bool> saved = checkpointer->MaybeSave(step, last, loader.position());
+    if (!saved.ok()) return AsCheckpointFailure(saved.status());
+    if (*saved) metrics.RecordCheckpoint(step, checkpointer->last_blocking_seconds());
     return absl::OkStatus();
   };
 
@@ -513,6 +554,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
           " updates in a row skipped (non-finite loss or gradient norm): training diverged; "
           "lower optimizer.lr, or check the data")), FailureClass::kNonFinite);
     }
+    if (checkpointer) FSDP_RETURN_IF_ERROR(AsCheckpointFailure(checkpointer->PollBackgroundSave()));
     if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
     if (!metrics.ShouldLog(done)) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));

@@ -20,6 +20,7 @@
 #include "common/strings.h"
 #include "launcher/worker_group.h"
 #include "tests/multirank.h"
+#include "tests/status_matchers.h"
 #include "tests/train_run.h"
 
 namespace fsdp {
@@ -355,6 +356,9 @@ TEST(CheckpointFaultTest, LoadsAreExactOrRefuse) {
   TrainRun relaxed = resume([](nlohmann::json&) {}, {"model.n_layers=2", "checkpoint.strict=false"});
   EXPECT_TRUE(relaxed.result.exit.ok()) << relaxed.result.Output();
   // AdamW state into SGD: refused, unless the optimizer starts afresh.
+  // Another head layout with the same tensor shapes (Note [Attention heads in a checkpoint]).
+  expect_refused(resume([](nlohmann::json&) {}, {"model.n_heads=8"}),
+                 "saved with model.n_heads: 4 and 4 key/value heads");
   expect_refused(resume([](nlohmann::json&) {}, {"optimizer.name=sgd"}),
                  "saved with optimizer 'adamw'");
   TrainRun fresh_optimizer =
@@ -387,6 +391,48 @@ TEST(CheckpointResumeTest, MetricsRecordEveryStepOnceAcrossResume) {
   }
   ASSERT_EQ(seen.size(), 8u);
   for (const auto& [step, n] : seen) EXPECT_EQ(n, 1) << "step " << step;
+  fs::remove_all(dir);
+}
+
+// Issue: resuming an older checkpoint in a folder that held later ones (an earlier run went
+// further) deleted this run's own save as soon as it was committed: keep_latest_k kept the
+// highest step, the earlier run's, which load: latest then resumed (Note [A run that goes
+// back]).
+TEST(CheckpointResumeTest, GoingBackSetsLaterCheckpointsAsideAndKeepsItsOwn) {
+  std::string dir = FreshTempDir("go-back");
+  const std::string root = dir + "/checkpoints";
+  TrainRun first = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.interval=4"});
+  ASSERT_TRUE(first.result.exit.ok()) << first.result.Output();
+  TrainRun back = Train(dir, 2, "full_shard",
+                        {"checkpoint.enabled=true", "checkpoint.interval=4",
+                         "checkpoint.keep_latest_k=1", "training.steps=6",
+                         "checkpoint.load=" + root + "/" + ckpt::StepDirName(4)});
+  ASSERT_TRUE(back.result.exit.ok()) << back.result.Output();
+  EXPECT_TRUE(back.result.StdoutHas("moved to " + root + "/superseded")) << back.result.Output();
+  EXPECT_THAT(ckpt::LatestCheckpoint(root),
+              ::fsdp::testing::IsOkAndHolds(root + "/" + ckpt::StepDirName(6)));
+  EXPECT_FALSE(fs::exists(root + "/" + ckpt::StepDirName(4)));  // pruned: keep_latest_k 1
+  EXPECT_TRUE(fs::exists(root + "/superseded/" + ckpt::StepDirName(8) + "/metadata.json"));
+  // load: latest goes on from this run's step 6, not the earlier run's step 8.
+  TrainRun latest = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.load=latest"});
+  ASSERT_TRUE(latest.result.exit.ok()) << latest.result.Output();
+  EXPECT_TRUE(latest.result.StdoutHas("at step 6")) << latest.result.Output();
+  EXPECT_EQ(latest.losses.size(), 8u) << latest.result.Output();  // 1-6 kept, then 7 and 8
+  fs::remove_all(dir);
+}
+
+// Issue: a background save that failed was reported by the next save, an interval of training
+// later; now by the step after it fails, with the checkpoint exit code.
+TEST(CheckpointFaultTest, FailedBackgroundSaveStopsTheRunPromptly) {
+  std::string dir = FreshTempDir("async-fail");
+  // Rank 1's shard file cannot be created: a folder has its name.
+  fs::create_directories(dir + "/checkpoints/" + ckpt::StepDirName(4) + ".tmp/rank00001.bin");
+  TrainRun run = Train(dir, 2, "full_shard",
+                       {"checkpoint.enabled=true", "checkpoint.async=true",
+                        "checkpoint.interval=4", "training.steps=60"});
+  EXPECT_EQ(run.result.exit.code, 3) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("rank00001.bin")) << run.result.Output();
+  EXPECT_LT(run.losses.size(), 30u) << run.result.Output();
   fs::remove_all(dir);
 }
 

@@ -711,6 +711,38 @@ TEST_F(CheckpointFormatTest, Prune) {
   EXPECT_TRUE(fs::exists(Dir(5)));
   EXPECT_FALSE(fs::exists(Dir(4)));
   EXPECT_THAT(LatestCheckpoint(root_), ::fsdp::testing::IsOkAndHolds(Dir(5)));
+  // The step a save has just committed is kept even when higher steps exist.
+  Save(3, model);
+  ASSERT_TRUE(PruneCheckpoints(root_, 1, /*committed=*/3).ok());
+  EXPECT_TRUE(fs::exists(Dir(3)));
+  EXPECT_TRUE(fs::exists(Dir(5)));
+}
+
+// Note [A run that goes back]
+TEST_F(CheckpointFormatTest, SetAsideCheckpointsAfter) {
+  std::vector<ModelTensor> model = TestModel();
+  EXPECT_THAT(SetAsideCheckpointsAfter(root_ + "/nope", 0),
+              ::fsdp::testing::IsOkAndHolds(std::vector<std::string>{}));
+  for (int step : {4, 8, 12}) Save(step, model);
+  Save(16, model, /*commit=*/false);  // a save that died: not a checkpoint, left for pruning
+  const std::string aside = root_ + "/" + kSupersededDir;
+  EXPECT_THAT(SetAsideCheckpointsAfter(root_, 12),
+              ::fsdp::testing::IsOkAndHolds(std::vector<std::string>{}));
+  EXPECT_THAT(SetAsideCheckpointsAfter(root_, 5),
+              ::fsdp::testing::IsOkAndHolds(std::vector<std::string>{
+                  aside + "/" + StepDirName(8), aside + "/" + StepDirName(12)}));
+  EXPECT_THAT(LatestCheckpoint(root_), ::fsdp::testing::IsOkAndHolds(Dir(4)));
+  EXPECT_TRUE(fs::exists(Dir(16) + ".tmp"));
+  ASSERT_TRUE(CheckpointReader::Open(aside + "/" + StepDirName(12)).ok());
+  // Going back again: a name already taken gets a suffix; pruning does not look there.
+  Save(8, model);
+  EXPECT_THAT(SetAsideCheckpointsAfter(root_, 0),
+              ::fsdp::testing::IsOkAndHolds(std::vector<std::string>{
+                  aside + "/" + StepDirName(4), aside + "/" + StepDirName(8) + ".2"}));
+  Save(2, model);
+  ASSERT_TRUE(PruneCheckpoints(root_, 1).ok());
+  EXPECT_TRUE(fs::exists(aside + "/" + StepDirName(8)));
+  EXPECT_TRUE(fs::exists(aside + "/" + StepDirName(8) + ".2"));
 }
 
 }  // namespace

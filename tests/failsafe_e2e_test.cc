@@ -112,6 +112,24 @@ TEST(FailSafeTest, UnusableRunDirIsNamedByRankZero) {
   fs::remove_all(dir);
 }
 
+// A checkpoint folder that cannot be one was found only by the first save, an interval of
+// training later (and, async, reported one more interval late).
+TEST(FailSafeTest, UnusableCheckpointDirIsNamedAtStart) {
+  const std::string dir = FreshTempDir("failsafe-ckptdir");
+  std::ofstream(dir + "/a-file") << "not a folder\n";
+  CommandResult r = Train(dir + "/run", 2,
+                          {"training.steps=2", "checkpoint.enabled=true",
+                           "checkpoint.dir=" + dir + "/a-file"});
+  ExpectNoAbort(r);
+  EXPECT_EQ(r.exit.code, 4) << r.Output();  // I/O error
+  EXPECT_TRUE(StartsWith(Headline(r), "fsdp launch: rank 0 failed first: rank 0: io: "
+                                      "checkpoint.dir: the checkpoint folder '" +
+                                          dir + "/a-file'"))
+      << r.Output();
+  EXPECT_FALSE(r.StdoutHas("step     1/2")) << r.Output();
+  fs::remove_all(dir);
+}
+
 // Rank 1 of 3 stops itself (SIGSTOP) as step 3 begins, as a hung process would; ranks 0 and 2
 // wait in step 3's first collective. The watchdog must name the collective, the unit, the step
 // and rank 1, write the flight recorder, and the run must end within the timeout + seconds.
