@@ -376,7 +376,9 @@ void Watchdog::Fire(const CollectiveRecord& stuck) {
     const bool silent = earlier && earlier->beat == p->beat;
     if (behind || silent) {
       missing.push_back(r);
-      details.push_back(fmt::format("rank {}{} at step {} after {} collective(s)", r,
+      // The heartbeat's figures are the last one received (it beats about once a second), not
+      // necessarily where the rank stopped: said so.
+      details.push_back(fmt::format("rank {}{}, last heard at step {} after {} collective(s)", r,
                                     silent ? " is not responding (heartbeat stopped)" : "", p->step,
                                     p->issued));
     }

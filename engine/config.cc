@@ -446,7 +446,20 @@ absl::Status SetField(const FieldRef& ref, const YAML::Node& value, std::string_
                       std::string_view key) {
   bool scalar = value.IsScalar();
   if (auto* choice = std::get_if<ChoiceField>(&ref)) {
-    if (!scalar) return Invalid(where, key, StrCat("expected a string, got ", Describe(value)));
+    if (!scalar) {
+      // What is valid, from the parser's own message for a value no field accepts.
+      std::string valid;
+      if (std::optional<std::string> e = choice->parse("\x7f"); e) {
+        if (size_t at = e->rfind("valid: "); at != std::string::npos) valid = "; " + e->substr(at);
+      }
+      const bool key_value = value.IsMap() && value.size() == 1;
+      return Invalid(where, key,
+                     StrCat("expected a string, got ", Describe(value),
+                            key_value ? " (YAML reads 'a: b' with a space after the colon as a "
+                                        "map: write a:b)"
+                                      : "",
+                            valid));
+    }
     if (std::optional<std::string> error = choice->parse(value.Scalar())) {
       return Invalid(where, key, *error);
     }
@@ -726,12 +739,17 @@ absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.grad_accum_steps", t.grad_accum_steps, 1));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_interval", t.eval_interval, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("training.eval_batches", t.eval_batches, 1));
-  FSDP_RETURN_IF_ERROR(v.Check(!t.profile.enabled() || t.profile.start + t.profile.steps <= t.steps,
-                               "training.profile",
-                               StrCat("'", t.profile.ToString(), "' ends after step ",
-                                      t.profile.start + t.profile.steps, " of a run of ", t.steps,
-                                      " steps"),
-                               {"training.steps"}));
+  // start + steps would overflow for huge values (and pass): compared without the sum.
+  const bool profile_fits = !t.profile.enabled() || (t.profile.start <= t.steps &&
+                                                     t.profile.steps <= t.steps - t.profile.start);
+  FSDP_RETURN_IF_ERROR(v.Check(
+      profile_fits, "training.profile",
+      StrCat("'", t.profile.ToString(), "' ends after step ",
+             t.profile.start > std::numeric_limits<int64_t>::max() - t.profile.steps
+                 ? std::string("2^63")
+                 : StrCat(t.profile.start + t.profile.steps),
+             " of a run of ", t.steps, " steps"),
+      {"training.steps"}));
   return v.AtLeast<int64_t>("training.log_interval", t.log_interval, 1);
 }
 

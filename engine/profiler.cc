@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 
@@ -191,21 +192,39 @@ void StepProfiler::BeforeStep(int64_t step) {
   running_ = true;
 }
 
+absl::Status StepProfiler::Prepare() const {
+  if (!window_.enabled()) return absl::OkStatus();
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec || !std::filesystem::is_directory(dir_)) {
+    return absl::FailedPreconditionError(
+        StrCat("training.profile_dir: cannot create the profile folder '", dir_.string(), "': ",
+               ec ? ec.message() : std::string("not a folder")));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::optional<std::string>> StepProfiler::AfterStep(int64_t step) {
   if (!running_ || step != window_.start + window_.steps - 1) return std::nullopt;
   running_ = false;
   if (device_.is_cuda()) CudaSynchronize();  // the window's kernels end inside the trace
   std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
-  std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
-  if (ec) {
-    return absl::UnavailableError(StrCat("training.profile: cannot create '", dir_.string(),
-                                         "': ", ec.message()));
-  }
+  FSDP_RETURN_IF_ERROR(Prepare());
   const std::string trace = (dir_ / StrCat("rank", rank_, ".json")).string();
+  // Kineto reports a failed write only in its log, so the trace must be this save's: an older
+  // file of that name goes first, and anything else there is an error now.
+  std::error_code ec;
+  if (std::filesystem::exists(trace, ec) && !std::filesystem::is_regular_file(trace, ec)) {
+    return absl::FailedPreconditionError(
+        StrCat("training.profile: cannot write the trace '", trace, "': something other than a "
+               "file is in the way"));
+  }
+  std::filesystem::remove(trace, ec);
   result->save(trace);
-  if (!std::filesystem::exists(trace)) {
-    return absl::UnavailableError(StrCat("training.profile: the trace '", trace, "' was not written"));
+  if (!std::filesystem::is_regular_file(trace, ec)) {
+    std::filesystem::remove(trace + ".tmp", ec);
+    return absl::FailedPreconditionError(
+        StrCat("training.profile: the trace '", trace, "' was not written"));
   }
   std::string summary = fmt::format(
       "fsdp train: profile of steps {}-{} on rank {} ({} time per kernel class):\n",
@@ -217,7 +236,8 @@ absl::StatusOr<std::optional<std::string>> StepProfiler::AfterStep(int64_t step)
   file << summary;
   file.close();
   if (!file) {
-    return absl::UnavailableError(StrCat("training.profile: cannot write '", summary_path, "'"));
+    return absl::FailedPreconditionError(
+        StrCat("training.profile: cannot write '", summary_path, "'"));
   }
   return summary;
 }

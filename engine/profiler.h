@@ -63,6 +63,9 @@ class StepProfiler {
   StepProfiler(ProfileWindow window, std::filesystem::path dir, c10::Device device, int rank);
   ~StepProfiler();  // stops a profile still running (a run that ended inside the window)
 
+  // Creates the output folder (nothing when no window is set): a folder that cannot be made is
+  // an error at start rather than after the profiled steps.
+  absl::Status Prepare() const;
   // Starts the profiler when `step` (0-based) is the window's first step.
   void BeforeStep(int64_t step);
   // After the window's last step: stops, writes <dir>/rank<R>.json and <dir>/rank<R>_summary.txt,

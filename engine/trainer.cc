@@ -126,6 +126,34 @@ absl::Status NonFiniteError(int64_t step) {
       FailureClass::kNonFinite);
 }
 
+// training.activation_checkpointing that applies to no unit (every:k past the last unit, or a
+// wrap policy that made no unit besides the root) would be a silent no-op: a config error.
+absl::Status CheckSomeUnitIsCheckpointed(const FsdpModel* sharded,
+                                         const ActivationCheckpointing& ac) {
+  if (sharded == nullptr || ac.mode == ActivationCheckpointing::Mode::kNone) {
+    return absl::OkStatus();
+  }
+  int units = 0;
+  for (const FsdpUnit* u : sharded->units()) {
+    if (u->is_root()) continue;
+    if (sharded->IsCheckpointed(*u)) return absl::OkStatus();
+    ++units;
+  }
+  const std::string what = ac.mode == ActivationCheckpointing::Mode::kSelective ? "selective"
+                           : ac.every == 1 ? "full"
+                                           : StrCat("every:", ac.every);
+  if (units == 0) {
+    return absl::InvalidArgumentError(StrCat(
+        "training.activation_checkpointing: ", what, " has no unit to checkpoint: "
+        "parallelism.wrap_policy made none besides the root (use the block policy, a smaller "
+        "params:N, or activation_checkpointing: none)"));
+  }
+  return absl::InvalidArgumentError(StrCat(
+      "training.activation_checkpointing: ", what, " checkpoints none of the model's ", units,
+      " unit(s) (every:k checkpoints units k, 2k, ...); valid here: full, selective, every:1 to "
+      "every:", units, ", or none"));
+}
+
 // A save's error, of class checkpoint unless it has a more specific one (a timeout waiting for
 // a rank's shard, a write error's I/O class).
 absl::Status AsCheckpointFailure(absl::Status s) {
@@ -411,6 +439,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
         frozen.frozen_params, frozen.frozen_numel, frozen.trainable_params, frozen.trainable_numel);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
+  FSDP_RETURN_IF_ERROR(CheckSomeUnitIsCheckpointed(trained->fsdp(), t.activation_checkpointing));
   // Over the shards (host shards with offload: Note [CPU offload]); fused by default.
   std::unique_ptr<torch::optim::Optimizer> optimizer =
       BuildOptimizer(config.optimizer, trained->parameters());
@@ -444,7 +473,12 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
     }
   } else if (!config.model.init_from.empty()) {
-    FSDP_RETURN_IF_ERROR(trained->InitFromSafetensors(config.model.init_from));
+    if (absl::Status s = trained->InitFromSafetensors(config.model.init_from); !s.ok()) {
+      return WithFailureClass(
+          absl::Status(s.code(), StrCat("model.init_from: ", std::string(s.message()))),
+          ClassifyFailure(s) == FailureClass::kError ? FailureClass::kCheckpoint
+                                                     : ClassifyFailure(s));
+    }
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
   }
   if (checkpointer && checkpointer->enabled() && rank == 0) {
@@ -528,6 +562,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   StepProfiler profiler(t.profile,
                         t.profile_dir.empty() ? run_dir / "profile" : std::filesystem::path(t.profile_dir),
                         device, rank);
+  FSDP_RETURN_IF_ERROR(WithFailureClass(profiler.Prepare(), FailureClass::kIo));
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
@@ -537,7 +572,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     profiler.BeforeStep(step);
     metrics.BeginStep();
     StepOutput out = TrainStep(*model, *trained, *optimizer, loader, t, device);
-    FSDP_ASSIGN_OR_RETURN(std::optional<std::string> profile_summary, profiler.AfterStep(step));
+    absl::StatusOr<std::optional<std::string>> profiled = profiler.AfterStep(step);
+    if (!profiled.ok()) return WithFailureClass(profiled.status(), FailureClass::kIo);
+    const std::optional<std::string>& profile_summary = *profiled;
     if (profile_summary && rank == 0) std::cout << *profile_summary << std::flush;
     if (out.skipped && rank == 0) FSDP_LOG_WARN("step {}: non-finite loss or gradient norm; update skipped", done);
     if (!out.skipped) state_bytes = DeviceAllocatedBytes(device);

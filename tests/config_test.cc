@@ -209,6 +209,24 @@ TEST(RunConfigParseTest, WrongTypes) {
               InvalidArgumentWith("t.yaml:2: metrics.jsonl: expected true or false, got '1'"));
   EXPECT_THAT(ParseError("run:\n  name:\n    first: a\n"),
               InvalidArgumentWith("t.yaml:2: run.name: expected a string, got a map"));
+  // A choice says what is valid, and why a natural typo became a map.
+  EXPECT_THAT(ParseError("training:\n  activation_checkpointing: {every: 2}\n"),
+              InvalidArgumentWith(HasSubstr("training.activation_checkpointing: expected a string, "
+                                            "got a map (YAML reads 'a: b' with a space after the "
+                                            "colon as a map: write a:b); valid: none, full, "
+                                            "selective, every:k")));
+  EXPECT_THAT(ParseError("parallelism:\n  offload: [params]\n"),
+              InvalidArgumentWith(HasSubstr(
+                  "parallelism.offload: expected a string, got a list; valid: none, optimizer")));
+}
+
+TEST(RunConfigParseTest, ProfileWindowPastTheRunDoesNotOverflow) {
+  EXPECT_THAT(ParseError("training:\n  steps: 10\n  profile: '9223372036854775807:1'\n"),
+              InvalidArgumentWith(HasSubstr("ends after step 2^63 of a run of 10 steps")));
+  EXPECT_THAT(ParseError("training:\n  steps: 10\n  profile: '1:9223372036854775807'\n"),
+              InvalidArgumentWith(HasSubstr("ends after step 2^63 of a run of 10 steps")));
+  EXPECT_THAT(ParseError("training:\n  steps: 10\n  profile: '8:3'\n"),
+              InvalidArgumentWith(HasSubstr("'8:3' ends after step 11 of a run of 10 steps")));
 }
 
 TEST(RunConfigParseTest, SectionsAndTopLevelMustBeMaps) {

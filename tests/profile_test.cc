@@ -110,5 +110,31 @@ TEST(ProfileTrainTest, WritesATracePerRankWithThePhaseRanges) {
       << bad.Output();
 }
 
+// A profile folder that cannot be made is an I/O error at start (was: "peer lost", exit 7,
+// after the profiled steps); a trace that kineto could not write is an error (was: exit 0).
+TEST(ProfileTest, UnwritableProfileOutputIsAnIoError) {
+  const std::string dir = FreshTempDir("profile-bad");
+  std::ofstream(dir + "/a-file") << "x\n";
+  auto train = [&](const std::string& profile_dir) {
+    return RunCommand({FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set",
+                       "run.dir=" + dir + "/run", "--set", "training.steps=3", "--set",
+                       "training.profile=1:1", "--set", "training.profile_dir=" + profile_dir,
+                       "--set", "parallelism.nproc=1", "--set", "metrics.progress_bar=off"});
+  };
+  CommandResult file = train(dir + "/a-file");
+  EXPECT_EQ(file.exit.code, 4) << file.Output();
+  EXPECT_TRUE(file.StderrHas("io: training.profile_dir: cannot create the profile folder '" + dir +
+                             "/a-file'"))
+      << file.Output();
+  EXPECT_FALSE(file.StdoutHas("step      1/3")) << file.Output();
+  std::filesystem::create_directories(dir + "/prof/rank0.json/x");  // the trace's name is taken
+  CommandResult taken = train(dir + "/prof");
+  EXPECT_EQ(taken.exit.code, 4) << taken.Output();
+  EXPECT_TRUE(taken.StderrHas("training.profile: cannot write the trace '" + dir +
+                              "/prof/rank0.json'"))
+      << taken.Output();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -224,6 +224,26 @@ TEST(TrainTest, BadConfigurationExitsWithTheKey) {
   EXPECT_TRUE(run.result.StderrHas("did you mean 'steps'")) << run.result.Output();
 }
 
+// Checkpointing that applies to no unit was a silent no-op (same peak memory as none).
+TEST(TrainTest, CheckpointingThatAppliesToNoUnitIsRefused) {
+  TrainOutcome past = Train("default.yaml",
+                            {"training.steps=1", "training.activation_checkpointing=every:5"},
+                            "ac-past");
+  EXPECT_EQ(past.result.exit.code, 2) << past.result.Output();
+  EXPECT_TRUE(past.result.StderrHas(
+      "training.activation_checkpointing: every:5 checkpoints none of the model's 4 unit(s)"))
+      << past.result.Output();
+  EXPECT_TRUE(past.result.StderrHas("valid here: full, selective, every:1 to every:4, or none"))
+      << past.result.Output();
+  TrainOutcome root_only = Train("default.yaml",
+                                 {"training.steps=1", "training.activation_checkpointing=full",
+                                  "parallelism.wrap_policy=params:100000000"},
+                                 "ac-root");
+  EXPECT_EQ(root_only.result.exit.code, 2) << root_only.result.Output();
+  EXPECT_TRUE(root_only.result.StderrHas("full has no unit to checkpoint"))
+      << root_only.result.Output();
+}
+
 TEST(TrainTest, NonFiniteLossStopsNamingTheStep) {
   TrainOutcome run = Train("default.yaml",
                        {"training.steps=20", "optimizer.lr=1e12", "lr_scheduler.warmup_steps=0",
