@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "common/status.h"
 #include "common/strings.h"
+#include "models/gpt/gpt.h"
+#include "planner/search.h"
 #include "sharding/options.h"
 
 namespace fsdp::plan {
@@ -78,50 +81,136 @@ double OptimizerStateBytesPerParam(const OptimizerSection& o) {
 }
 
 // Note [Checkpointed activations]
-// Per micro-batch and token, block i keeps kept(i): everything (BlockActivationBytes::none)
-// when it is not checkpointed, its input (full, every:k) or its input and matmul outputs
-// (selective) when it is (ActivationCheckpointing::Applies). Two moments compete for the peak:
+// Per micro-batch and token, block i keeps kept(i) from its forward to its backward: everything
+// autograd saves (BlockActivationBytes::none) when it is not checkpointed; when it is
+// (ActivationCheckpointing::Applies), its input (full, every:k) or its input and matmul outputs
+// (selective). The peak is the largest of these moments:
 //   start of backward: sum_i kept(i) + the head's activations (logits, fp32 loss copies and
 //     their gradients, freed once the head's backward is done);
-//   recompute of a checkpointed block j (its backward, blocks after j already freed):
-//     sum_{i <= j} kept(i) + none, one block's whole set materialised again. kept(j) and the
-//     recomputed set overlap (selective keeps q, k, v, w1, w3 outputs that `none` holds too):
-//     counting both errs on the safe side by one block's matmul outputs.
+//   backward of block j (the blocks after j and the head freed by then): sum_{i < j} kept(i) +
+//     none + T, plus X when j is checkpointed (Note [Recompute and backward bytes]); without
+//     accumulation the gradient shards of the blocks after j are written by then too.
+// A block moment grows with j by the kept bytes and shrinks by a block's gradient shard, the
+// same amounts in every period of k blocks, so for every:k the largest lies at an end of the
+// first period, of the last full period or of the tail, or at the first or last checkpointed
+// block: BlockPeak evaluates those (eight at most), whatever the number of blocks.
 // Recompute per micro-batch: full re-runs each checkpointed block's forward (a third of its
 // training FLOPs); selective re-runs the attention core's forward (a third of
 // block_attention_flops_per_token) and the elementwise ops, no projection.
+//
+// Note [Recompute and backward bytes]
+// What autograd and sharding/activation_checkpoint.cc hold at a block's backward beyond its
+// `none` set, per token (GPT family, counted like Note [Activation bytes] in
+// models/gpt/gpt_counts.cc, next to BlockActivationBytes where they belong):
+//   T, every block: the backward's own gradients at the MLP, which runs first, while the whole
+//     block's saved set is alive: the incoming gradient of the block's output (dim) and the
+//     intermediate ones, 2 ffn with GELU (of w2's input, then of w1's output), 3 ffn with
+//     SwiGLU (of the product, then of both its inputs);
+//   X, a checkpointed block: the recomputed output (dim; RecomputeBackward holds it until its
+//     nested backward returns); the input, where `none` does not keep it (RecomputeBackward
+//     does: the composite RMSNorm in bf16 saves an fp32 copy instead); and, for selective, the
+//     tape's matmul outputs that `none` does not keep, held until the block's backward ends:
+//     wo's and w2's (residual adds save nothing) and, with RoPE, q and k before the rotation
+//     (autograd keeps the rotated ones). q, k, v, w1 and w3 are in `none` already: the tape and
+//     the recomputed graph share them.
+// Measured (fsdp train on a CPU, one rank, peak tensor bytes: GPT and Llama blocks, 1 to 4 of
+// them, fused and composite kernels; CheckpointingTest.SelectiveAndFullAgainstMeasuredPeaks):
+// the differences between none, selective and full agree to within 300 bytes per token or 8%.
+// So with one block and a small head selective (and full) keep more than none: the block's
+// backward is the peak of both and the recompute adds X. From two blocks on they keep less.
+struct BackwardBytes {
+  double transient = 0;         // T
+  double output = 0;            // X: the recomputed output
+  double input_unkept = 0;      // X: the input, where `none` does not keep it
+  double selective_unkept = 0;  // X, selective: the matmul outputs `none` does not keep
+};
+
+BackwardBytes GptBackwardBytes(const ModelArgs& m, double cb) {
+  const double d = static_cast<double>(m.dim), f = static_cast<double>(m.ffn());
+  const double kv = static_cast<double>(m.kv_dim());
+  const bool swiglu = m.activation == Activation::kSwiglu;
+  BackwardBytes b;
+  b.transient = (d + (swiglu ? 3 : 2) * f) * cb;
+  b.output = d * cb;
+  const bool composite_rms = m.norm == NormKind::kRmsNorm && m.kernels != KernelMode::kFused;
+  if (composite_rms && cb < 4) b.input_unkept = d * cb;
+  b.selective_unkept = d * cb;  // w2
+  if (HasAttention(m)) {
+    b.selective_unkept += d * cb;  // wo
+    if (m.positions == Positions::kRope) b.selective_unkept += (d + kv) * cb;
+  }
+  return b;
+}
+
 struct Activations {
-  double peak = 0;            // bytes per token alive at the peak
-  double none_total = 0;      // bytes per token without checkpointing (the traffic model)
+  double peak = 0;             // bytes per token at the moment with the most activations
+  double peak_with_grads = 0;  // bytes: the largest activations + gradient shards written
+  double none_total = 0;       // bytes per token without checkpointing (the traffic model)
   double recompute_flops = 0;  // per token
   double recompute_bytes = 0;  // per token materialised again
 };
 
 Activations CheckpointedActivations(const ModelArgs& model, const ModelFamily& family,
                                     const ModelCounts& counts, const ActivationCheckpointing& ac,
-                                    int num_blocks, double cb) {
+                                    int num_blocks, double cb, double tokens,
+                                    double grad_per_block) {
   const BlockActivationBytes block = family.block_activation_bytes(model, cb);
-  const double head = family.head_bytes_per_token(model, cb);
+  const BackwardBytes back = GptBackwardBytes(model, cb);
+  const bool selective = ac.mode == ActivationCheckpointing::Mode::kSelective;
+  BlockBytes bytes;
+  bytes.none = block.none;
+  bytes.kept = selective ? block.selective : block.full;
+  bytes.transient = back.transient;
+  bytes.recompute_extra = back.output + back.input_unkept + (selective ? back.selective_unkept : 0);
+  bytes.head = family.head_bytes_per_token(model, cb);
+  const BlockPeak peak = PeakOfBlocks(bytes, ac, num_blocks, tokens, grad_per_block);
   Activations a;
-  a.none_total = num_blocks * block.none + head;
-  double kept_before = 0, recompute_peak = 0;
-  for (int i = 0; i < num_blocks; ++i) {
-    double kept = block.none;
-    if (ac.Applies(i)) {
-      const bool selective = ac.mode == ActivationCheckpointing::Mode::kSelective;
-      kept = selective ? block.selective : block.full;
-      recompute_peak = std::max(recompute_peak, kept_before + kept + block.none);
-      a.recompute_flops += selective ? counts.block_attention_flops_per_token / 3
-                                     : counts.block_flops_per_token / 3;
-      a.recompute_bytes += std::max(0.0, block.none - kept);
-    }
-    kept_before += kept;
-  }
-  a.peak = std::max(kept_before + head, recompute_peak);
+  a.peak = peak.activations;
+  a.peak_with_grads = peak.with_grads;
+  a.none_total = num_blocks * block.none + bytes.head;
+  const double checkpointed = static_cast<double>(peak.checkpointed);
+  a.recompute_flops = checkpointed * (selective ? counts.block_attention_flops_per_token / 3
+                                                : counts.block_flops_per_token / 3);
+  a.recompute_bytes = checkpointed * std::max(0.0, block.none - bytes.kept);
   return a;
 }
 
 }  // namespace
+
+BlockPeak PeakOfBlocks(const BlockBytes& b, const ActivationCheckpointing& ac, int64_t num_blocks,
+                       double tokens, double grad_per_block, bool every_block) {
+  using Mode = ActivationCheckpointing::Mode;
+  // Checkpointed: the blocks with index % k == k - 1 (k = 1: all of them; k = 0: none).
+  const int64_t k = ac.mode == Mode::kNone ? 0 : ac.mode == Mode::kSelective ? 1 : ac.every;
+  BlockPeak peak;
+  peak.checkpointed = k > 0 ? num_blocks / k : 0;
+  auto checkpointed = [&](int64_t j) { return k > 0 && j % k == k - 1; };
+  auto kept_before = [&](int64_t j) {
+    const double n = k > 0 ? static_cast<double>(j / k) : 0;  // checkpointed blocks before j
+    return static_cast<double>(j) * b.none - n * (b.none - b.kept);
+  };
+  auto consider = [&](double activations, double grads) {
+    peak.activations = std::max(peak.activations, activations);
+    peak.with_grads = std::max(peak.with_grads, tokens * activations + grads);
+  };
+  consider(kept_before(num_blocks) + b.head, 0);  // the start of backward
+  auto block_moment = [&](int64_t j) {
+    if (j < 0 || j >= num_blocks) return;
+    consider(kept_before(j) + b.none + b.transient + (checkpointed(j) ? b.recompute_extra : 0),
+             static_cast<double>(num_blocks - 1 - j) * grad_per_block);
+  };
+  if (every_block) {
+    for (int64_t j = 0; j < num_blocks; ++j) block_moment(j);
+    return peak;
+  }
+  block_moment(0);
+  block_moment(num_blocks - 1);
+  if (k > 1 && peak.checkpointed > 0) {
+    const int64_t last = peak.checkpointed * k - 1;
+    for (int64_t j : {k - 2, k - 1, last - k + 1, last - 1, last, last + 1}) block_moment(j);
+  }
+  return peak;
+}
 
 std::string CheckpointingName(const ActivationCheckpointing& ac) {
   switch (ac.mode) {
@@ -162,16 +251,21 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 
 // Note [Peak memory phases]
 // Per rank, always alive: the padded fp32 parameter shards and the optimizer state (after the
-// first step). On top, the larger of two phases:
-//   start of backward: every activation of the micro-batch (Note [Activation bytes]), the root
-//     unit unsharded and its gradient (the head's gradient is computed first and kept until the
-//     root's reduce-scatter at the very end), the blocks unsharded at once (max_unsharded_units
-//     with reshard after forward, all of them without: ZeRO-2, DDP), the gradient of the block
-//     in backward and one reduce buffer; the fp32 gradient shards when accumulating (they live
-//     across micro-batches), and HSDP's unreduced partial sums;
+// first step). On top, the largest of these moments:
+//   backward (its start, and each block's backward: Note [Checkpointed activations]): the
+//     activations alive then, the root unit unsharded and its gradient (the head's gradient is
+//     computed first and kept until the root's reduce-scatter at the very end), the blocks
+//     unsharded at once (max_unsharded_units with reshard after forward, all of them without:
+//     ZeRO-2, DDP), the gradient of the block in backward and one reduce buffer; the fp32
+//     gradient shards when accumulating (they live across micro-batches; with one micro-batch
+//     those of the blocks already through backward), and HSDP's unreduced partial sums
+//     (partial_grads: each micro-batch's reduce-scatter output, summed over the shard axis,
+//     waits for the replicate all-reduce of the last one);
 //   end of backward: the gradient shards, with one unit's reduced buffer still to be copied.
-// MemoryBreakdown::total is this peak; grads is shown even when (one micro-batch) the gradient
-// shards are not alive at the peak, so the components may add up to more than the total.
+// MemoryBreakdown::total is this peak. activations is the most any moment holds and grads all
+// the gradient shards, shown even when (one micro-batch, offload) they are not all on the device
+// at the peak: the components add up to the total when accumulating without offload (every
+// term alive at the start of backward), and to more otherwise.
 // Activations with checkpointing: Note [Checkpointed activations]; what offload moves off the
 // device: Note [Offload].
 //
@@ -193,6 +287,11 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // host step at kHostOptimizerBytesPerParam per parameter over the node's host memory bandwidth
 // shared by its ranks, not overlapped (the next forward needs its result).
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
+  return PredictCounted(request, layout, CountedModel::Of(request.config.model));
+}
+
+absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layout& layout,
+                                          const CountedModel& counted) {
   const RunConfig& config = request.config;
   const Hardware& hw = request.hw;
   const int world = request.world_size;
@@ -202,7 +301,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
                                              " is not a multiple of --gpus-per-node ", per_node));
   }
   const int r = layout.replicate, s = layout.shard;
-  if (r < 1 || s < 1 || r * s != world) {
+  if (r < 1 || s < 1 || static_cast<int64_t>(r) * s != world) {
     return absl::InvalidArgumentError(StrCat("layout ", StrategyName(layout.strategy), " ", r, "x", s,
                                              " does not multiply to the world size ", world));
   }
@@ -217,11 +316,19 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // The engine's options for this layout, from the one mapping the trainer uses (so a
   // reshard_after_forward override is planned as it will run).
   FSDP_ASSIGN_OR_RETURN(const ShardingPlan sharding, ShardingPlanFor(config, layout.strategy, s));
+  const TrainingSection& t = config.training;
+  const double peak_rate = PeakRate(hw, t.mixed_precision);
+  if (!(peak_rate > 0) || !(hw.compute_efficiency > 0)) {
+    return absl::InvalidArgumentError(
+        StrCat("hardware '", hw.name, "': no ", PrecisionName(t.mixed_precision),
+               " compute rate (peak_flops_", PrecisionName(t.mixed_precision), " ",
+               t.mixed_precision == Precision::kBf16 ? hw.peak_flops_bf16 : hw.peak_flops_fp32,
+               ", compute_efficiency ", hw.compute_efficiency, "): both must be > 0"));
+  }
 
   const ModelArgs& model = config.model;
-  const ModelFamily& family = *FindModelFamily(model.arch);
-  const ModelCounts counts = CountModel(model);
-  const TrainingSection& t = config.training;
+  const ModelFamily& family = *counted.family;
+  const ModelCounts& counts = counted.counts;
   const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
   const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
   const double n = s;
@@ -230,8 +337,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // unsharded until the last backward, as if never resharded after forward.
   const bool keep = !sharding.options.reshard_between_micro_batches;
   const bool reshard = sharding.options.reshard_after_forward && !keep;
-  const int num_units = static_cast<int>(counts.unit_shapes.size());
-  const int num_blocks = num_units - 1;
+  const int num_blocks = counted.num_blocks;
   const double tokens_micro = static_cast<double>(t.micro_batch_size) * model.seq_len;
   const double accum = static_cast<double>(t.grad_accum_steps);
   // training.grad_sync: last (Note [No-sync accumulation] in engine/trainable.h): only the last
@@ -239,14 +345,17 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   const bool no_sync = t.grad_sync == GradSync::kLast && t.grad_accum_steps > 1;
   const double reductions = no_sync ? 1 : accum;  // gradient reductions per step
 
-  std::vector<double> padded(num_units);
-  double padded_total = 0;
-  for (int u = 0; u < num_units; ++u) {
-    padded[u] = static_cast<double>(PaddedNumel(counts.unit_shapes[u], s));
-    padded_total += padded[u];
+  // Padded numels: the root, the first block (the cost model's block: the GPT family's are all
+  // alike), every unit, the largest unit.
+  double padded_total = 0, largest_unit = 0;
+  for (const CountedModel::Run& run : counted.runs) {
+    const double padded = static_cast<double>(PaddedNumel(counts.unit_shapes[run.first_unit], s));
+    padded_total += padded * static_cast<double>(run.count);
+    largest_unit = std::max(largest_unit, padded);
   }
-  const double root = padded[0];
-  const double block = num_blocks > 0 ? padded[1] : 0;
+  const double root = static_cast<double>(PaddedNumel(counts.unit_shapes[0], s));
+  const double block =
+      num_blocks > 0 ? static_cast<double>(PaddedNumel(counts.unit_shapes[1], s)) : 0;
   const double real = static_cast<double>(counts.params);
 
   // --- memory (See Note [Peak memory phases]) ---------------------------------------------------
@@ -259,7 +368,6 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   p.offload = offload;
   MemoryBreakdown& mem = p.memory;
   const double state_bytes = OptimizerStateBytesPerParam(config.optimizer);
-  const double largest_unit = *std::max_element(padded.begin(), padded.end());
   const int max_units = std::max<int>(1, static_cast<int>(config.parallelism.max_unsharded_units));
   const int blocks_unsharded = reshard ? std::min(num_blocks, max_units) : num_blocks;
   // Gradient shards live on the device across micro-batches unless offload copies each one
@@ -293,22 +401,28 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   // machine): the fused kernels keep less per token (Note [Activation bytes] in gpt_counts.cc).
   ModelArgs resolved = model;
   resolved.kernels = ResolveKernelMode(model.kernels, /*on_cuda=*/hw.cores_per_node == 0);
-  const Activations acts =
-      CheckpointedActivations(resolved, family, counts, ac, num_blocks, cb);
+  // With one micro-batch the gradient shards are written block by block through the backward;
+  // accumulating, they are all alive from the start (or, grad_sync last, the unsharded ones).
+  const bool progressive_grads = grads_on_device && t.grad_accum_steps == 1;
+  const double grad_per_block =
+      progressive_grads && num_blocks > 0 ? static_cast<double>(counts.unit_params[1]) / n * 4 : 0;
+  const Activations acts = CheckpointedActivations(resolved, family, counts, ac, num_blocks, cb,
+                                                   tokens_micro, grad_per_block);
   mem.activations = tokens_micro * acts.peak;
-  double backward_start = mem.unsharded_units + mem.activations;
+  double backward = mem.unsharded_units + acts.peak_with_grads;
   const double backward_end = (grads_on_device ? mem.grads : 0) + largest_unit / n * rb;
   if (no_sync) {
     // Every unit's unsharded gradients (compute dtype, not divided by the shard degree), alive
     // from the first micro-batch's backward to the last one's; the gradient shards are written
     // only by the last one.
     mem.grads += real * cb;
-    backward_start += real * cb;
+    backward += real * cb;
   } else if (t.grad_accum_steps > 1) {
-    if (grads_on_device) backward_start += mem.grads;
-    if (hybrid) backward_start += real / n * rb;  // unreduced partial sums
+    if (grads_on_device) backward += mem.grads;
+    if (hybrid) mem.partial_grads = real / n * rb;  // unreduced partial sums
+    backward += mem.partial_grads;
   }
-  mem.total = mem.params + mem.padding + mem.optimizer + std::max(backward_start, backward_end);
+  mem.total = mem.params + mem.padding + mem.optimizer + std::max(backward, backward_end);
 
   double memory = hw.memory_bytes;
   const int ranks_on_node = per_node;
@@ -335,8 +449,7 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 
   // --- time ---------------------------------------------------------------------------------
   TimeBreakdown& time = p.time;
-  double rate = t.mixed_precision == Precision::kBf16 && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
-                                                                       : hw.peak_flops_fp32;
+  double rate = peak_rate;
   if (cpu_profile) rate /= ranks_on_node;  // CPU: the node's cores, shared
   const double achieved = rate * hw.compute_efficiency;
   double mem_bw = hw.memory_bw;
@@ -476,32 +589,74 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   return p;
 }
 
-absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request) {
-  const int world = request.world_size;
-  if (request.gpus_per_node < 1 || world < 1 || world % request.gpus_per_node != 0) {
-    return absl::InvalidArgumentError(StrCat("--world-size ", world,
-                                             " is not a multiple of --gpus-per-node ",
-                                             request.gpus_per_node));
+CountedModel CountedModel::Of(const ModelArgs& model) {
+  CountedModel m;
+  m.counts = CountModel(model);
+  m.family = FindModelFamily(model.arch);
+  const auto& units = m.counts.unit_shapes;
+  m.num_blocks = static_cast<int>(units.size()) - 1;
+  for (size_t u = 0; u < units.size(); ++u) {
+    // The root is a run of its own, even if a block had its shapes.
+    if (u > 1 && units[u] == units[m.runs.back().first_unit]) {
+      ++m.runs.back().count;
+    } else {
+      m.runs.push_back({u, 1});
+    }
   }
+  return m;
+}
+
+std::vector<Layout> LayoutsFor(int world) {
   std::vector<Layout> layouts;
   layouts.push_back({Strategy::kFullShard, 1, world});
   if (world > 1) {
     layouts.push_back({Strategy::kShardGradOp, 1, world});
     layouts.push_back({Strategy::kNoShard, world, 1});
   }
-  for (int s = 2; s < world; ++s) {
-    if (world % s != 0) continue;
+  std::vector<int> shards;  // 1 < S < world dividing world, ascending
+  for (int64_t d = 2; d * d <= world; ++d) {
+    if (world % d != 0) continue;
+    shards.push_back(static_cast<int>(d));
+    if (d * d != world) shards.push_back(static_cast<int>(world / d));
+  }
+  std::sort(shards.begin(), shards.end());
+  for (int s : shards) {
     layouts.push_back({Strategy::kHybridShard, world / s, s});
     layouts.push_back({Strategy::kHybridShardZero2, world / s, s});
   }
+  return layouts;
+}
+
+absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request) {
+  return EnumerateCounted(request, CountedModel::Of(request.config.model));
+}
+
+absl::StatusOr<std::vector<Prediction>> EnumerateCounted(const PlanRequest& request,
+                                                         const CountedModel& model) {
+  const int world = request.world_size;
+  if (request.gpus_per_node < 1 || world < 1 || world % request.gpus_per_node != 0) {
+    return absl::InvalidArgumentError(StrCat(
+        "--world-size ", world, " is not a multiple of --gpus-per-node ", request.gpus_per_node));
+  }
   std::vector<Prediction> out;
-  for (const Layout& layout : layouts) {
+  absl::Status rejected;
+  for (const Layout& layout : LayoutsFor(world)) {
     // A layout the configuration's options do not fit (a reshard_after_forward group size k
     // must divide its shard degree) is not a candidate; any other error is the request's.
-    if (!ShardingPlanFor(request.config, layout.strategy, layout.shard).ok()) continue;
-    absl::StatusOr<Prediction> p = Predict(request, layout);
+    if (absl::Status fits = ShardingPlanFor(request.config, layout.strategy, layout.shard).status();
+        !fits.ok()) {
+      if (rejected.ok()) rejected = fits;
+      continue;
+    }
+    absl::StatusOr<Prediction> p = PredictCounted(request, layout, model);
     if (!p.ok()) return p.status();
     out.push_back(*std::move(p));
+  }
+  if (out.empty()) {
+    // As `fsdp train` would refuse it on these ranks, whatever the layout.
+    return absl::InvalidArgumentError(StrCat(
+        std::string(rejected.message()), " (", StrategyName(Strategy::kFullShard), " 1x", world,
+        "), and no other layout of ", world, world == 1 ? " rank" : " ranks", " allows it"));
   }
   std::stable_sort(out.begin(), out.end(), [](const Prediction& a, const Prediction& b) {
     if (a.fits != b.fits) return a.fits;
@@ -528,10 +683,13 @@ absl::StatusOr<PlanRequest> MakePlanRequest(const std::string& config_path,
     return absl::InvalidArgumentError(StrCat("--gpus-per-node must be >= 1, got ", gpus_per_node));
   }
   if (world_size % gpus_per_node != 0) {
+    const int64_t nodes = world_size / gpus_per_node;
+    int64_t full = (nodes + 1) * gpus_per_node;
+    if (full > std::numeric_limits<int>::max()) full = nodes * gpus_per_node;
     return absl::InvalidArgumentError(
-        StrCat("--world-size ", world_size, " is not a multiple of --gpus-per-node ",
-               gpus_per_node, " (nodes must be full; e.g. --world-size ",
-               (world_size / gpus_per_node + 1) * gpus_per_node, ")"));
+        StrCat("--world-size ", world_size, " is not a multiple of --gpus-per-node ", gpus_per_node,
+               " (nodes must be full",
+               full > 0 ? StrCat("; e.g. --world-size ", full) : std::string(), ")"));
   }
   request.world_size = world_size;
   request.gpus_per_node = gpus_per_node;
@@ -547,6 +705,31 @@ absl::StatusOr<PlanRequest> MakePlanRequest(const std::string& config_path,
   absl::StatusOr<RunConfig> config = LoadRunConfig(config_path, overrides);
   if (!config.ok()) return config.status();
   request.config = *config;
+  // As `fsdp train` refuses it (engine/trainer.cc): checkpointing that applies to no block.
+  const ActivationCheckpointing& ac = request.config.training.activation_checkpointing;
+  const int64_t blocks =
+      static_cast<int64_t>(CountModel(request.config.model).unit_params.size()) - 1;
+  if (ac.enabled() && blocks == 0) {
+    return absl::InvalidArgumentError(
+        StrCat("training.activation_checkpointing: ", CheckpointingName(ac),
+               " has no unit to checkpoint: the model has no blocks"));
+  }
+  if (ac.mode == ActivationCheckpointing::Mode::kFull && ac.every > blocks) {
+    return absl::InvalidArgumentError(
+        StrCat("training.activation_checkpointing: every:", ac.every,
+               " checkpoints none of the model's ", blocks,
+               " unit(s) (every:k checkpoints units k, 2k, ...); valid here: full, selective, "
+               "every:1 to every:",
+               blocks, ", or none"));
+  }
+  const Precision precision = request.config.training.mixed_precision;
+  if (!(PeakRate(request.hw, precision) > 0)) {
+    return absl::InvalidArgumentError(StrCat(
+        hardware_file.empty() ? StrCat("--gpu ", gpu) : StrCat("--hardware ", hardware_file),
+        ": peak_flops_fp32 must be > 0 for training.mixed_precision ", PrecisionName(precision),
+        precision == Precision::kBf16 ? " (peak_flops_bf16 is 0 too)"
+                                      : " (peak_flops_bf16 counts for bf16 runs only)"));
+  }
   return request;
 }
 

@@ -76,6 +76,9 @@ std::vector<std::string> HardwareNames();
 absl::StatusOr<Hardware> LoadHardwareJson(const std::string& path);
 absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::string& name);
 std::string HardwareToJson(const Hardware& hw);
+// The dense FLOP/s a rank computes at in `precision`: peak_flops_bf16 for bf16 where the
+// profile has one (a CPU's bf16 is no faster: 0 there), else peak_flops_fp32 (TF32 on GPUs).
+double PeakRate(const Hardware& hw, Precision precision);
 
 // Measures this machine: a GEMM with the threads a rank would get under `nproc` local ranks
 // (OMP_NUM_THREADS = cores / nproc, as the launcher sets it) and a Gloo all-gather on loopback,
@@ -98,8 +101,12 @@ struct Layout {
 // shards (with offload: what stays or is in flight there); padding is the extra of the padded
 // parameter shards on the device; unsharded_units the gathered units, their gradients and
 // collective buffers in flight at the peak; activations those alive at the peak (Note
-// [Checkpointed activations]); total the modelled device peak of the step; host the rank's
-// share of pinned host memory with offload (shards, gradients, optimizer state);
+// [Checkpointed activations]); partial_grads HSDP's unreduced partial gradient sums when
+// accumulating micro-batches (reduce dtype, over the shard degree: summed over the shard axis,
+// waiting for the replicate all-reduce of the last micro-batch); total the modelled device peak
+// of the step (Note [Peak memory phases]: the sum of the other device fields when accumulating,
+// at most that otherwise); host the rank's share of pinned host memory with offload (shards,
+// gradients, optimizer state);
 // checkpoint_staging the host buffers checkpoint saves copy the rank's state into (Note
 // [Checkpoint staging]: with checkpoint.enabled, for device tensors and for async saves), on
 // top of host (both count for `fits`). With training.grad_sync last and several micro-batches,
@@ -107,7 +114,7 @@ struct Layout {
 // micro-batches.
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, unsharded_units = 0, activations = 0, padding = 0,
-         total = 0, host = 0, checkpoint_staging = 0;
+         partial_grads = 0, total = 0, host = 0, checkpoint_staging = 0;
 };
 // Seconds per optimizer step; tokens_per_s is global (all ranks). compute_s includes
 // recompute_s (activation checkpointing); optimizer_s is on the host with offload; host_copy_s
@@ -144,25 +151,31 @@ struct PlanRequest {
 
 // What `fsdp plan` checks before predicting: the configuration (LoadRunConfig with the --set
 // overrides), the world size, the ranks per node (0: the world size up to 8, else 8), and the
-// hardware (`hardware_file`, a JSON profile, wins over `gpu`). kInvalidArgument names the
-// option and what would be valid; kNotFound for a missing file.
+// hardware (`hardware_file`, a JSON profile, wins over `gpu`; it needs a peak rate for the
+// configuration's precision). kInvalidArgument names the option and what would be valid;
+// kNotFound for a missing file.
 absl::StatusOr<PlanRequest> MakePlanRequest(const std::string& config_path,
                                             const std::vector<std::string>& overrides,
                                             int world_size, int gpus_per_node,
                                             const std::string& gpu,
                                             const std::string& hardware_file);
 
-// kInvalidArgument for a layout that does not fit the world size or the strategy, or a request
-// whose world size is not a multiple of gpus_per_node.
+// kInvalidArgument for a layout that does not fit the world size or the strategy, a request
+// whose world size is not a multiple of gpus_per_node, or hardware without a peak rate for the
+// configuration's precision.
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout);
 // Every layout for the world size: full_shard, shard_grad_op, no_shard, and hybrid_shard /
 // hybrid_shard_zero2 for every shard degree 1 < S < N dividing N. Fitting first, then by
-// tokens/s (fastest first).
+// tokens/s (fastest first). kInvalidArgument when the configuration fits none of them (a
+// parallelism.reshard_after_forward group size that divides no shard degree of N), with the
+// error `fsdp train` gives.
 absl::StatusOr<std::vector<Prediction>> EnumerateLayouts(const PlanRequest& request);
 
 // The activation checkpointing modes the recommendation tries for a model of `num_blocks`
-// blocks: none, selective, full, and every:k for 1 < k <= num_blocks (a 1/k share of the blocks
-// checkpointed: less recompute than full, less memory than none).
+// blocks: none, selective, full, and every:k (a 1/k share of the blocks checkpointed: less
+// recompute than full, less memory than none) once per number of checkpointed blocks c,
+// 1 <= c <= num_blocks / 2, with the largest k that checkpoints c (k = num_blocks / c): the same
+// recompute, so the same time, and the simplest spelling. About 2 sqrt(num_blocks) of them.
 std::vector<ActivationCheckpointing> CheckpointingCandidates(int num_blocks);
 
 struct Recommendation {

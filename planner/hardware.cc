@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -202,10 +204,23 @@ std::string HardwareToJson(const Hardware& hw) {
   return j.dump(2);
 }
 
+double PeakRate(const Hardware& hw, Precision precision) {
+  return precision == Precision::kBf16 && hw.peak_flops_bf16 > 0 ? hw.peak_flops_bf16
+                                                                 : hw.peak_flops_fp32;
+}
+
 absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::string& name) {
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError(StrCat(name, ": not a JSON object"));
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    // e.g. "number overflow parsing '1e400'" (no JSON number is infinite), or a syntax error.
+    std::string what = e.what();
+    if (size_t at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
+    return absl::InvalidArgumentError(StrCat(name, ": not valid JSON: ", what));
+  }
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(StrCat(name, ": not a JSON object (", j.type_name(), ")"));
   }
   Hardware hw;
   if (j.contains("base")) {
@@ -214,24 +229,30 @@ absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::s
     if (!base.ok()) return absl::InvalidArgumentError(StrCat(name, ": base: ", std::string(base.status().message())));
     hw = *base;
   }
+  // Every number of the profile (base included) within [min, max], 0 allowed unless
+  // `positive`: rates and sizes of at least 1 (FLOP/s, bytes, bytes/s) so that no time divides
+  // by a denormal, at most 1e30; latencies up to a second per ring step; shares up to 1.
   struct Field {
     const char* key;
     double* value;
+    double min, max;
+    bool positive;
   };
-  const Field numbers[] = {{"peak_flops_bf16", &hw.peak_flops_bf16},
-                           {"peak_flops_fp32", &hw.peak_flops_fp32},
-                           {"memory_bytes", &hw.memory_bytes},
-                           {"memory_bw", &hw.memory_bw},
-                           {"intra_node_bw", &hw.intra_node_bw},
-                           {"intra_node_latency_s", &hw.intra_node_latency_s},
-                           {"inter_node_bw", &hw.inter_node_bw},
-                           {"inter_node_latency_s", &hw.inter_node_latency_s},
-                           {"compute_efficiency", &hw.compute_efficiency},
-                           {"comm_overlap", &hw.comm_overlap},
-                           {"usable_memory_fraction", &hw.usable_memory_fraction},
-                           {"host_memory_bytes", &hw.host_memory_bytes},
-                           {"host_memory_bw", &hw.host_memory_bw},
-                           {"host_link_bw", &hw.host_link_bw}};
+  constexpr double kHuge = 1e30;
+  const Field numbers[] = {{"peak_flops_bf16", &hw.peak_flops_bf16, 1, kHuge, false},
+                           {"peak_flops_fp32", &hw.peak_flops_fp32, 1, kHuge, false},
+                           {"memory_bytes", &hw.memory_bytes, 1, kHuge, true},
+                           {"memory_bw", &hw.memory_bw, 1, kHuge, false},
+                           {"intra_node_bw", &hw.intra_node_bw, 1, kHuge, true},
+                           {"intra_node_latency_s", &hw.intra_node_latency_s, 0, 1, false},
+                           {"inter_node_bw", &hw.inter_node_bw, 1, kHuge, false},
+                           {"inter_node_latency_s", &hw.inter_node_latency_s, 0, 1, false},
+                           {"compute_efficiency", &hw.compute_efficiency, 0, 1, true},
+                           {"comm_overlap", &hw.comm_overlap, 0, 1, false},
+                           {"usable_memory_fraction", &hw.usable_memory_fraction, 0, 1, true},
+                           {"host_memory_bytes", &hw.host_memory_bytes, 1, kHuge, false},
+                           {"host_memory_bw", &hw.host_memory_bw, 1, kHuge, false},
+                           {"host_link_bw", &hw.host_link_bw, 1, kHuge, false}};
   std::vector<std::string> valid = {"name", "base", "cores_per_node", "source"};
   for (const Field& f : numbers) valid.push_back(f.key);
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -242,30 +263,44 @@ absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::s
   }
   for (const Field& f : numbers) {
     if (!j.contains(f.key)) continue;
-    if (!j[f.key].is_number() || j[f.key].get<double>() < 0) {
-      return absl::InvalidArgumentError(StrCat(name, ": ", f.key, ": expected a number >= 0"));
+    if (!j[f.key].is_number()) {
+      return absl::InvalidArgumentError(
+          StrCat(name, ": ", f.key, ": expected a number, got ", j[f.key].dump()));
     }
     *f.value = j[f.key].get<double>();
   }
-  if (j.contains("name")) hw.name = j["name"].is_string() ? j["name"].get<std::string>() : "";
-  if (j.contains("source") && j["source"].is_string()) hw.source = j["source"].get<std::string>();
+  for (const Field& f : numbers) {
+    const double v = *f.value;
+    if (std::isfinite(v) && v >= 0 && v <= f.max && (v == 0 ? !f.positive : v >= f.min)) continue;
+    std::string range = f.max == 1 ? (f.positive ? "> 0 and <= 1" : ">= 0 and <= 1")
+                                   : StrCat(f.positive ? "" : "0 or ", ">= 1 and <= ", kHuge);
+    if (std::string(f.key).ends_with("_s")) range += " (seconds per ring step)";
+    return absl::InvalidArgumentError(
+        StrCat(name, ": ", f.key, ": ", v, " is out of range (valid: ", range, ")"));
+  }
+  if (j.contains("name")) {
+    if (!j["name"].is_string())
+      return absl::InvalidArgumentError(StrCat(name, ": name: expected a string"));
+    hw.name = j["name"].get<std::string>();
+  }
+  if (j.contains("source")) {
+    if (!j["source"].is_string())
+      return absl::InvalidArgumentError(StrCat(name, ": source: expected a string"));
+    hw.source = j["source"].get<std::string>();
+  }
   if (j.contains("cores_per_node")) {
-    if (!j["cores_per_node"].is_number_integer() || j["cores_per_node"].get<int>() < 0) {
-      return absl::InvalidArgumentError(StrCat(name, ": cores_per_node: expected an integer >= 0"));
+    const nlohmann::json& cores = j["cores_per_node"];
+    if (!cores.is_number_integer() || cores.get<int64_t>() < 0 ||
+        cores.get<int64_t>() > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(
+          StrCat(name, ": cores_per_node: expected an integer >= 0 and <= 2147483647, got ",
+                 cores.dump()));
     }
-    hw.cores_per_node = j["cores_per_node"].get<int>();
+    hw.cores_per_node = static_cast<int>(cores.get<int64_t>());
   }
   if (hw.name.empty()) hw.name = name;
   if (hw.peak_flops_fp32 <= 0 && hw.peak_flops_bf16 <= 0) {
     return absl::InvalidArgumentError(StrCat(name, ": peak_flops_fp32 or peak_flops_bf16 must be > 0"));
-  }
-  if (hw.memory_bytes <= 0 || hw.intra_node_bw <= 0 || hw.compute_efficiency <= 0) {
-    return absl::InvalidArgumentError(
-        StrCat(name, ": memory_bytes, intra_node_bw and compute_efficiency must be > 0"));
-  }
-  if (hw.comm_overlap > 1 || hw.compute_efficiency > 1 || hw.usable_memory_fraction > 1) {
-    return absl::InvalidArgumentError(
-        StrCat(name, ": comm_overlap, compute_efficiency and usable_memory_fraction are <= 1"));
   }
   if (hw.inter_node_bw <= 0) hw.inter_node_bw = hw.intra_node_bw;
   return hw;

@@ -3,10 +3,13 @@
 // that would make it fit.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "common/status.h"
 #include "common/strings.h"
 #include "planner/cost_model.h"
+#include "planner/search.h"
 
 namespace fsdp::plan {
 namespace {
@@ -29,11 +32,11 @@ bool Better(const Prediction& a, const Prediction& b) {
 
 // Lower is simpler: no offload before optimizer before params, then no checkpointing before
 // every:k (larger k: fewer blocks recomputed) before selective before full.
-std::pair<int, int> Simplicity(const Prediction& p) {
+std::pair<int, int64_t> Simplicity(const Prediction& p) {
   const ActivationCheckpointing& ac = p.activation_checkpointing;
-  int recompute = 0;
-  if (ac.mode == ActivationCheckpointing::Mode::kSelective) recompute = 1 << 20;
-  if (ac.mode == ActivationCheckpointing::Mode::kFull) recompute = (1 << 21) - ac.every;
+  int64_t recompute = 0;
+  if (ac.mode == ActivationCheckpointing::Mode::kSelective) recompute = int64_t{1} << 40;
+  if (ac.mode == ActivationCheckpointing::Mode::kFull) recompute = (int64_t{1} << 41) - ac.every;
   return {static_cast<int>(p.offload), recompute};
 }
 
@@ -43,18 +46,56 @@ PlanRequest WithModes(PlanRequest r, const ActivationCheckpointing& ac, Offload 
   return r;
 }
 
-int NumBlocks(const PlanRequest& r) {
-  return static_cast<int>(CountModel(r.config.model).unit_shapes.size()) - 1;
+// What runs: every:k with k above the number of blocks checkpoints none of them.
+ActivationCheckpointing Effective(const ActivationCheckpointing& ac, int num_blocks) {
+  if (ac.mode == ActivationCheckpointing::Mode::kNone || num_blocks == 0 ||
+      (ac.mode == ActivationCheckpointing::Mode::kFull && ac.every > num_blocks)) {
+    return {};
+  }
+  return ac;
 }
 
-// Every layout x checkpointing candidate x offload, best first.
-absl::StatusOr<std::vector<Prediction>> SearchAll(const PlanRequest& request) {
+// Every layout x checkpointing candidate x offload, best first. every:k is tried per layout and
+// offload only with the fewest checkpointed blocks that fit (the least recompute, so the fastest
+// every:k there, and the largest k), found by bisection: memory falls as more blocks are
+// checkpointed. So a search costs O(layouts x log(blocks)) predictions, not layouts x blocks.
+absl::StatusOr<std::vector<Prediction>> SearchAll(const PlanRequest& request,
+                                                  const CountedModel& model) {
+  const std::vector<ActivationCheckpointing> candidates = CheckpointingCandidates(model.num_blocks);
+  // none, selective, full; then every:k with 1, 2, ... blocks checkpointed.
+  const std::vector<ActivationCheckpointing> main(candidates.begin(), candidates.begin() + 3);
+  const std::vector<ActivationCheckpointing> every(candidates.begin() + 3, candidates.end());
+  std::vector<Layout> layouts;
+  for (const Layout& layout : LayoutsFor(request.world_size)) {
+    if (ShardingPlanFor(request.config, layout.strategy, layout.shard).ok())
+      layouts.push_back(layout);
+  }
   std::vector<Prediction> all;
   for (Offload offload : kOffloads) {
-    for (const ActivationCheckpointing& ac : CheckpointingCandidates(NumBlocks(request))) {
-      FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> layouts,
-                            EnumerateLayouts(WithModes(request, ac, offload)));
-      all.insert(all.end(), layouts.begin(), layouts.end());
+    for (const ActivationCheckpointing& ac : main) {
+      FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> predicted,
+                            EnumerateCounted(WithModes(request, ac, offload), model));
+      all.insert(all.end(), predicted.begin(), predicted.end());
+    }
+    if (every.empty()) continue;
+    for (const Layout& layout : layouts) {
+      auto predict = [&](size_t i) {
+        return PredictCounted(WithModes(request, every[i], offload), layout, model);
+      };
+      size_t lo = 0, hi = every.size() - 1;
+      FSDP_ASSIGN_OR_RETURN(Prediction fitting, predict(hi));
+      if (!fitting.fits) continue;  // full, already listed, keeps less
+      while (lo < hi) {
+        const size_t mid = lo + (hi - lo) / 2;
+        FSDP_ASSIGN_OR_RETURN(Prediction p, predict(mid));
+        if (p.fits) {
+          hi = mid;
+          fitting = std::move(p);
+        } else {
+          lo = mid + 1;
+        }
+      }
+      all.push_back(std::move(fitting));
     }
   }
   std::stable_sort(all.begin(), all.end(), Better);
@@ -62,7 +103,8 @@ absl::StatusOr<std::vector<Prediction>> SearchAll(const PlanRequest& request) {
 }
 
 absl::StatusOr<bool> AnyFits(const PlanRequest& request) {
-  FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> all, SearchAll(request));
+  FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> all,
+                        SearchAll(request, CountedModel::Of(request.config.model)));
   return !all.empty() && all.front().fits;
 }
 
@@ -85,37 +127,70 @@ double UsablePerRank(const PlanRequest& r) {
          (r.hw.cores_per_node > 0 ? r.gpus_per_node : 1);
 }
 
+// The divisors of n below `below`, ascending (trial division up to 2e6: every divisor of any
+// n < 4e12, and 1 always).
+std::vector<int64_t> DivisorsBelow(int64_t n, int64_t below) {
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d <= 2'000'000 && d * d <= n; ++d) {
+    if (n % d != 0) continue;
+    if (d < below) out.push_back(d);
+    if (n / d != d && n / d < below) out.push_back(n / d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 // Note [No-fit advice]
 // When no layout x checkpointing x offload fits, the message names only changes that the model
-// predicts to fit, each tried on the whole search: a smaller micro-batch (halving down to 1,
-// with more accumulation steps for the same batch), bf16 (only for an fp32 configuration),
-// more ranks (up to kMaxWorldGrowth x, whole nodes). When none of them alone fits it tries
-// micro-batch 1 with bf16, and otherwise names what does not shrink with any of them (the
-// activations of one sequence, the gathered units): a shorter model.seq_len or a GPU with
-// more memory. So it never tells a bf16 run to use bf16, or asks for more GPUs when the
-// activations alone do not fit.
+// predicts to fit, each tried on the whole search: a smaller micro-batch with more accumulation
+// steps for exactly the same batch (the largest divisor of micro-batch x accumulation steps
+// below the micro-batch that fits), bf16 (only for an fp32 configuration), more ranks (up to
+// kMaxWorldGrowth x, whole nodes), one unit gathered at a time (parallelism.max_unsharded_units
+// 1), a shorter model.seq_len (halving). When none of them alone fits it tries micro-batch 1
+// with bf16, and otherwise names the largest part of the smallest run (activations, gathered
+// units, model state or host memory) and what shrinks it: a smaller model, a device with at
+// least the memory the smallest run needs. So it never tells a bf16 run to use bf16, asks for
+// more GPUs when the activations alone do not fit, or for a shorter sequence when the
+// gathered units are what is too large.
 absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Prediction& smallest) {
   const TrainingSection& t = request.config.training;
+  const MemoryBreakdown& m = smallest.memory;
+  const double usable = UsablePerRank(request);
   std::string message = fmt::format(
       "recommended: none: no layout fits in {:.1f} GiB per rank with any activation "
       "checkpointing or offload (smallest: {:.1f} GiB, {} {}x{} with {}: activations {:.1f} "
       "GiB, gathered units {:.1f} GiB{})",
-      UsablePerRank(request) / kGiB, smallest.memory.total / kGiB, smallest.runs_as,
-      smallest.layout.replicate, smallest.layout.shard,
-      Modes(smallest.activation_checkpointing, smallest.offload),
-      smallest.memory.activations / kGiB, smallest.memory.unsharded_units / kGiB,
+      usable / kGiB, m.total / kGiB, smallest.runs_as, smallest.layout.replicate,
+      smallest.layout.shard, Modes(smallest.activation_checkpointing, smallest.offload),
+      m.activations / kGiB, m.unsharded_units / kGiB,
       smallest.host_fits ? "" : "; " + smallest.note);
   std::vector<std::string> helps;
-  for (int64_t m = t.micro_batch_size / 2; m >= 1; m /= 2) {
-    PlanRequest r = request;
-    r.config.training.micro_batch_size = m;
-    r.config.training.grad_accum_steps = (t.grad_accum_steps * t.micro_batch_size + m - 1) / m;
-    FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
-    if (fits) {
-      helps.push_back(StrCat("--set training.micro_batch_size=", m,
-                             " --set training.grad_accum_steps=",
-                             r.config.training.grad_accum_steps, " (the same batch)"));
-      break;
+  // The same sequences per rank and step in smaller micro-batches.
+  const int64_t micro = t.micro_batch_size;
+  if (micro > 1 && t.grad_accum_steps <= std::numeric_limits<int64_t>::max() / micro) {
+    const int64_t per_step = micro * t.grad_accum_steps;
+    const std::vector<int64_t> smaller = DivisorsBelow(per_step, micro);
+    auto fits_with = [&](int64_t size) {
+      PlanRequest r = request;
+      r.config.training.micro_batch_size = size;
+      r.config.training.grad_accum_steps = per_step / size;
+      return AnyFits(r);
+    };
+    FSDP_ASSIGN_OR_RETURN(bool any, fits_with(smaller.front()));
+    if (any) {
+      size_t lo = 0, hi = smaller.size() - 1;  // smaller[lo] fits: the largest that does
+      while (lo < hi) {
+        const size_t mid = hi - (hi - lo) / 2;
+        FSDP_ASSIGN_OR_RETURN(bool fits, fits_with(smaller[mid]));
+        if (fits) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      helps.push_back(StrCat("--set training.micro_batch_size=", smaller[lo],
+                             " --set training.grad_accum_steps=", per_step / smaller[lo],
+                             " (the same batch)"));
     }
   }
   const bool fp32 = t.mixed_precision == Precision::kFp32;
@@ -126,6 +201,7 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
     if (fits) helps.push_back("--set training.mixed_precision=bf16");
   }
   for (int growth = 2; growth <= kMaxWorldGrowth; growth *= 2) {
+    if (request.world_size > std::numeric_limits<int>::max() / growth) break;
     PlanRequest r = request;
     r.world_size = request.world_size * growth;
     FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
@@ -135,10 +211,33 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
       break;
     }
   }
-  if (helps.empty() && fp32 && t.micro_batch_size > 1) {
+  if (request.config.parallelism.max_unsharded_units > 1) {
+    PlanRequest r = request;
+    r.config.parallelism.max_unsharded_units = 1;
+    FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
+    if (fits) {
+      helps.push_back(
+          "--set parallelism.max_unsharded_units=1 (one unit gathered at a time: no "
+          "prefetch, slower)");
+    }
+  }
+  // A shorter sequence shrinks only the activations: worth trying when the rest fits.
+  if (m.activations > 0 && m.total - m.activations < usable) {
+    for (int64_t seq = request.config.model.seq_len / 2; seq >= 1; seq /= 2) {
+      PlanRequest r = request;
+      r.config.model.seq_len = seq;
+      FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
+      if (fits) {
+        helps.push_back(StrCat("--set model.seq_len=", seq, " (shorter sequences)"));
+        break;
+      }
+    }
+  }
+  if (helps.empty() && fp32 && micro > 1 &&
+      t.grad_accum_steps <= std::numeric_limits<int64_t>::max() / micro) {
     PlanRequest r = request;
     r.config.training.micro_batch_size = 1;
-    r.config.training.grad_accum_steps = t.grad_accum_steps * t.micro_batch_size;
+    r.config.training.grad_accum_steps = t.grad_accum_steps * micro;
     r.config.training.mixed_precision = Precision::kBf16;
     FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
     if (fits) {
@@ -149,10 +248,42 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
   }
   if (!helps.empty())
     return StrCat(message, "\nwould fit (then run `fsdp plan` again): ", StrJoin(helps, "; or "));
+
+  // Nothing tried fits: what is too large, and what can shrink it.
+  std::string what;
+  if (!smallest.host_fits && m.total <= usable) {
+    what = fmt::format(
+        "what does not fit is host memory ({}): a host with more memory per rank (fewer ranks "
+        "per node), or parallelism.offload none on a device with at least {:.1f} GiB",
+        smallest.note, (m.total + m.host) / request.hw.usable_memory_fraction / kGiB);
+  } else {
+    const double state = m.params + m.padding + m.grads + m.optimizer + m.partial_grads;
+    std::string part, cure;
+    if (m.activations >= m.unsharded_units && m.activations >= state) {
+      part = fmt::format("the activations of one micro-batch, {:.1f} GiB", m.activations / kGiB);
+      cure = "do not shrink with more GPUs: a smaller model (model.dim, model.n_layers)";
+    } else if (m.unsharded_units >= state) {
+      part = fmt::format(
+          "the gathered units, {:.1f} GiB (the root unit, unsharded all step, the blocks "
+          "unsharded at once and one block's gradient)",
+          m.unsharded_units / kGiB);
+      cure = "do not shrink with more GPUs: a smaller model (model.dim, model.vocab_size)";
+    } else {
+      part = fmt::format("the model state, {:.1f} GiB per rank", state / kGiB);
+      cure = StrCat("shrinks only with more than ", kMaxWorldGrowth, "x the GPUs: a smaller model");
+    }
+    const double device_needed = (m.total + (request.hw.cores_per_node > 0 ? m.host : 0)) /
+                                 request.hw.usable_memory_fraction;
+    what = fmt::format(
+        "the largest part of the smallest run ({:.1f} GiB) is {}, which {}, or {} "
+        "with at least {:.1f} GiB of memory per rank",
+        m.total / kGiB, part, cure, request.hw.cores_per_node > 0 ? "a machine" : "a device",
+        device_needed / kGiB);
+  }
   return StrCat(message,
-                "\nno smaller micro-batch, precision or more GPUs fits: the activations of one "
-                "micro-batch and the gathered units do not shrink with the world size; shorten "
-                "model.seq_len or use a GPU with more memory");
+                "\nno smaller micro-batch, precision, more GPUs, fewer gathered units or shorter "
+                "sequence fits: ",
+                what);
 }
 
 }  // namespace
@@ -161,15 +292,21 @@ std::vector<ActivationCheckpointing> CheckpointingCandidates(int num_blocks) {
   using Mode = ActivationCheckpointing::Mode;
   std::vector<ActivationCheckpointing> modes = {
       {Mode::kNone, 1}, {Mode::kSelective, 1}, {Mode::kFull, 1}};
-  for (int k = 2; k <= num_blocks; ++k) modes.push_back({Mode::kFull, k});
+  // c blocks checkpointed, c = 1 .. num_blocks / 2: the largest k with num_blocks / k == c.
+  for (int c = 1; c <= num_blocks / 2; ++c) {
+    const int k = num_blocks / c;
+    if (num_blocks / k == c) modes.push_back({Mode::kFull, k});
+  }
   return modes;
 }
 
 absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
   Recommendation rec;
-  FSDP_ASSIGN_OR_RETURN(rec.configured, EnumerateLayouts(request));
-  FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> all, SearchAll(request));
-  if (!all.empty() && all.front().fits) {
+  const CountedModel model = CountedModel::Of(request.config.model);
+  FSDP_ASSIGN_OR_RETURN(rec.configured, EnumerateCounted(request, model));
+  FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> all, SearchAll(request, model));
+  if (all.empty()) all = rec.configured;  // not expected: the configured modes are searched
+  if (all.front().fits) {
     // The fastest, or a simpler run within kSpeedTie of it (e.g. on a CPU profile the host's
     // fused AdamW makes offload a hair faster than no offload).
     const Prediction* best = &all.front();
@@ -189,7 +326,8 @@ absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
   }
   for (const ActivationCheckpointing& ac : shown) {
     for (Offload offload : kOffloads) {
-      FSDP_ASSIGN_OR_RETURN(Prediction p, Predict(WithModes(request, ac, offload), anchor.layout));
+      FSDP_ASSIGN_OR_RETURN(Prediction p,
+                            PredictCounted(WithModes(request, ac, offload), anchor.layout, model));
       rec.alternatives.push_back(std::move(p));
     }
   }
@@ -212,7 +350,11 @@ absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
       fmt::format("recommended: {} {}x{} with {}: --set {}", best.runs_as, best.layout.replicate,
                   best.layout.shard, Modes(best.activation_checkpointing, best.offload),
                   StrJoin(rec.overrides, " --set "));
-  if (best.activation_checkpointing == ac && best.offload == offload) return rec;
+  if (Effective(best.activation_checkpointing, model.num_blocks) ==
+          Effective(ac, model.num_blocks) &&
+      best.offload == offload) {
+    return rec;
+  }
   const Prediction& configured = rec.configured.front();
   if (!configured.fits) {
     const Prediction& smallest = *std::min_element(
@@ -224,13 +366,30 @@ absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
         Modes(ac, offload), smallest.runs_as, smallest.layout.replicate, smallest.layout.shard,
         smallest.memory.total / kGiB, UsablePerRank(request) / kGiB,
         smallest.memory.activations / kGiB);
-  } else {
-    rec.message += fmt::format(
-        "\n(differs from the configuration, {}: {:.0f}% more tokens/s than its best layout, {} "
-        "{}x{})",
-        Modes(ac, offload), 100 * (best.time.tokens_per_s / configured.time.tokens_per_s - 1),
-        configured.runs_as, configured.layout.replicate, configured.layout.shard);
+    return rec;
   }
+  // Faster; or, within kSpeedTie, simpler or smaller.
+  const long percent =
+      std::lround(100 * (best.time.tokens_per_s / configured.time.tokens_per_s - 1));
+  std::string speed, why;
+  if (percent > 0) {
+    speed = StrCat(percent, "% more tokens/s than");
+  } else if (percent < 0) {
+    speed = StrCat(-percent, "% fewer tokens/s than");
+  } else {
+    speed = "about the same tokens/s as";
+  }
+  if (percent <= 0) {
+    if (Simplicity(best) < Simplicity(configured)) {
+      why = fmt::format(": a simpler run, within the model's {:.0f}% precision", 100 * kSpeedTie);
+    } else if (best.memory.total < configured.memory.total) {
+      why = fmt::format(": less memory, {:.2f} GiB against {:.2f} GiB", best.memory.total / kGiB,
+                        configured.memory.total / kGiB);
+    }
+  }
+  rec.message += fmt::format(
+      "\n(differs from the configuration, {}: {} its best layout, {} {}x{}{})", Modes(ac, offload),
+      speed, configured.runs_as, configured.layout.replicate, configured.layout.shard, why);
   return rec;
 }
 
