@@ -2,9 +2,13 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -33,10 +37,15 @@ nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   j["activation_checkpointing"] = plan::CheckpointingName(p.activation_checkpointing);
   j["offload"] = OffloadName(p.offload);
   j["fits"] = p.fits;
-  j["memory_bytes"] = {{"params", m.params},       {"grads", m.grads},
-                       {"optimizer", m.optimizer}, {"unsharded_units", m.unsharded_units},
-                       {"activations", m.activations}, {"padding", m.padding},
-                       {"total", m.total},         {"host", m.host},
+  j["memory_bytes"] = {{"params", m.params},
+                       {"grads", m.grads},
+                       {"optimizer", m.optimizer},
+                       {"unsharded_units", m.unsharded_units},
+                       {"activations", m.activations},
+                       {"padding", m.padding},
+                       {"partial_grads", m.partial_grads},
+                       {"total", m.total},
+                       {"host", m.host},
                        {"checkpoint_staging", m.checkpoint_staging}};
   j["time_s"] = {{"compute", t.compute_s},           {"recompute", t.recompute_s},
                  {"all_gather", t.all_gather_s},     {"reduce_scatter", t.reduce_scatter_s},
@@ -50,6 +59,66 @@ nlohmann::ordered_json ToJson(const plan::Prediction& p) {
   return j;
 }
 
+// Whether `path` can be written, before any work is done (without creating it): an error naming
+// `flag` otherwise.
+absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return absl::InvalidArgumentError(StrCat(flag, ": an empty file name"));
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(StrCat(flag, " ", path, ": is a folder, not a file"));
+  }
+  if (fs::exists(path, ec)) {
+    if (access(path.c_str(), W_OK) != 0) {
+      return absl::InvalidArgumentError(
+          StrCat(flag, " ", path, ": cannot write the file (", std::strerror(errno), ")"));
+    }
+    return absl::OkStatus();
+  }
+  fs::path folder = fs::path(path).parent_path();
+  if (folder.empty()) folder = ".";
+  if (!fs::is_directory(folder, ec)) {
+    return absl::InvalidArgumentError(
+        StrCat(flag, " ", path, ": the folder ", folder.string(), " does not exist"));
+  }
+  if (access(folder.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(StrCat(flag, " ", path, ": cannot create files in ",
+                                             folder.string(), " (", std::strerror(errno), ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Options that the other mode would use, and output files, checked before any work.
+absl::Status CheckOptions(const PlanCommand& command) {
+  if (command.calibrate) {
+    std::vector<std::string> given;
+    if (!command.config_path.empty()) given.push_back("CONFIG");
+    if (!command.overrides.empty()) given.push_back("--set");
+    if (command.world_size != 0) given.push_back("--world-size");
+    if (command.gpus_per_node) given.push_back("--gpus-per-node");
+    if (!command.hardware_file.empty()) given.push_back("--hardware");
+    if (command.top != 0) given.push_back("--top");
+    if (command.json_out) given.push_back("--json (use --out)");
+    if (!given.empty()) {
+      return absl::InvalidArgumentError(
+          StrCat("--calibrate measures this machine and takes no ", StrJoin(given, ", ")));
+    }
+    if (command.calibrate_out) return CheckWritable("--out", *command.calibrate_out);
+    return absl::OkStatus();
+  }
+  if (command.calibrate_out) {
+    return absl::InvalidArgumentError(
+        "--out is the output of --calibrate; a plan is written with --json FILE");
+  }
+  if (command.gpus_per_node && *command.gpus_per_node < 1) {
+    return absl::InvalidArgumentError(
+        StrCat("--gpus-per-node must be >= 1, got ", *command.gpus_per_node,
+               " (leave it out for the default: the world size up to 8, else 8)"));
+  }
+  if (command.json_out) return CheckWritable("--json", *command.json_out);
+  return absl::OkStatus();
+}
+
 int Calibrate(const PlanCommand& command) {
   std::string log;
   absl::StatusOr<plan::Hardware> hw = plan::CalibrateCpu(SelfExe(), &log);
@@ -60,14 +129,14 @@ int Calibrate(const PlanCommand& command) {
   }
   std::string json = plan::HardwareToJson(*hw);
   std::cout << json << "\n";
-  if (!command.calibrate_out.empty()) {
-    std::ofstream out(command.calibrate_out);
+  if (command.calibrate_out) {
+    std::ofstream out(*command.calibrate_out);
     out << json << "\n";
     if (!out) {
-      std::cerr << "fsdp plan --calibrate: --out " << command.calibrate_out << ": cannot write\n";
+      std::cerr << "fsdp plan --calibrate: --out " << *command.calibrate_out << ": cannot write\n";
       return 1;
     }
-    std::cout << "wrote " << command.calibrate_out << " (use it with --hardware)\n";
+    std::cout << "wrote " << *command.calibrate_out << " (use it with --hardware)\n";
   }
   return 0;
 }
@@ -75,6 +144,10 @@ int Calibrate(const PlanCommand& command) {
 }  // namespace
 
 int RunPlanCommand(const PlanCommand& command) {
+  if (absl::Status options = CheckOptions(command); !options.ok()) {
+    std::cerr << "fsdp plan: " << options.message() << "\n";
+    return 2;
+  }
   if (command.calibrate) return Calibrate(command);
   if (command.config_path.empty()) {
     std::cerr << "fsdp plan: CONFIG.yaml is required (or --calibrate)\n";
@@ -82,7 +155,7 @@ int RunPlanCommand(const PlanCommand& command) {
   }
   absl::StatusOr<plan::PlanRequest> request =
       plan::MakePlanRequest(command.config_path, command.overrides, command.world_size,
-                            command.gpus_per_node, command.gpu, command.hardware_file);
+                            command.gpus_per_node.value_or(0), command.gpu, command.hardware_file);
   if (!request.ok()) {
     std::cerr << "fsdp plan: " << request.status().message() << "\n";
     return 2;
@@ -110,9 +183,9 @@ int RunPlanCommand(const PlanCommand& command) {
       "hardware: {}: {:.3g} FLOP/s ({}), efficiency {:.2f}, {:.1f} GiB usable per rank, "
       "intra-node {:.3g} GB/s, inter-node {:.3g} GB/s per GPU, host {:.0f} GiB per node, "
       "host link {:.3g} GB/s\n",
-      r.hw.name, t.mixed_precision == Precision::kBf16 && r.hw.peak_flops_bf16 > 0 ? r.hw.peak_flops_bf16 : r.hw.peak_flops_fp32,
-      PrecisionName(t.mixed_precision), r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9,
-      r.hw.inter_node_bw / 1e9, r.hw.host_memory_bytes / kGiB, r.hw.host_link_bw / 1e9);
+      r.hw.name, plan::PeakRate(r.hw, t.mixed_precision), PrecisionName(t.mixed_precision),
+      r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9, r.hw.inter_node_bw / 1e9,
+      r.hw.host_memory_bytes / kGiB, r.hw.host_link_bw / 1e9);
   std::cout << fmt::format("configured: activation_checkpointing {}, offload {}\n\n",
                            plan::CheckpointingName(t.activation_checkpointing),
                            OffloadName(r.config.parallelism.offload));
@@ -153,8 +226,26 @@ int RunPlanCommand(const PlanCommand& command) {
         p.time.exposed_copy_s * 1e3, p.time.optimizer_s * 1e3, p.time.tokens_per_s / r.world_size,
         100 * p.time.mfu);
   }
-  std::cout << "\n(memory: GiB per rank at the step's peak; host: pinned host memory per rank with "
-               "offload; total can be less than the sum: see docs/cost_model.md)\n";
+  std::cout << "\n(memory: GiB per rank at the step's peak. total = params + pad + optim + the "
+               "larger of the backward's peak (unshard + activ + the gradient shards alive then, "
+               "all of them when accumulating without offload, + HSDP's partial gradient sums) "
+               "and its end (grads + one unit's reduce buffer): at most params + grads + optim + "
+               "unshard + activ + pad + partial sums. host: pinned host memory per rank with "
+               "offload. See docs/cost_model.md)\n";
+  // HSDP accumulating micro-batches: the partial sums are in total but in no column.
+  std::map<int, double> partial;  // by shard degree
+  for (const plan::Prediction& p : rec->configured) {
+    if (p.memory.partial_grads > 0) partial[p.layout.shard] = p.memory.partial_grads;
+  }
+  if (!partial.empty()) {
+    std::vector<std::string> sizes;
+    for (const auto& [shard, bytes] : partial) {
+      sizes.push_back(fmt::format("{:.2f} GiB at shard degree {}", bytes / kGiB, shard));
+    }
+    std::cout << "partial gradient sums (hybrid layouts accumulating micro-batches; in total, in "
+                 "no column; JSON memory_bytes.partial_grads): "
+              << StrJoin(sizes, ", ") << "\n";
+  }
   // The configuration's own AC and offload, on its best layout (the first listed).
   if (!rec->configured.empty() && rec->configured.front().memory.checkpoint_staging > 0) {
     const plan::Prediction& c = rec->configured.front();
@@ -168,7 +259,7 @@ int RunPlanCommand(const PlanCommand& command) {
                                     : "");
   }
   std::cout << rec->message << "\n";
-  if (!command.json_out.empty()) {
+  if (command.json_out) {
     nlohmann::ordered_json j;
     j["config"] = command.config_path;
     j["world_size"] = r.world_size;
@@ -186,10 +277,10 @@ int RunPlanCommand(const PlanCommand& command) {
     for (const plan::Prediction& p : rec->alternatives) j["alternatives"].push_back(ToJson(p));
     j["layouts"] = nlohmann::ordered_json::array();
     for (const plan::Prediction& p : rec->configured) j["layouts"].push_back(ToJson(p));
-    std::ofstream out(command.json_out);
+    std::ofstream out(*command.json_out);
     out << j.dump(2) << "\n";
     if (!out) {
-      std::cerr << "fsdp plan: --json " << command.json_out << ": cannot write\n";
+      std::cerr << "fsdp plan: --json " << *command.json_out << ": cannot write\n";
       return 2;
     }
   }

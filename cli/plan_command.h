@@ -7,10 +7,11 @@
 //   ...
 //   recommended: hybrid_shard 8x8: --set parallelism.strategy=hybrid_shard ...
 //
-// Exit codes: 0 a plan (or a calibration) printed, 2 bad options or configuration, 1 the
-// calibration failed.
+// Exit codes: 0 a plan (or a calibration) printed, 2 bad options or configuration (checked,
+// output files included, before any work), 1 the calibration failed.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,13 +21,15 @@ struct PlanCommand {
   std::string config_path;
   std::vector<std::string> overrides;
   int world_size = 0;
-  int gpus_per_node = 0;  // 0: the world size up to 8, else 8
+  // Unset: the world size up to 8, else 8. An option given is checked (>= 1; an empty file name
+  // is an error), not taken for unset.
+  std::optional<int> gpus_per_node;
   std::string gpu = "h100";
   std::string hardware_file;  // a JSON profile (wins over gpu)
   int top = 0;                // 0: every layout
-  std::string json_out;
+  std::optional<std::string> json_out;  // a plan only
   bool calibrate = false;
-  std::string calibrate_out;
+  std::optional<std::string> calibrate_out;  // --out: --calibrate only
 };
 
 int RunPlanCommand(const PlanCommand& command);

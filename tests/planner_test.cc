@@ -1,6 +1,9 @@
 // The cost model of `fsdp plan` (planner/cost_model.h): parameter counts against the real
 // model, the memory and communication formulas against hand-computed values and measured
-// peaks, layouts that do not fit, recommendations, and the errors the CLI shows.
+// peaks, layouts that do not fit, recommendations, the errors the CLI shows, and the fsdp
+// binary's `plan` options (skipped when it is not built).
+#include <sys/wait.h>
+
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -10,6 +13,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "common/strings.h"
 #include "models/gpt/gpt.h"
@@ -962,6 +966,125 @@ TEST(HardwareJsonTest, RangesOverflowAndThePrecisionsPeakRate) {
   absl::StatusOr<Prediction> p = Predict(fp32, {Strategy::kFullShard, 1, 2});
   ASSERT_FALSE(p.ok());
   EXPECT_THAT(std::string(p.status().message()), HasSubstr("peak_flops_fp32"));
+}
+
+// `fsdp plan` itself (cli/plan_command.cc): the fsdp binary next to this one in the build's
+// bin/ folder.
+struct CliRun {
+  int rc = -1;
+  std::string output;  // stdout and stderr
+};
+
+std::string FsdpBinary() {
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "fsdp").string();
+}
+
+CliRun RunFsdp(const std::vector<std::string>& args) {
+  std::string command = FsdpBinary();
+  for (const std::string& a : args) {
+    std::string quoted = "'";
+    for (char c : a) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    command += " " + quoted + "'";
+  }
+  command += " 2>&1";
+  CliRun run;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  char buffer[4096];
+  size_t got;
+  while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) run.output.append(buffer, got);
+  const int status = pclose(pipe);
+  run.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return run;
+}
+
+class PlanCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(FsdpBinary())) {
+      GTEST_SKIP() << FsdpBinary() << " is not built (cmake --build build --target fsdp)";
+    }
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  CliRun Plan(std::vector<std::string> args) {
+    args.insert(args.begin(), {"plan", ConfigPath("default"), "--world-size", "2"});
+    return RunFsdp(args);
+  }
+  std::filesystem::path dir_;
+};
+
+// Red team: --out without --calibrate wrote nothing with exit 0, --json "" wrote nothing
+// silently, --gpus-per-node 0 was taken for the default. Each is an error naming the option.
+TEST_F(PlanCliTest, EveryOptionGivenIsUsedOrAnError) {
+  const std::string out = (dir_ / "x.json").string();
+  CliRun run = Plan({"--out", out});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--out is the output of --calibrate"));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  run = Plan({"--json", ""});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--json"));
+  run = Plan({"--gpus-per-node", "0"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--gpus-per-node"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("recommended")));
+  run = RunFsdp({"plan", "--calibrate", "--json", out});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--calibrate measures this machine and takes no --json"));
+  run = RunFsdp({"plan", ConfigPath("default"), "--calibrate"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("takes no CONFIG"));
+}
+
+// Red team: --json /nonexistent/x.json printed the whole plan, then failed; --calibrate --out
+// to a missing folder calibrated first. The paths are checked before any work.
+TEST_F(PlanCliTest, OutputFilesAreCheckedBeforeTheWork) {
+  CliRun run = Plan({"--json", "/nonexistent/x.json"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output,
+              HasSubstr("--json /nonexistent/x.json: the folder /nonexistent does not exist"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("recommended")));
+  run = Plan({"--json", dir_.string()});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("is a folder"));
+  run = RunFsdp({"plan", "--calibrate", "--out", "/nonexistent/x.json"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output,
+              HasSubstr("--out /nonexistent/x.json: the folder /nonexistent does not exist"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("gemm")));  // nothing measured
+
+  // A writable path: the plan, with every memory part in the JSON.
+  const std::string json = (dir_ / "plan.json").string();
+  run = RunFsdp(
+      {"plan", ConfigPath("llama_1b"), "--world-size", "16", "--gpu", "a100-40gb", "--json", json});
+  ASSERT_EQ(run.rc, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("partial gradient sums"));
+  std::ifstream in(json);
+  const nlohmann::json plan = nlohmann::json::parse(in);
+  for (const nlohmann::json& layout : plan["layouts"]) {
+    const nlohmann::json& m = layout["memory_bytes"];
+    const double parts = m["params"].get<double>() + m["grads"].get<double>() +
+                         m["optimizer"].get<double>() + m["unsharded_units"].get<double>() +
+                         m["activations"].get<double>() + m["padding"].get<double>() +
+                         m["partial_grads"].get<double>();
+    EXPECT_NEAR(parts, m["total"].get<double>(), 1e-6 * parts) << layout["runs_as"];
+  }
+}
+
+// Inputs that crashed or gave NaN exit with 2 and the reason.
+TEST_F(PlanCliTest, BadInputsExitWithTwo) {
+  CliRun run = Plan({"--set", "parallelism.reshard_after_forward=3"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("must divide the shard degree"));
+  const std::string hw = (dir_ / "hw.json").string();
+  std::ofstream(hw) << R"({"base": "h100", "peak_flops_fp32": 0})";
+  run = Plan({"--hardware", hw});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("peak_flops_fp32 must be > 0"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("nan")));
 }
 
 }  // namespace
