@@ -15,6 +15,7 @@
 #include "common/env_knobs.h"
 #include "common/failure.h"
 #include "common/strings.h"
+#include "common/user_input.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
@@ -116,6 +117,49 @@ TEST(ParseIntTest, OtherIntegerTypes) {
 TEST(ParseIntTest, UsesOnlyTheViewNotTheBytesAfterIt) {
   std::string_view digits = std::string_view("123456").substr(0, 3);
   EXPECT_THAT(ParseInt(digits), Optional(123));
+}
+
+TEST(ParseBinarySizeTest, PlainBytesAndBinaryUnits) {
+  EXPECT_THAT(ParseBinarySize("4096"), IsOkAndHolds(4096));
+  EXPECT_THAT(ParseBinarySize("64K"), IsOkAndHolds(64 << 10));
+  EXPECT_THAT(ParseBinarySize("16m"), IsOkAndHolds(16 << 20));
+  EXPECT_THAT(ParseBinarySize("3G"), IsOkAndHolds(int64_t{3} << 30));
+  EXPECT_THAT(ParseBinarySize("8589934591G"), IsOkAndHolds(int64_t{8589934591} << 30));
+  EXPECT_THAT(ParseBinarySize("9223372036854775807"),
+              IsOkAndHolds(std::numeric_limits<int64_t>::max()));
+}
+
+TEST(ParseBinarySizeTest, RejectsTextThatIsNotASize) {
+  for (const char* s : {"", "K", "-1", "-4K", "+4K", " 4K", "4 K", "4KB", "1.5G", "4T", "0x10"}) {
+    EXPECT_THAT(ParseBinarySize(s), InvalidArgumentWith(HasSubstr("is not a size like 4096")))
+        << "'" << s << "'";
+  }
+}
+
+// Multiplying without a check wrapped 99999999999999999G to about 1.5e18 bytes.
+TEST(ParseBinarySizeTest, TooLargeIsAnErrorNotAWrap) {
+  for (const char* s : {"99999999999999999G", "8589934592G", "8796093022208M", "9007199254740992K",
+                        "9223372036854775808", "99999999999999999999"}) {
+    EXPECT_THAT(ParseBinarySize(s),
+                InvalidArgumentWith(AllOf(HasSubstr(StrCat("'", s, "' is too large")),
+                                          HasSubstr("at most 8589934591G"))))
+        << s;
+  }
+}
+
+TEST(SafeFileNameTest, NeverLeavesItsFolder) {
+  EXPECT_EQ(SafeFileName("tiny-gpt_1.5"), "tiny-gpt_1.5");
+  EXPECT_EQ(SafeFileName("/tmp/v"), "_tmp_v");
+  EXPECT_EQ(SafeFileName("../../victim"), ".._.._victim");
+  EXPECT_EQ(SafeFileName("a b\\c"), "a_b_c");
+  EXPECT_EQ(SafeFileName(std::string_view("a\0b", 3)), "a_b");
+  for (const char* dots : {"", ".", ".."}) {
+    const std::string name = SafeFileName(dots);
+    EXPECT_FALSE(name.empty()) << "'" << dots << "'";
+    EXPECT_EQ(name.find('.'), std::string::npos) << name;
+    const std::filesystem::path inside = std::filesystem::path("/out") / name;
+    EXPECT_EQ(inside.lexically_normal().parent_path(), "/out") << name;
+  }
 }
 
 TEST(ToLowerTest, LowersAsciiOnly) {
