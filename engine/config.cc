@@ -1,10 +1,16 @@
 #include "engine/config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 #include <charconv>
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -984,20 +990,58 @@ absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std
   return config;
 }
 
+namespace {
+
+// What a path that is not a regular file is, for the message.
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+}  // namespace
+
 absl::StatusOr<RunConfig> LoadRunConfig(const std::string& path,
                                         const std::vector<std::string>& overrides) {
-  std::error_code error;
-  if (!std::filesystem::exists(path, error)) {
-    return absl::NotFoundError(StrCat(path, ": no such config file"));
+  // Only a regular file is read: a FIFO would block the command until someone writes to it,
+  // /dev/zero would never end. stat() first for the message; the open does not wait for a
+  // FIFO's writer (O_NONBLOCK) and fstat() checks again what was opened.
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(StrCat(path, ": no such config file"));
+    }
+    return absl::InvalidArgumentError(StrCat(path, ": cannot read: ", std::strerror(errno)));
   }
-  if (std::filesystem::is_directory(path, error)) {
-    return absl::InvalidArgumentError(StrCat(path, ": is a directory, not a YAML file"));
+  auto not_regular = [&](mode_t mode) {
+    return absl::InvalidArgumentError(StrCat(path, ": is ", FileKind(mode), ", not a YAML file"));
+  };
+  if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        StrCat(path, ": cannot open the file: ", std::strerror(errno)));
   }
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::InvalidArgumentError(StrCat(path, ": cannot open the file"));
-  std::stringstream text;
-  text << file.rdbuf();
-  return ParseRunConfig(text.str(), path, overrides);
+  struct CloseFd {
+    int fd;
+    ~CloseFd() { ::close(fd); }
+  } close_fd{fd};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return not_regular(st.st_mode);
+  std::string text;
+  char buffer[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InvalidArgumentError(StrCat(path, ": cannot read: ", std::strerror(errno)));
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  return ParseRunConfig(text, path, overrides);
 }
 
 std::pair<int, int> ParallelismSection::MeshDegrees(int world_size) const {

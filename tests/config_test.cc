@@ -1,7 +1,10 @@
 #include "engine/config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -21,6 +24,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::InvalidArgumentWith;
 using ::testing::StartsWith;
+using ::testing::StrEq;
 
 constexpr char kSections[] =
     "run, model, data, training, optimizer, lr_scheduler, parallelism, metrics, checkpoint";
@@ -497,6 +501,32 @@ TEST(RunConfigLoadTest, MissingFileIsNotFound) {
             "/nonexistent/configs/x.yaml: no such config file");
   EXPECT_THAT(LoadRunConfig(std::filesystem::temp_directory_path().string(), {}),
               InvalidArgumentWith(HasSubstr("is a directory")));
+}
+
+// A FIFO used to block the command until something wrote to it (every subcommand that takes a
+// config hung); /dev/zero would never end. Only a regular file is opened.
+TEST(RunConfigLoadTest, OnlyARegularFileIsRead) {
+  const std::string fifo =
+      (std::filesystem::temp_directory_path() / StrCat("fsdp_config_test_fifo_", getpid(), ".yaml"))
+          .string();
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  absl::StatusOr<RunConfig> config = LoadRunConfig(fifo, {});
+  std::filesystem::remove(fifo);
+  EXPECT_THAT(config, InvalidArgumentWith(
+                          StrEq(StrCat(fifo, ": is a FIFO (named pipe), not a YAML file"))));
+  EXPECT_THAT(LoadRunConfig("/dev/zero", {}),
+              InvalidArgumentWith(StrEq("/dev/zero: is a character device, not a YAML file")));
+  EXPECT_THAT(LoadRunConfig("/dev/null", {}), InvalidArgumentWith(HasSubstr("character device")));
+  // A symbolic link to a regular file is that file.
+  TempFile target("run:\n  name: linked\n");
+  const std::string link = target.path() + ".link.yaml";
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(target.path(), link);
+  config = LoadRunConfig(link, {});
+  std::filesystem::remove(link);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->run.name, "linked");
 }
 
 // --- world size ----------------------------------------------------------------------------
