@@ -1,5 +1,7 @@
 #include "cli/bench_command.h"
 
+#include "cli/options.h"
+
 namespace fsdp {
 
 CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
@@ -23,13 +25,13 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.compare_cmd->add_option("--set", o.overrides, "Override a key: --set section.key=value");
   c.compare_cmd->add_option("--nproc", o.nproc,
                             "Ranks (default: parallelism.nproc, or 2 on CPU, 1 on GPU)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(IntAtLeast(0));
   c.compare_cmd->add_option("--steps", o.steps, "Steps per run")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(IntAtLeast(1));
   c.compare_cmd->add_option("--warmup", o.warmup, "Steps left out of the medians")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(IntAtLeast(0));
   c.compare_cmd->add_option("--repeats", o.repeats, "Runs per engine, alternating")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(IntAtLeast(1));
   c.compare_cmd->add_option("--out", o.out, "Output folder (default runs/bench_compare/NAME-Nr)");
   c.compare_cmd->add_option("--python", o.python,
                             "Python with torch 2.11 (default $FSDP_PYTHON, or the build's venv)");
@@ -61,12 +63,13 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.kernels_cmd->add_option("--device", k.device, "auto (cuda when visible), cpu or cuda")
       ->capture_default_str()->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   c.kernels_cmd->add_option("--tokens", k.tokens,
-                            "Tokens per call (default micro_batch_size x seq_len)")
-      ->check(CLI::NonNegativeNumber);
+                            "Tokens per call (default micro_batch_size x seq_len; with RoPE a "
+                            "multiple of seq_len)")
+      ->check(IntAtLeast<int64_t>(1));
   c.kernels_cmd->add_option("--warmup", k.warmup, "Calls left out")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(IntAtLeast(0));
   c.kernels_cmd->add_option("--repeats", k.repeats, "Timed calls")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(IntAtLeast(1));
   c.kernels_cmd->add_option("--out", k.out, "Write the table as JSON to this file");
 
   bench::SweepOptions& s = c.sweep;
@@ -80,16 +83,16 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   c.sweep_cmd->add_option("configs", s.configs, "YAML configurations, one per model size");
   c.sweep_cmd->add_option("--set", s.overrides, "Override a key in every config");
   c.sweep_cmd->add_option("--world-sizes", s.world_sizes, "Ranks, e.g. 1,2,4,8")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')->capture_default_str()->check(IntAtLeast(1));
   c.sweep_cmd->add_option("--strategies", s.strategies,
                           "full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2")
       ->delimiter(',')->capture_default_str()
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
                              "hybrid_shard_zero2"}));
   c.sweep_cmd->add_option("--steps", s.steps, "Steps per run")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(IntAtLeast(1));
   c.sweep_cmd->add_option("--warmup", s.warmup, "Steps left out of the medians")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(IntAtLeast(0));
   c.sweep_cmd->add_option("--hardware", s.hardware,
                           "Cost-model profile for the predictions: calibrate (measure this machine), a name (cpu, h100, ...) or a "
                           "JSON file from `fsdp plan --calibrate --out F`")->capture_default_str();

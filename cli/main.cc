@@ -5,9 +5,11 @@
 //   checkpoint inspect | export: look into a checkpoint, write it as safetensors
 //   bench    compare | sweep: fsdp.cpp against PyTorch FSDP2, and across world sizes (bench/)
 //   plan     predict memory and step time per layout, recommend one (cli/plan_command.h)
+#include <cctype>
 #include <exception>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -15,31 +17,75 @@
 #include "cli/bench_command.h"
 #include "cli/doctor.h"
 #include "cli/checkpoint_command.h"
+#include "cli/options.h"
 #include "cli/plan_command.h"
 #include "cli/train.h"
 #include "common/failure.h"
 #include "common/strings.h"
+#include "common/user_input.h"
 #include "device_mesh/torch_status.h"
 #include "launcher/launch.h"
 
 namespace {
 
-// "4K", "16M", "1G" or plain bytes.
-int64_t ParseBytes(const std::string& text) {
-  if (text.empty()) throw CLI::ValidationError("empty size");
-  int64_t mult = 1;
-  std::string digits = text;
-  switch (text.back()) {
-    case 'K': case 'k': mult = 1 << 10; digits.pop_back(); break;
-    case 'M': case 'm': mult = 1 << 20; digits.pop_back(); break;
-    case 'G': case 'g': mult = int64_t{1} << 30; digits.pop_back(); break;
+// The subcommands of `app`, for "valid: ...".
+std::string SubcommandNames(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    names.push_back(sub->get_name());
   }
-  std::optional<int64_t> value = fsdp::ParseInt<int64_t>(digits);
-  if (!value || *value < 0) {
-    throw CLI::ValidationError(fsdp::StrCat("'", text, "' is not a size like 4096, 64K, 16M"));
-  }
-  return *value * mult;
+  return fsdp::StrJoin(names, ", ");
 }
+
+// CLI11 answers "fsdp bogus" and "fsdp bench bogus" with "A subcommand is required": the word
+// after a command that needs a subcommand must name one. The error line, or "" when the words
+// are subcommands (or options, which CLI11 judges).
+std::string UnknownSubcommand(const CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* command = &app;
+  std::string path = app.get_name();
+  for (const std::string& word : args) {
+    if (command->get_require_subcommand_min() == 0 || fsdp::StartsWith(word, "-")) break;
+    std::vector<const CLI::App*> match =
+        command->get_subcommands([&word](const CLI::App* sub) { return sub->get_name() == word; });
+    if (match.empty()) {
+      return fsdp::StrCat(path, ": unknown subcommand '", word,
+                          "' (valid: ", SubcommandNames(*command), ")");
+    }
+    command = match.front();
+    path += " " + word;
+  }
+  return "";
+}
+
+// Every command-line error is one line "fsdp SUBCOMMAND: what" and exit code 2 (Note [Exit
+// codes], common/failure.h); --help and --help-all print and exit 0, as CLI11 does.
+int ExitForParseError(CLI::App& app, const CLI::ParseError& e) {
+  if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+  const CLI::App* command = &app;
+  std::string path = app.get_name();
+  while (!command->get_subcommands().empty()) {
+    command = command->get_subcommands().front();
+    path += " " + command->get_name();
+  }
+  std::string what = e.what();
+  if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr &&
+      command->get_require_subcommand_min() > 0 && what.find("subcommand") != std::string::npos) {
+    what = fsdp::StrCat("a subcommand is required (valid: ", SubcommandNames(*command), ")");
+  } else if (!what.empty()) {
+    what[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(what[0])));
+  }
+  std::cerr << path << ": " << what << "\n";
+  return 2;
+}
+
+// `fsdp launch --help`: one usage line that shows the "--" before PROGRAM (CLI11's own would
+// list PROGRAM as an option, "[program...]").
+class LaunchFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App* /*app*/, std::string name) const override {
+    return fsdp::StrCat("Usage: ", name, " [OPTIONS] -- PROGRAM [ARGS...]\n");
+  }
+};
 
 // Note [No rank dies through an uncaught exception]
 // An exception that escapes a thread (a backend's own thread, a destructor during unwinding)
@@ -105,27 +151,30 @@ int Main(int argc, char** argv) {
       "launch",
       "Start local ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
       "MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), prefix their output with the rank, stop all "
-      "when one fails.\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
+      "when one fails.");
+  launch_cmd->formatter(std::make_shared<LaunchFormatter>());
   launch_cmd->add_option("--nproc-per-node", launch.nproc_per_node,
-                         "Ranks to start on this node")->required()->check(CLI::PositiveNumber);
+                         "Ranks to start on this node")->required()->check(fsdp::IntAtLeast(1));
   launch_cmd->add_option("--nnodes", launch.nnodes, "Number of nodes")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(fsdp::IntAtLeast(1));
   launch_cmd->add_option("--node-rank", launch.node_rank, "This node's index, 0..nnodes-1")
-      ->capture_default_str();
+      ->capture_default_str()->check(fsdp::IntAtLeast(0));
   launch_cmd->add_option("--master-addr", launch.master_addr,
                          "Host of node 0 (whose launcher hosts the rendezvous store)")
       ->capture_default_str();
   launch_cmd->add_option("--master-port", launch.master_port,
                          "Port of the rendezvous store; 0 picks a free one (single node only)")
-      ->capture_default_str();
+      ->capture_default_str()->check(fsdp::IntInRange(0, 65535));
   launch_cmd->add_option("--max-restarts", launch.max_restarts,
                          "Restart the local group this many times when a rank fails "
-                         "(TORCHELASTIC_RESTART_COUNT counts them)")->capture_default_str();
+                         "(TORCHELASTIC_RESTART_COUNT counts them)")
+      ->capture_default_str()->check(fsdp::IntAtLeast(0));
   launch_cmd->add_option("--rdzv-timeout", rdzv_timeout_s,
-                         "Seconds a non-zero node waits for node 0's store")->capture_default_str();
+                         "Seconds a non-zero node waits for node 0's store")
+      ->capture_default_str()->check(fsdp::IntAtLeast(1));
   launch_cmd->add_option("--grace", grace_s,
                          "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->capture_default_str();
+      ->capture_default_str()->check(fsdp::IntAtLeast(0));
   launch_cmd->add_option("--run-id", launch.run_id, "TORCHELASTIC_RUN_ID (random if unset)");
   launch_cmd->add_flag("--no-prefix", no_prefix, "Do not prefix output lines with [rankN]:");
   std::vector<std::string> positional_program;
@@ -140,8 +189,8 @@ int Main(int argc, char** argv) {
       "all-reduce / all-gather / reduce-scatter on every mesh axis against closed-form values, "
       "with bus bandwidth. Run it under a launcher, e.g.\n"
       "  fsdp launch --nproc-per-node 4 -- fsdp doctor --mesh 2,2\n"
-      "Exit code: 0 all correct, 1 a wrong element, 2 bad options, 3 rendezvous or "
-      "communication failure.");
+      "Exit code: 0 all correct, 1 a wrong element, 2 bad options or environment (e.g. --device "
+      "cuda without a GPU), 3 rendezvous or communication failure.");
   doctor_cmd->add_option("--mesh", doctor.mesh,
                          "Mesh degrees, e.g. 4, 2,2, 2x2 or replicate=2,shard=-1 (-1: infer); "
                          "default: 1-D over all ranks");
@@ -158,11 +207,12 @@ int Main(int argc, char** argv) {
   doctor_cmd->add_option("--max-bytes", max_bytes, "Largest buffer; sizes grow 4x")
       ->capture_default_str();
   doctor_cmd->add_option("--iters", doctor.iters, "Timed runs per size (median reported)")
-      ->capture_default_str();
-  doctor_cmd->add_option("--warmup", doctor.warmup, "Untimed runs per size")->capture_default_str();
+      ->capture_default_str()->check(fsdp::IntAtLeast(1));
+  doctor_cmd->add_option("--warmup", doctor.warmup, "Untimed runs per size")
+      ->capture_default_str()->check(fsdp::IntAtLeast(0));
   doctor_cmd->add_option("--timeout", doctor.timeout_s,
                          "Seconds to wait for other ranks (rendezvous and each collective)")
-      ->capture_default_str();
+      ->capture_default_str()->check(fsdp::IntAtLeast(1));
 
   // ---- train -------------------------------------------------------------------------------
   fsdp::TrainCommand train;
@@ -222,15 +272,17 @@ int Main(int argc, char** argv) {
   plan_cmd->add_option("config", plan.config_path, "YAML configuration file");
   plan_cmd->add_option("--set", plan.overrides,
                        "Override a key: --set section.key=value (repeatable)");
-  plan_cmd->add_option("--world-size", plan.world_size, "Total ranks (GPUs)");
+  plan_cmd->add_option("--world-size", plan.world_size, "Total ranks (GPUs)")
+      ->check(fsdp::IntAtLeast(1));
   plan_cmd->add_option("--gpus-per-node", plan.gpus_per_node,
-                       "Ranks per node (default: the world size up to 8, else 8)");
+                       "Ranks per node (default: the world size up to 8, else 8)")
+      ->check(fsdp::IntAtLeast(1));
   plan_cmd->add_option("--gpu", plan.gpu, "Hardware profile: h100, h200, a100-80gb, a100-40gb, cpu")
       ->capture_default_str();
   plan_cmd->add_option("--hardware", plan.hardware_file,
                        "A JSON hardware profile (fields of plan::Hardware; see docs/cost_model.md)");
-  plan_cmd->add_option("--top", plan.top, "Show only the K best layouts")
-      ->check(CLI::NonNegativeNumber);
+  plan_cmd->add_option("--top", plan.top, "Show only the K best layouts (0: all)")
+      ->check(fsdp::IntAtLeast(0));
   plan_cmd->add_option("--json", plan.json_out, "Also write every prediction to this JSON file");
   plan_cmd->add_flag("--calibrate", plan.calibrate,
                      "Measure this machine (GEMM, copy, Gloo all-gather) and print a profile");
@@ -240,10 +292,16 @@ int Main(int argc, char** argv) {
   fsdp::BenchCommand bench;
   CLI::App* bench_cmd = fsdp::AddBenchCommand(app, bench);
 
+  if (std::string unknown =
+          UnknownSubcommand(app, std::vector<std::string>(argv + 1, argv + our_argc));
+      !unknown.empty()) {
+    std::cerr << unknown << "\n";
+    return 2;
+  }
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return ExitForParseError(app, e);
   }
 
   if (launch_cmd->parsed()) {
@@ -277,12 +335,14 @@ int Main(int argc, char** argv) {
       std::cerr << "fsdp doctor: unexpected arguments after --\n";
       return 2;
     }
-    try {
-      doctor.min_bytes = ParseBytes(min_bytes);
-      doctor.max_bytes = ParseBytes(max_bytes);
-    } catch (const CLI::ValidationError& e) {
-      std::cerr << "fsdp doctor: " << e.what() << "\n";
-      return 2;
+    for (auto [flag, text, bytes] : {std::tuple("--min-bytes", &min_bytes, &doctor.min_bytes),
+                                     std::tuple("--max-bytes", &max_bytes, &doctor.max_bytes)}) {
+      absl::StatusOr<int64_t> parsed = fsdp::ParseBinarySize(*text);
+      if (!parsed.ok()) {
+        std::cerr << "fsdp doctor: " << flag << ": " << parsed.status().message() << "\n";
+        return 2;
+      }
+      *bytes = *parsed;
     }
     return fsdp::RunDoctor(doctor);
   }
