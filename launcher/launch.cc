@@ -187,6 +187,19 @@ absl::Status LaunchOptions::Validate() const {
   if (max_restarts < 0) {
     return absl::InvalidArgumentError(StrCat("--max-restarts=", max_restarts, " must be >= 0"));
   }
+  if (master_addr.empty()) {
+    return absl::InvalidArgumentError(
+        "--master-addr is empty: give node 0's host name or address (default 127.0.0.1)");
+  }
+  // A zero or negative timeout makes the store fail at once (c10d prints a stack trace).
+  if (rendezvous_timeout.count() < 1) {
+    return absl::InvalidArgumentError(
+        StrCat("--rdzv-timeout=", rendezvous_timeout.count(), " must be at least 1 (seconds)"));
+  }
+  if (grace.count() < 0) {
+    return absl::InvalidArgumentError(StrCat(
+        "--grace=", std::chrono::duration<double>(grace).count(), " must be >= 0 (seconds)"));
+  }
   if (program.empty()) {
     return absl::InvalidArgumentError(
         "no program given: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
@@ -215,8 +228,13 @@ int RunLaunch(const LaunchOptions& o) {
                  : StrCat("cannot reach node 0's launcher at ", o.master_addr, ":", o.master_port),
       [&] { store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_opts); });
   if (!made.ok()) {
-    std::cerr << "fsdp launch: " << made.message()
-              << (host_store ? " (port already in use? choose another --master-port)" : "")
+    // The hint only where the port is taken: c10d says "EADDRINUSE" / "address already in use".
+    const std::string message(made.message());
+    const bool in_use = ContainsIgnoreCase(message, "EADDRINUSE") ||
+                        ContainsIgnoreCase(message, "address already in use");
+    std::cerr << "fsdp launch: " << message
+              << (host_store && in_use ? " (port already in use? choose another --master-port)"
+                                       : "")
               << "\n";
     return 1;
   }

@@ -1,6 +1,9 @@
 // `fsdp launch` as a user runs it: real processes, real exit codes and signals, restarts,
 // two launchers forming one job across "nodes", and our programs under the real torchrun.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -120,6 +123,95 @@ TEST(LaunchTest, MissingProgramIsExplained) {
       {FsdpBinary(), "launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "true"});
   EXPECT_EQ(no_port.exit.code, 2);
   EXPECT_TRUE(no_port.StderrHas("--master-port is required with --nnodes > 1")) << no_port.Output();
+}
+
+// Options a rank or the store could not use are refused before anything starts, with one line
+// naming the option and exit code 2: a zero --rdzv-timeout used to reach c10d (a stack trace
+// and "port already in use?"), an empty --master-addr waited 300 s for a store at "".
+TEST(LaunchTest, OptionsAreCheckedBeforeAnythingStarts) {
+  struct Case {
+    std::vector<std::string> options;
+    std::string message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"--nproc-per-node", "0"}, "fsdp launch: --nproc-per-node: must be >= 1, got 0"},
+           {{"--nproc-per-node", "abc"},
+            "fsdp launch: --nproc-per-node: 'abc' is not an integer (must be >= 1)"},
+           {{"--nproc-per-node", "2", "--nnodes", "0"},
+            "fsdp launch: --nnodes: must be >= 1, got 0"},
+           {{"--nproc-per-node", "2", "--master-port", "70000"},
+            "fsdp launch: --master-port: must be in 0..65535, got 70000"},
+           {{"--nproc-per-node", "2", "--rdzv-timeout", "0"},
+            "fsdp launch: --rdzv-timeout: must be >= 1, got 0"},
+           {{"--nproc-per-node", "2", "--rdzv-timeout", "-5"},
+            "fsdp launch: --rdzv-timeout: must be >= 1, got -5"},
+           {{"--nproc-per-node", "2", "--grace", "-1"},
+            "fsdp launch: --grace: must be >= 0, got -1"},
+           {{"--nproc-per-node", "2", "--master-addr", ""},
+            "fsdp launch: --master-addr is empty: give node 0's host name or address (default "
+            "127.0.0.1)"},
+       }) {
+    std::vector<std::string> argv = {FsdpBinary(), "launch"};
+    argv.insert(argv.end(), c.options.begin(), c.options.end());
+    argv.insert(argv.end(), {"--", "/bin/true"});
+    CommandResult r = RunCommand(argv, {}, std::chrono::seconds(30));
+    EXPECT_FALSE(r.timed_out) << c.message;
+    EXPECT_EQ(r.exit.code, 2) << r.Output();
+    EXPECT_THAT(r.stderr_lines, ::testing::ElementsAre(c.message)) << r.Output();
+  }
+}
+
+TEST(LaunchOptionsTest, ValidateNamesTheOption) {
+  LaunchOptions o;
+  o.program = {"/bin/true"};
+  EXPECT_TRUE(o.Validate().ok());
+  o.rendezvous_timeout = std::chrono::seconds(0);
+  EXPECT_THAT(std::string(o.Validate().message()), ::testing::HasSubstr("--rdzv-timeout=0"));
+  o.rendezvous_timeout = std::chrono::seconds(1);
+  o.grace = std::chrono::milliseconds(-1);
+  EXPECT_THAT(std::string(o.Validate().message()), ::testing::HasSubstr("--grace"));
+  o.grace = std::chrono::milliseconds(0);
+  o.master_addr = "";
+  EXPECT_THAT(std::string(o.Validate().message()), ::testing::HasSubstr("--master-addr is empty"));
+}
+
+// "port already in use? choose another --master-port" only when the port is taken: a store that
+// cannot be reached for another reason gets no such advice.
+TEST(LaunchTest, PortHintOnlyWhenThePortIsTaken) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  CommandResult taken =
+      RunCommand({FsdpBinary(), "launch", "--nproc-per-node", "1", "--master-port",
+                  StrCat(ntohs(addr.sin_port)), "--", "/bin/true"},
+                 {}, std::chrono::seconds(60));
+  close(listener);
+  EXPECT_EQ(taken.exit.code, 1) << taken.Output();
+  EXPECT_TRUE(taken.StderrHas("(port already in use? choose another --master-port)"))
+      << taken.Output();
+  CommandResult unreachable =
+      RunCommand({FsdpBinary(), "launch", "--nproc-per-node", "1", "--master-addr",
+                  "no-such-host.invalid", "--rdzv-timeout", "1", "--", "/bin/true"},
+                 {}, std::chrono::seconds(60));
+  EXPECT_EQ(unreachable.exit.code, 1) << unreachable.Output();
+  EXPECT_TRUE(unreachable.StderrHas("fsdp launch: cannot host the rendezvous store"))
+      << unreachable.Output();
+  EXPECT_FALSE(unreachable.StderrHas("port already in use")) << unreachable.Output();
+}
+
+TEST(LaunchTest, HelpHasOneUsageLine) {
+  CommandResult r = RunCommand({FsdpBinary(), "launch", "--help"});
+  EXPECT_EQ(r.exit.code, 0) << r.Output();
+  int usage = 0;
+  for (const std::string& line : r.stdout_lines) usage += line.find("Usage:") != std::string::npos;
+  EXPECT_EQ(usage, 1) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("Usage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]")) << r.Output();
 }
 
 TEST(LaunchTest, InterruptedLauncherStopsItsRanks) {
