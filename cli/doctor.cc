@@ -92,6 +92,7 @@ c10::intrusive_ptr<c10d::Work> Launch(Kind k, ProcessGroup& group, Case& c) {
 }
 
 std::string Bytes(int64_t b) {
+  if (b >= (int64_t{1} << 30) && b % (int64_t{1} << 30) == 0) return StrCat(b >> 30, "G");
   if (b >= (1 << 20) && b % (1 << 20) == 0) return StrCat(b >> 20, "M");
   if (b >= (1 << 10) && b % (1 << 10) == 0) return StrCat(b >> 10, "K");
   return StrCat(b);
@@ -120,6 +121,14 @@ int RunDoctor(const DoctorOptions& o) {
                  "--warmup >= 0\n";
     return 2;
   }
+  // A buffer above the machine's memory cannot be allocated (on a GPU neither): say so now,
+  // not after every smaller size ran.
+  const int64_t memory = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (memory > 0 && o.max_bytes > memory) {
+    std::cerr << "fsdp doctor: --max-bytes " << Bytes(o.max_bytes) << " is more than this "
+              << "machine's memory (" << fmt::format("{:.1f} GiB", memory / 1073741824.0) << ")\n";
+    return 2;
+  }
   DistOptions dist;
   dist.device = o.device;
   dist.cuda_backend = o.backend;
@@ -129,7 +138,13 @@ int RunDoctor(const DoctorOptions& o) {
   absl::StatusOr<std::shared_ptr<DistContext>> ctx_or = DistContext::InitFromEnvironment(dist);
   if (!ctx_or.ok()) {
     std::cerr << "fsdp doctor: " << ctx_or.status().message() << "\n";
-    return ctx_or.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 3;
+    // Bad options or environment (a launcher variable, --device cuda without a GPU, two NCCL
+    // ranks on one GPU): 2; the rendezvous or the backend failing: 3.
+    const absl::StatusCode code = ctx_or.status().code();
+    return code == absl::StatusCode::kInvalidArgument ||
+                   code == absl::StatusCode::kFailedPrecondition
+               ? 2
+               : 3;
   }
   std::shared_ptr<DistContext> ctx = *ctx_or;
   absl::StatusOr<MeshShape> shape = ParseMeshSpec(o.mesh, ctx->world_size());
@@ -166,7 +181,7 @@ int RunDoctor(const DoctorOptions& o) {
       const int n = group.size();
       const int g = group.rank();
       for (Kind k : kKinds) {
-        for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 4) {
+        for (int64_t bytes = o.min_bytes;; bytes *= 4) {
           int64_t numel = std::max<int64_t>(n, (bytes / 4) / n * n);
           Case c;
           c.Fill(k, g, n, numel, opts);
@@ -211,6 +226,7 @@ int RunDoctor(const DoctorOptions& o) {
                                            : std::string("-"),
                                      all_wrong);
           }
+          if (bytes > o.max_bytes / 4) break;  // the next size is above --max-bytes
         }
       }
     }

@@ -2,7 +2,8 @@
 // versions, devices and this rank's place in the mesh, then checks all-reduce, all-gather into
 // one tensor and reduce-scatter on every mesh axis against closed-form values and reports bus
 // bandwidth per collective and size (nccl-tests' definition). Exit code 1 on any wrong element
-// on any rank, 2 on bad options, 3 when the rendezvous fails.
+// on any rank, 2 on bad options or environment (--device cuda without a GPU), 3 when the
+// rendezvous or a collective fails.
 //
 //   build/bin/fsdp launch --nproc-per-node 4 -- build/bin/fsdp doctor --mesh 2,2
 #pragma once

@@ -75,6 +75,42 @@ TEST(DoctorErrors, BadEnvironmentNamesTheVariable) {
   EXPECT_TRUE(r.StderrHas("RANK=4 is not below WORLD_SIZE=4")) << r.Output();
 }
 
+// 99999999999999999G x 2^30 used to wrap to about 1.5e18 bytes, and the doctor ran until it was
+// killed; a size this machine cannot hold is refused before the rendezvous as well.
+TEST(DoctorErrors, SizesThatCannotBeHeldAreRefused) {
+  struct Case {
+    std::vector<std::string> options;
+    std::string message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"--max-bytes", "99999999999999999G"},
+            "fsdp doctor: --max-bytes: '99999999999999999G' is too large (at most 8589934591G)"},
+           {{"--min-bytes", "99999999999999999999"},
+            "fsdp doctor: --min-bytes: '99999999999999999999' is too large (at most 8589934591G)"},
+           {{"--max-bytes", "4T"},
+            "fsdp doctor: --max-bytes: '4T' is not a size like 4096, 64K, 16M or 1G"},
+           {{"--max-bytes", "8589934591G"}, "is more than this machine's memory"},
+           {{"--iters", "0"}, "fsdp doctor: --iters: must be >= 1, got 0"},
+       }) {
+    std::vector<std::string> argv = {FsdpBinary(), "doctor", "--device", "cpu"};
+    argv.insert(argv.end(), c.options.begin(), c.options.end());
+    CommandResult r = RunCommand(argv, {}, std::chrono::seconds(30));
+    EXPECT_FALSE(r.timed_out) << c.message;
+    EXPECT_EQ(r.exit.code, 2) << r.Output();
+    EXPECT_TRUE(r.StderrHas(c.message)) << r.Output();
+  }
+}
+
+// Exit code 3 means the rendezvous or a collective failed; a GPU asked for on a machine without
+// one is the environment (2), as `fsdp doctor --help` and the README say.
+TEST(DoctorErrors, CudaWithoutAGpuIsABadEnvironment) {
+  CommandResult r = RunCommand({FsdpBinary(), "doctor", "--device", "cuda"});  // no GPU visible
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("device 'cuda' was asked for but")) << r.Output();
+  CommandResult help = RunCommand({FsdpBinary(), "doctor", "--help"});
+  EXPECT_TRUE(help.StdoutHas("2 bad options or environment")) << help.Output();
+}
+
 TEST(DoctorErrors, HelpDescribesEveryOption) {
   CommandResult r = RunCommand({FsdpBinary(), "doctor", "--help"});
   EXPECT_EQ(r.exit.code, 0);
