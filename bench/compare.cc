@@ -12,6 +12,7 @@
 #include "bench/bench.h"
 #include "bench/runs.h"
 #include "common/strings.h"
+#include "common/user_input.h"
 #include "device_mesh/cuda_support.h"
 #include "engine/metrics.h"
 #include "engine/trainer.h"
@@ -226,7 +227,10 @@ int RunCompare(const CompareOptions& o) {
     return 2;
   }
   namespace fs = std::filesystem;
-  fs::path out = o.out.empty() ? fs::path("runs/bench_compare") / StrCat(config->run.name, "-", nproc, "r")
+  // The default folder takes one file-name component of run.name: "/tmp/x" or "../x" would
+  // put it, and the run folders removed below, outside runs/bench_compare.
+  fs::path out = o.out.empty() ? fs::path("runs/bench_compare") /
+                                     SafeFileName(StrCat(config->run.name, "-", nproc, "r"))
                                : fs::path(o.out);
   std::error_code ec;
   fs::create_directories(out, ec);

@@ -1,4 +1,5 @@
 // `fsdp bench sweep`: see bench/bench.h.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include "bench/bench.h"
 #include "bench/runs.h"
 #include "common/strings.h"
+#include "common/user_input.h"
 #include "engine/metrics.h"
 #include "planner/cost_model.h"
 
@@ -68,9 +70,15 @@ std::string Cell(double v, const char* format = "{:.6g}") {
   return std::isfinite(v) ? fmt::format(fmt::runtime(format), v) : std::string();
 }
 
+// Why SweepLayout has no layout for `strategy` (a hybrid one) on some world sizes.
+constexpr char kHybridNeeds[] =
+    "it needs an even world size of at least 4 (2 replicas of >= 2 shards each)";
+
 }  // namespace
 
 int RunSweep(const SweepOptions& o) {
+  // Every input is checked before anything is written or run: a config that cannot be read
+  // used to leave a sweep.csv with only its header.
   std::vector<std::string> configs = o.configs;
   if (configs.empty()) {
     configs = {StrCat(FSDP_SOURCE_DIR, "/configs/default.yaml"),
@@ -87,6 +95,83 @@ int RunSweep(const SweepOptions& o) {
       return 2;
     }
   }
+  struct Model {
+    std::string config_path;
+    RunConfig config;
+  };
+  std::vector<Model> models;
+  for (const std::string& config_path : configs) {
+    absl::StatusOr<RunConfig> config = LoadRunConfig(config_path, o.overrides);
+    if (!config.ok()) {
+      std::cerr << "fsdp bench sweep: " << config.status().message() << "\n";
+      return 2;
+    }
+    models.push_back({config_path, *std::move(config)});
+  }
+  std::vector<Strategy> strategies;
+  int runnable = 0;
+  for (const std::string& strategy : o.strategies) {
+    absl::StatusOr<Strategy> parsed = ParseStrategy(strategy);
+    if (!parsed.ok()) {
+      std::cerr << "fsdp bench sweep: --strategies: " << parsed.status().message() << "\n";
+      return 2;
+    }
+    strategies.push_back(*parsed);
+    std::vector<int> skipped;
+    for (int world : o.world_sizes) {
+      if (SweepLayout(*parsed, world)) {
+        ++runnable;
+      } else {
+        skipped.push_back(world);
+      }
+    }
+    if (!skipped.empty()) {
+      std::cerr << "fsdp bench sweep: skipping " << strategy << " at world size "
+                << StrJoin(skipped, ", ") << ": " << kHybridNeeds << "\n";
+    }
+  }
+  if (runnable == 0) {
+    std::cerr << "fsdp bench sweep: nothing to run: no strategy of --strategies "
+              << StrJoin(o.strategies, ",") << " has a layout at --world-sizes "
+              << StrJoin(o.world_sizes, ",") << "\n";
+    return 2;
+  }
+
+  // The cost model's hardware: a named or JSON profile now; "calibrate" measures this
+  // machine once --out exists (below).
+  plan::Hardware hw;
+  if (o.hardware != "calibrate") {
+    std::error_code ec;
+    const fs::file_status file = fs::status(o.hardware, ec);
+    absl::StatusOr<plan::Hardware> named = absl::InvalidArgumentError("");
+    if (fs::is_regular_file(file)) {
+      named = plan::LoadHardwareJson(o.hardware);
+    } else if (fs::exists(file)) {
+      named = absl::InvalidArgumentError(StrCat(o.hardware, ": not a JSON file"));
+    } else {
+      const std::vector<std::string> names = plan::HardwareNames();
+      named = std::find(names.begin(), names.end(), o.hardware) != names.end()
+                  ? plan::HardwareByName(o.hardware)
+                  : absl::InvalidArgumentError(StrCat("'", o.hardware,
+                                                      "' is neither calibrate, a profile name (",
+                                                      StrJoin(names, ", "), ") nor a JSON file"));
+    }
+    if (!named.ok()) {
+      std::cerr << "fsdp bench sweep: --hardware " << named.status().message() << "\n";
+      return 2;
+    }
+    hw = *named;
+  }
+  std::string python;
+  if (o.plot) {
+    python = PythonPath(o.python);
+    if (absl::Status ready = EnsurePythonPackages(python); !ready.ok()) {
+      std::cerr << "fsdp bench sweep: cannot draw the plots: " << ready.message()
+                << " (or pass --no-plot)\n";
+      return 2;
+    }
+  }
+
   fs::path out = fs::absolute(o.out);
   std::error_code ec;
   fs::create_directories(out, ec);
@@ -94,9 +179,6 @@ int RunSweep(const SweepOptions& o) {
     std::cerr << "fsdp bench sweep: --out " << out << ": " << ec.message() << "\n";
     return 2;
   }
-
-  // The cost model's hardware: measured here, or a named / JSON profile.
-  plan::Hardware hw;
   if (o.hardware == "calibrate") {
     std::string log;
     std::cout << "fsdp bench sweep: calibrating the CPU profile (GEMM rate, loopback all-gather)\n";
@@ -109,14 +191,6 @@ int RunSweep(const SweepOptions& o) {
     }
     hw = *measured;
     std::ofstream(out / "hardware.json") << plan::HardwareToJson(hw) << "\n";
-  } else {
-    absl::StatusOr<plan::Hardware> named = fs::exists(o.hardware) ? plan::LoadHardwareJson(o.hardware)
-                                                                  : plan::HardwareByName(o.hardware);
-    if (!named.ok()) {
-      std::cerr << "fsdp bench sweep: --hardware: " << named.status().message() << "\n";
-      return 2;
-    }
-    hw = *named;
   }
 
   std::ofstream csv(out / "sweep.csv");
@@ -128,24 +202,21 @@ int RunSweep(const SweepOptions& o) {
   std::cout << fmt::format("{:<14} {:<14} {:>5} {:>12} {:>12} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9}\n",
                            "model", "strategy", "ranks", "tok/s/rank", "peak mem", "state",
                            "wire/step", "expected", "ratio", "t err", "mem err");
-  for (const std::string& config_path : configs) {
-    absl::StatusOr<RunConfig> config = LoadRunConfig(config_path, o.overrides);
-    if (!config.ok()) {
-      std::cerr << "fsdp bench sweep: " << config.status().message() << "\n";
-      return 2;
-    }
+  for (const Model& model : models) {
+    const std::string& config_path = model.config_path;
+    const RunConfig* config = &model.config;
     const std::string model_name = config->run.name;
     const plan::ModelCounts counts = plan::CountModel(config->model);
-    for (const std::string& strategy : o.strategies) {
-      absl::StatusOr<Strategy> parsed = ParseStrategy(strategy);
-      if (!parsed.ok()) {
-        std::cerr << "fsdp bench sweep: --strategies: " << parsed.status().message() << "\n";
-        return 2;
-      }
+    for (size_t i = 0; i < strategies.size(); ++i) {
+      const std::string& strategy = o.strategies[i];
+      const Strategy* parsed = &strategies[i];
       for (int world : o.world_sizes) {
         std::optional<plan::Layout> layout = SweepLayout(*parsed, world);
         if (!layout) continue;
-        std::string dir = (out / "runs" / StrCat(model_name, "-", strategy, "-", world)).string();
+        // run.name is the user's: one file-name component of it, so that the folder this
+        // removes and rewrites is always inside --out ("/tmp/x" or "../x" would escape).
+        std::string dir =
+            (out / "runs" / SafeFileName(StrCat(model_name, "-", strategy, "-", world))).string();
         fs::remove_all(dir, ec);
         std::vector<std::string> sets = o.overrides;
         for (std::string s : {StrCat("run.dir=", dir), StrCat("training.steps=", o.steps),
@@ -230,14 +301,7 @@ int RunSweep(const SweepOptions& o) {
              .dump(1)
       << "\n";
   std::cout << "fsdp bench sweep: " << (out / "sweep.csv").string() << "\n";
-  if (o.plot) {
-    std::string python = PythonPath(o.python);
-    if (absl::Status ready = EnsurePythonPackages(python); !ready.ok()) {
-      std::cerr << "fsdp bench sweep: no plots: " << ready.message() << "\n";
-      return 1;
-    }
-    Plot(python, "sweep", out.string());
-  }
+  if (o.plot) Plot(python, "sweep", out.string());
   return 0;
 }
 

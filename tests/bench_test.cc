@@ -1,6 +1,7 @@
 // `fsdp bench`: the shared inputs (weights, batches) are exactly what the trainer uses;
 // `compare` runs fsdp.cpp and PyTorch FSDP2 to the same losses; `sweep` counts the bytes the
 // ring formulas predict. (Speed is reported by the benchmarks, never asserted here.)
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -314,6 +315,79 @@ TEST(BenchSweep, WireBytesMatchTheory) {
     EXPECT_FALSE(cells[column("predicted_step_time_s")].empty()) << line;
   }
   EXPECT_EQ(rows, 3 * 3 + 1) << r.Output();  // hybrid only at 4 ranks (2 x 2)
+  fs::remove_all(dir);
+}
+
+// run.name is the user's: it once named the folder the sweep removes and rewrites, so
+// run.name=/tmp/x replaced --out and run.name=../../x climbed out of it, deleting what was
+// there. The run folders now always lie in --out/runs.
+TEST(BenchSweep, RunNameCannotLeaveTheOutputFolder) {
+  const std::string dir = FreshTempDir("sweep-name");
+  const std::string out = dir + "/a/b/out";
+  for (const std::string& name : {dir + "/victim", std::string("../../../victim")}) {
+    // Where the old code put the run folder: out/runs/<name>-full_shard-1, normalized.
+    const fs::path target = (fs::path(out) / "runs" / (name + "-full_shard-1")).lexically_normal();
+    fs::create_directories(target);
+    std::ofstream(target / "keep.txt") << "x\n";
+    CommandResult r = RunCommand(
+        {FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml", "--set",
+         "run.name=" + name, "--world-sizes", "1", "--strategies", "full_shard", "--steps", "2",
+         "--warmup", "0", "--hardware", "cpu", "--no-plot", "--out", out},
+        {}, std::chrono::seconds(120));
+    ASSERT_TRUE(r.exit.ok()) << r.Output();
+    EXPECT_TRUE(fs::exists(target / "keep.txt")) << target << " was removed\n" << r.Output();
+    EXPECT_FALSE(fs::exists(target / "metrics.jsonl")) << target << " was written";
+    int run_folders = 0;
+    for (const auto& entry : fs::directory_iterator(fs::path(out) / "runs")) {
+      ++run_folders;
+      EXPECT_TRUE(fs::exists(entry.path() / "metrics.jsonl")) << entry.path();
+    }
+    EXPECT_EQ(run_folders, 1);
+    fs::remove_all(fs::path(out) / "runs");
+  }
+  fs::remove_all(dir);
+}
+
+// Skipped combinations are named; a sweep with none left is an error, not an empty CSV.
+TEST(BenchSweep, CombinationsWithoutALayoutAreNamed) {
+  const std::string out = FreshTempDir("sweep-none");
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml", "--world-sizes",
+       "1,3", "--strategies", "hybrid_shard", "--hardware", "cpu", "--no-plot", "--out", out},
+      {}, std::chrono::seconds(60));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(
+      r.StderrHas("skipping hybrid_shard at world size 1, 3: it needs an even world size "
+                  "of at least 4"))
+      << r.Output();
+  EXPECT_TRUE(r.StderrHas("fsdp bench sweep: nothing to run")) << r.Output();
+  EXPECT_FALSE(fs::exists(out + "/sweep.csv")) << r.Output();
+}
+
+// Bad inputs are found before anything is written: a FIFO as the config blocked the sweep
+// (after it had written sweep.csv's header); --hardware's error named --gpu.
+TEST(BenchSweep, BadInputsWriteNothing) {
+  const std::string dir = FreshTempDir("sweep-inputs");
+  const std::string fifo = dir + "/config.yaml", out = dir + "/out";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "bench", "sweep", fifo, "--hardware", "cpu", "--no-plot", "--out", out}, {},
+      std::chrono::seconds(30));
+  EXPECT_FALSE(r.timed_out) << "blocked on the FIFO";
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("is a FIFO (named pipe), not a YAML file")) << r.Output();
+  EXPECT_FALSE(fs::exists(out)) << r.Output();
+  CommandResult hw =
+      RunCommand({FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml",
+                  "--hardware", "bogus", "--no-plot", "--out", out},
+                 {}, std::chrono::seconds(30));
+  EXPECT_EQ(hw.exit.code, 2) << hw.Output();
+  EXPECT_TRUE(
+      hw.StderrHas("fsdp bench sweep: --hardware 'bogus' is neither calibrate, a profile "
+                   "name (h100"))
+      << hw.Output();
+  EXPECT_FALSE(hw.StderrHas("--gpu")) << hw.Output();
+  EXPECT_FALSE(fs::exists(out)) << hw.Output();
   fs::remove_all(dir);
 }
 
