@@ -1,8 +1,13 @@
 // `fsdp bench kernels`: each fused kernel (kernels/) against its composite ATen reference at a
 // model's shapes, forward + backward, on one device. See RunKernels in bench/bench.h.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -93,6 +98,43 @@ int64_t PeakExtraBytes(const std::function<void()>& fn, c10::Device device) {
 
 std::string DtypeName(at::ScalarType dtype) { return dtype == at::kBFloat16 ? "bf16" : "fp32"; }
 
+bool HasRopeCase(const ModelArgs& m) { return m.positions == Positions::kRope && m.arch != "mlp"; }
+
+// About the bytes Cases() and the largest composite's forward + backward need per token: every
+// case's inputs exist together, then one case at a time runs; the LM head's composite holds
+// the logits (compute dtype), their fp32 log-softmax and the gradients of both.
+double BytesPerToken(const ModelArgs& m, at::ScalarType dtype) {
+  const double es = at::elementSize(dtype);
+  const double dim = m.dim, ffn = m.ffn(), heads = (m.n_heads + m.kv_heads()) * m.head_dim();
+  double inputs = dim * es + 8;  // the LM head's hidden states and targets
+  if (m.norm == NormKind::kRmsNorm) inputs += 2 * dim * es;
+  if (HasRopeCase(m)) inputs += heads * es;
+  if (m.activation == Activation::kSwiglu) inputs += 2 * ffn * es;
+  const double peak = std::max(
+      {static_cast<double>(m.vocab_size) * (2 * es + 8), 6 * dim * 4, 6 * ffn * 4, 4 * heads * 4});
+  return inputs + peak;
+}
+
+std::string GiB(double bytes) { return fmt::format("{:.1f} GiB", bytes / 1073741824.0); }
+
+// --out is checked before the benchmark runs: a folder that does not exist, a directory, a
+// file that cannot be written. "" when it can be written (nothing is left behind).
+std::string CheckOutPath(const std::string& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(out, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    return fs::is_directory(status) ? "is a directory" : "is not a regular file";
+  }
+  const bool existed = fs::exists(status);
+  {
+    std::ofstream probe(out, std::ios::app);
+    if (!probe) return fmt::format("cannot be written ({})", std::strerror(errno));
+  }
+  if (!existed) fs::remove(out, ec);
+  return "";
+}
+
 std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType dtype,
                               c10::Device device) {
   auto opts = at::TensorOptions().dtype(dtype).device(device);
@@ -117,8 +159,8 @@ std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType
            return Outputs{h, y};
          })});
   }
-  if (m.positions == Positions::kRope && m.arch != "mlp") {
-    const int64_t seq = m.seq_len, batch = std::max<int64_t>(1, tokens / seq);
+  if (HasRopeCase(m)) {
+    const int64_t seq = m.seq_len, batch = tokens / seq;  // a multiple: see RunKernels
     const int64_t hd = m.head_dim();
     at::Tensor q = at::randn({batch, seq, m.n_heads, hd}, opts);
     at::Tensor k = at::randn({batch, seq, m.kv_heads(), hd}, opts);
@@ -172,6 +214,12 @@ int RunKernels(const KernelsOptions& options) {
     std::cerr << "fsdp bench kernels: " << config.status().message() << "\n";
     return 2;
   }
+  if (!options.out.empty()) {
+    if (std::string bad = CheckOutPath(options.out); !bad.empty()) {
+      std::cerr << "fsdp bench kernels: --out " << options.out << " " << bad << "\n";
+      return 2;
+    }
+  }
   c10::Device device = c10::kCPU;
   if (options.device == "cuda" || (options.device == "auto" && torch::cuda::is_available())) {
     if (!torch::cuda::is_available()) {
@@ -184,8 +232,36 @@ int RunKernels(const KernelsOptions& options) {
   at::ScalarType dtype = ScalarTypeOf(config->training.mixed_precision);
   int64_t tokens = options.tokens > 0 ? options.tokens
                                       : config->training.micro_batch_size * m.seq_len;
+  // RoPE is timed on whole sequences ([tokens / seq_len, seq_len] positions): other counts
+  // would time another number of tokens than the header says.
+  if (HasRopeCase(m) && tokens % m.seq_len != 0) {
+    std::cerr << "fsdp bench kernels: --tokens " << tokens
+              << " is not a multiple of model.seq_len (" << m.seq_len
+              << "): the RoPE case runs whole sequences; give --tokens " << m.seq_len << ", "
+              << 2 * m.seq_len << ", ... (or --set model.seq_len=N)\n";
+    return 2;
+  }
+  // On a CPU the inputs and the composite LM head must fit in the machine's memory (a GPU
+  // that runs out says so itself: caught below).
+  const double per_token = BytesPerToken(m, dtype);
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (device.is_cpu() && memory > 0 && tokens * per_token > memory) {
+    std::cerr << "fsdp bench kernels: --tokens " << tokens << " needs about "
+              << GiB(tokens * per_token) << " (" << fmt::format("{:.0f}", per_token)
+              << " bytes per token: the inputs and the composite LM head's logits) but this "
+              << "machine has " << GiB(memory) << "; give --tokens "
+              << static_cast<int64_t>(memory / per_token) << " or fewer\n";
+    return 2;
+  }
   at::manual_seed(0);
-  std::vector<KernelCase> cases = Cases(m, tokens, dtype, device);
+  std::vector<KernelCase> cases;
+  try {
+    cases = Cases(m, tokens, dtype, device);
+  } catch (const c10::Error& e) {
+    std::cerr << "fsdp bench kernels: --tokens " << tokens
+              << ": cannot create the inputs: " << e.msg().substr(0, e.msg().find('\n')) << "\n";
+    return 1;
+  }
   std::cout << fmt::format(
       "fsdp bench kernels: {} ({}), {} tokens, {} on {}; forward + backward, median of {} after "
       "{} warm-up; MiB: the allocator's peak beyond the inputs (CUDA)\n",
@@ -197,10 +273,18 @@ int RunKernels(const KernelsOptions& options) {
                            {"tokens", tokens}, {"dtype", DtypeName(dtype)},
                            {"kernels", nlohmann::json::array()}};
   for (const KernelCase& c : cases) {
-    double composite = MedianMs(c.composite, device, options.warmup, options.repeats);
-    double fused = MedianMs(c.fused, device, options.warmup, options.repeats);
-    int64_t composite_bytes = PeakExtraBytes(c.composite, device);
-    int64_t fused_bytes = PeakExtraBytes(c.fused, device);
+    double composite = 0, fused = 0;
+    int64_t composite_bytes = -1, fused_bytes = -1;
+    try {
+      composite = MedianMs(c.composite, device, options.warmup, options.repeats);
+      fused = MedianMs(c.fused, device, options.warmup, options.repeats);
+      composite_bytes = PeakExtraBytes(c.composite, device);
+      fused_bytes = PeakExtraBytes(c.fused, device);
+    } catch (const c10::Error& e) {
+      std::cerr << "fsdp bench kernels: " << c.name << " at --tokens " << tokens << ": "
+                << e.msg().substr(0, e.msg().find('\n')) << "\n";
+      return 1;
+    }
     auto mib = [](int64_t b) {
       return b < 0 ? std::string("n/a") : fmt::format("{:.1f}", b / 1048576.0);
     };

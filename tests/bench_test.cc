@@ -391,5 +391,47 @@ TEST(BenchSweep, BadInputsWriteNothing) {
   fs::remove_all(dir);
 }
 
+// --tokens the machine cannot hold died with "internal: uncaught exception" (exit 70); a count
+// RoPE cannot split into sequences timed another count than the header said; a bad --out was
+// found after the whole benchmark.
+TEST(BenchKernels, TokensAndOutAreCheckedFirst) {
+  const std::string config = SourceDir() + "/configs/default.yaml";
+  CommandResult huge = RunCommand({FsdpBinary(), "bench", "kernels", config, "--device", "cpu",
+                                   "--tokens", "1000000000000", "--repeats", "1", "--warmup", "0"},
+                                  {}, std::chrono::seconds(60));
+  EXPECT_EQ(huge.exit.code, 2) << huge.Output();
+  EXPECT_TRUE(huge.StderrHas("fsdp bench kernels: --tokens 1000000000000 needs about"))
+      << huge.Output();
+  EXPECT_FALSE(huge.StdoutHas("rms_norm")) << huge.Output();
+
+  CommandResult rope = RunCommand({FsdpBinary(), "bench", "kernels", config, "--device", "cpu",
+                                   "--tokens", "1", "--set", "model.positions=rope"},
+                                  {}, std::chrono::seconds(60));
+  EXPECT_EQ(rope.exit.code, 2) << rope.Output();
+  EXPECT_TRUE(rope.StderrHas("--tokens 1 is not a multiple of model.seq_len")) << rope.Output();
+
+  CommandResult whole = RunCommand(
+      {FsdpBinary(), "bench", "kernels", config, "--device", "cpu", "--tokens", "128", "--set",
+       "model.positions=rope", "--set", "model.seq_len=64", "--repeats", "1", "--warmup", "0"},
+      {}, std::chrono::seconds(120));
+  ASSERT_TRUE(whole.exit.ok()) << whole.Output();
+  EXPECT_TRUE(whole.StdoutHas("128 tokens")) << whole.Output();
+  bool rope_row = false;  // the shape column: 128 positions (2 sequences of 64)
+  for (const std::string& line : whole.stdout_lines) {
+    rope_row |= StartsWith(line, "rope (q and k)") && line.find(" 128 x ") != std::string::npos;
+  }
+  EXPECT_TRUE(rope_row) << whole.Output();
+
+  for (const std::string& out :
+       {std::string("/nonexistent/x.json"), fs::temp_directory_path().string()}) {
+    CommandResult r =
+        RunCommand({FsdpBinary(), "bench", "kernels", config, "--device", "cpu", "--out", out}, {},
+                   std::chrono::seconds(60));
+    EXPECT_EQ(r.exit.code, 2) << r.Output();
+    EXPECT_TRUE(r.StderrHas("fsdp bench kernels: --out " + out)) << r.Output();
+    EXPECT_FALSE(r.StdoutHas("lm_head")) << "the benchmark ran first\n" << r.Output();
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
