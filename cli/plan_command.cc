@@ -172,12 +172,13 @@ int RunPlanCommand(const PlanCommand& command) {
       static_cast<int64_t>(r.world_size) * t.micro_batch_size * t.grad_accum_steps * r.config.model.seq_len;
   const double usable = r.hw.memory_bytes * r.hw.usable_memory_fraction /
                         (r.hw.cores_per_node > 0 ? r.gpus_per_node : 1);
+  const int64_t nodes = r.world_size / r.gpus_per_node;
   std::cout << fmt::format(
-      "fsdp plan: {} ({} {}, {:.3g} parameters, {:.3g} FLOPs/token), {} x {} ranks ({} nodes), "
+      "fsdp plan: {} ({} {}, {:.3g} parameters, {:.3g} FLOPs/token), {} x {} ranks ({} node{}), "
       "{} {}, micro-batch {} x {} tokens, accumulation {}, {} tokens/step\n",
       command.config_path, r.config.model.arch, r.config.run.name,
-      static_cast<double>(counts.params), counts.flops_per_token, r.world_size / r.gpus_per_node,
-      r.gpus_per_node, r.world_size / r.gpus_per_node, r.hw.name, PrecisionName(t.mixed_precision),
+      static_cast<double>(counts.params), counts.flops_per_token, nodes, r.gpus_per_node, nodes,
+      nodes == 1 ? "" : "s", r.hw.name, PrecisionName(t.mixed_precision),
       t.micro_batch_size, r.config.model.seq_len, t.grad_accum_steps, tokens_per_step);
   std::cout << fmt::format(
       "hardware: {}: {:.3g} FLOP/s ({}), efficiency {:.2f}, {:.1f} GiB usable per rank, "

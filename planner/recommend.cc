@@ -207,7 +207,8 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
     FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
     if (fits) {
       helps.push_back(
-          StrCat("--world-size ", r.world_size, " (", r.world_size / r.gpus_per_node, " nodes)"));
+          StrCat("--world-size ", r.world_size, " (", r.world_size / r.gpus_per_node,
+                 r.world_size / r.gpus_per_node == 1 ? " node)" : " nodes)"));
       break;
     }
   }
