@@ -106,6 +106,13 @@ inline constexpr EnvKnob kTestSigstop{
     "process hung), to test the collective watchdog",
     "unset (no stop)", "R@S with a rank R and a step S", "device_mesh/watchdog.cc"};
 
+// FSDP_TEST_SIGTERM: fault injection for the preemption tests.
+inline constexpr EnvKnob kTestSigterm{
+    "FSDP_TEST_SIGTERM",
+    "testing only: 'R@S' makes rank R send itself SIGTERM when it begins step S (a preemption "
+    "that reaches one rank only)",
+    "unset (no signal)", "R@S with a rank R and a step S", "device_mesh/watchdog.cc"};
+
 // FSDP_TEST_VERBOSE: the multi-rank test harness prints every rank's output.
 inline constexpr EnvKnob kTestVerbose{
     "FSDP_TEST_VERBOSE",

@@ -57,6 +57,8 @@ int ExitCodeFor(FailureClass c) {
       return 7;
     case FailureClass::kInternal:
       return 70;
+    case FailureClass::kPreempted:
+      return 128 + 15;  // SIGTERM
   }
   return 1;
 }
@@ -79,6 +81,8 @@ std::string_view FailureClassName(FailureClass c) {
       return "peer lost";
     case FailureClass::kInternal:
       return "internal";
+    case FailureClass::kPreempted:
+      return "preempted";
   }
   return "error";
 }
@@ -86,7 +90,8 @@ std::string_view FailureClassName(FailureClass c) {
 FailureClass FailureClassOfExitCode(int code) {
   for (FailureClass c : {FailureClass::kConfig, FailureClass::kCheckpoint, FailureClass::kIo,
                          FailureClass::kNonFinite, FailureClass::kCollectiveTimeout,
-                         FailureClass::kPeerLost, FailureClass::kInternal}) {
+                         FailureClass::kPeerLost, FailureClass::kInternal,
+                         FailureClass::kPreempted}) {
     if (ExitCodeFor(c) == code) return c;
   }
   return FailureClass::kError;

@@ -38,6 +38,9 @@ namespace fsdp {
 //      ranks that did not arrive are named); also a rendezvous deadline
 //   7  a peer was lost or failed first: this rank stopped because another one did
 //   70 internal error (an uncaught exception; a bug)
+//  143 stopped by SIGTERM before training.steps (preempted), after saving the step when
+//      checkpointing is on: what a rank killed by SIGTERM would report, so that a scheduler
+//      tells a preempted run from a finished one whichever ranks got the signal
 // A rank killed by a signal exits 128 + signal, as the shell reports it.
 enum class FailureClass {
   kError,
@@ -48,10 +51,11 @@ enum class FailureClass {
   kCollectiveTimeout,
   kPeerLost,
   kInternal,
+  kPreempted,
 };
 
 int ExitCodeFor(FailureClass c);
-// "config", "checkpoint", "io", "non-finite", "timeout", "peer lost", "internal",
+// "config", "checkpoint", "io", "non-finite", "timeout", "peer lost", "internal", "preempted",
 // "error".
 std::string_view FailureClassName(FailureClass c);
 // The class of an exit code (kError for codes not in Note [Exit codes]).

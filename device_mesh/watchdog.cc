@@ -71,17 +71,24 @@ class RecordedWork : public c10d::Work {
   int64_t seq_;
 };
 
-// FSDP_TEST_SIGSTOP=R@S, parsed once: {R, S}, or {-1, -1}.
+// A fault-injection knob's R@S: {R, S}, or {-1, -1} when unset or malformed.
+std::pair<int, int64_t> RankAtStep(const EnvKnob& knob) {
+  std::optional<std::string> v = GetEnvKnob(knob);
+  if (!v) return std::pair<int, int64_t>{-1, -1};
+  std::vector<std::string_view> parts = Split(*v, "@");
+  std::optional<int> r = parts.size() == 2 ? ParseInt<int>(parts[0]) : std::nullopt;
+  std::optional<int64_t> s = parts.size() == 2 ? ParseInt<int64_t>(parts[1]) : std::nullopt;
+  if (!r || !s) return std::pair<int, int64_t>{-1, -1};
+  return std::pair<int, int64_t>{*r, *s};
+}
+
+// FSDP_TEST_SIGSTOP and FSDP_TEST_SIGTERM, parsed once.
 std::pair<int, int64_t> SigstopAt() {
-  static const std::pair<int, int64_t> at = [] {
-    std::optional<std::string> v = GetEnvKnob(kTestSigstop);
-    if (!v) return std::pair<int, int64_t>{-1, -1};
-    std::vector<std::string_view> parts = Split(*v, "@");
-    std::optional<int> r = parts.size() == 2 ? ParseInt<int>(parts[0]) : std::nullopt;
-    std::optional<int64_t> s = parts.size() == 2 ? ParseInt<int64_t>(parts[1]) : std::nullopt;
-    if (!r || !s) return std::pair<int, int64_t>{-1, -1};
-    return std::pair<int, int64_t>{*r, *s};
-  }();
+  static const std::pair<int, int64_t> at = RankAtStep(kTestSigstop);
+  return at;
+}
+std::pair<int, int64_t> SigtermAt() {
+  static const std::pair<int, int64_t> at = RankAtStep(kTestSigterm);
   return at;
 }
 
@@ -220,6 +227,9 @@ void FlightRecorder::SetStep(int64_t step) {
   step_ = step;
   if (auto [rank, at] = SigstopAt(); rank >= 0 && rank == FailureRank() && step == at) {
     raise(SIGSTOP);  // fault injection: this rank hangs here until it is killed
+  }
+  if (auto [rank, at] = SigtermAt(); rank >= 0 && rank == FailureRank() && step == at) {
+    raise(SIGTERM);  // fault injection: a preemption that reaches this rank only
   }
 }
 

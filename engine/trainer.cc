@@ -162,15 +162,22 @@ absl::Status AsCheckpointFailure(absl::Status s) {
 }
 
 // SIGTERM reached every rank at the same log interval: the caller saved (a step already saved
-// by the periodic cadence is not saved twice: Checkpointer::Save); stop, with an error when
-// there was nothing to save to.
-absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step, int rank) {
+// by the periodic cadence is not saved twice: Checkpointer::Save); stop with the preempted
+// class (exit 143, Note [Exit codes]): the run did not finish, whichever ranks got the signal.
+absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step, int64_t steps,
+                        int rank) {
   if (checkpointer && checkpointer->enabled()) {
     if (rank == 0) std::cout << "fsdp train: SIGTERM: saved step " << step << " and stopped\n";
-    return absl::OkStatus();
+    return WithFailureClass(
+        absl::CancelledError(StrCat("stopped by SIGTERM after step ", step, " of ", steps,
+                                    "; step ", step,
+                                    " is saved (resume with checkpoint.load: latest)")),
+        FailureClass::kPreempted);
   }
-  return absl::AbortedError(StrCat("stopped by SIGTERM after step ", step,
-                                   " (checkpoint.enabled is false: nothing saved)"));
+  return WithFailureClass(
+      absl::CancelledError(StrCat("stopped by SIGTERM after step ", step, " of ", steps,
+                                  " (checkpoint.enabled is false: nothing saved)")),
+      FailureClass::kPreempted);
 }
 
 // Parameters, gradients and optimizer state after the last step, by where they live: the
@@ -598,7 +605,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
     if (end.terminate) {
       if (checkpointer && checkpointer->enabled()) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/true));
-      return StopOnTerm(checkpointer, done, rank);
+      return StopOnTerm(checkpointer, done, t.steps, rank);
     }
     if (t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps)) {
       metrics.RecordEval(done, Evaluate(*model, loader, t.eval_batches, ctx->world(), device));

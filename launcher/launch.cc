@@ -92,7 +92,11 @@ FailureHeadline SummarizeFailures(const GroupResult& result,
   }
   h.rank = first->rank;
   h.code = first->code;
-  h.text = StrCat("rank ", first->rank, " failed first: ", first->line);
+  // Preempted ranks (exit 143 after a SIGTERM save, Note [Exit codes]) did not fail: they all
+  // stopped at the same step, and one line says so.
+  const bool preempted = FailureClassOfExitCode(h.code) == FailureClass::kPreempted;
+  h.text = StrCat("rank ", first->rank, preempted ? " stopped first: " : " failed first: ",
+                  first->line);
   std::vector<std::string> own;  // "rank 2 also failed: timeout: ..."
   std::vector<int> followers;
   for (const WorkerExit& e : result.exits) {
@@ -102,7 +106,8 @@ FailureHeadline SummarizeFailures(const GroupResult& result,
       if (r.rank == e.rank) record = &r;
     }
     if (record != nullptr) {
-      if (FailureClassOfExitCode(record->exit_code) == FailureClass::kPeerLost) {
+      const FailureClass c = FailureClassOfExitCode(record->exit_code);
+      if (c == FailureClass::kPeerLost || (preempted && c == FailureClass::kPreempted)) {
         followers.push_back(e.rank);
       } else {
         own.push_back(StrCat("rank ", e.rank, " also failed: ", OwnFailure(*record)));
@@ -116,7 +121,7 @@ FailureHeadline SummarizeFailures(const GroupResult& result,
   for (const std::string& o : own) h.text += "; " + o;
   if (!followers.empty()) {
     h.text += StrCat("; rank", followers.size() > 1 ? "s " : " ", StrJoin(followers, ","),
-                     " stopped after rank ", h.rank, " failed");
+                     preempted ? " stopped too" : StrCat(" stopped after rank ", h.rank, " failed"));
   }
   return h;
 }
@@ -331,6 +336,10 @@ int RunLaunch(const LaunchOptions& o) {
         auto v = store->get(failed_key);
         why = std::string(v.begin(), v.end());
       });
+    }
+    if (FailureClassOfExitCode(code) == FailureClass::kPreempted) {
+      std::cerr << "fsdp launch: " << why << "\n";  // not restarted: the node is going away
+      return code;
     }
     if (attempt < o.max_restarts) {
       std::cerr << "fsdp launch: " << why << "; restarting the local group (restart "

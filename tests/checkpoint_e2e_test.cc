@@ -239,6 +239,25 @@ TEST(CheckpointFaultTest, SigtermWithoutCheckpointingStopsPromptly) {
   fs::remove_all(dir);
 }
 
+// Issue: SIGTERM that reached one rank only (one node of a job preempted) saved and stopped
+// the run, but every rank exited 0, so a scheduler could not tell it from a finished run.
+TEST(CheckpointFaultTest, SigtermToOneRankStopsEveryRankAsPreempted) {
+  std::string dir = FreshTempDir("sigterm-one");
+  TrainRun run = Train(dir, 2, "full_shard",
+                       {"checkpoint.enabled=true", "checkpoint.interval=100", "training.steps=20"},
+                       {{"FSDP_TEST_SIGTERM", "1@3"}});
+  EXPECT_EQ(run.result.exit.code, 143) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas(
+      "fsdp launch: rank 1 stopped first: rank 1: preempted: stopped by SIGTERM after step 3 of "
+      "20; step 3 is saved (resume with checkpoint.load: latest); rank 0 stopped too"))
+      << run.result.Output();
+  EXPECT_FALSE(run.result.StderrHas("restarting")) << run.result.Output();
+  EXPECT_THAT(ckpt::LatestCheckpoint(dir + "/checkpoints"),
+              ::fsdp::testing::IsOkAndHolds(dir + "/checkpoints/" + ckpt::StepDirName(3)));
+  EXPECT_EQ(run.losses.size(), 3u) << run.result.Output();
+  fs::remove_all(dir);
+}
+
 // Issue: SIGTERM landing on a checkpoint-interval step saved that step twice and committed a
 // folder without rank00001.bin. With log_interval 1 the SIGTERM save is seen at every step, so
 // it always coincides with interval 1, and with interval 2 on even steps.

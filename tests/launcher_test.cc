@@ -332,5 +332,30 @@ TEST(LaunchHeadlineTest, EachRankThatFailedOnItsOwnIsNamed) {
   EXPECT_THAT(h.text, ::testing::EndsWith("xxx...; rank 3 stopped after rank 0 failed"));
 }
 
+// Ranks that stopped on SIGTERM (exit 143) did not fail: one line, the others "stopped too".
+TEST(LaunchHeadlineTest, PreemptedRanksAreOneStop) {
+  GroupResult result;
+  result.outcome = GroupResult::Outcome::kWorkerFailed;
+  for (int rank : {0, 1, 2}) {
+    WorkerExit e;
+    e.rank = rank;
+    e.exited = true;
+    e.code = 143;
+    result.exits.push_back(e);
+  }
+  result.first_failure = result.exits[0];
+  std::vector<FailureRecord> records = {
+      {0, 200, 143, "rank 0: preempted: stopped by SIGTERM after step 3 of 20"},
+      {1, 100, 143, "rank 1: preempted: stopped by SIGTERM after step 3 of 20"},
+      {2, 300, 143, "rank 2: preempted: stopped by SIGTERM after step 3 of 20"},
+  };
+  FailureHeadline h = SummarizeFailures(result, records);
+  EXPECT_EQ(h.rank, 1);
+  EXPECT_EQ(h.code, 143);
+  EXPECT_EQ(h.text,
+            "rank 1 stopped first: rank 1: preempted: stopped by SIGTERM after step 3 of 20; "
+            "ranks 0,2 stopped too");
+}
+
 }  // namespace
 }  // namespace fsdp
