@@ -1029,7 +1029,10 @@ absl::StatusOr<RunConfig> LoadRunConfig(const std::string& path,
     int fd;
     ~CloseFd() { ::close(fd); }
   } close_fd{fd};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return not_regular(st.st_mode);
+  if (::fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(StrCat(path, ": cannot read: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
   std::string text;
   char buffer[1 << 16];
   while (true) {

@@ -488,13 +488,23 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     }
     if (rank == 0) std::cout << "fsdp train: parameters from " << config.model.init_from << "\n";
   }
-  if (checkpointer && checkpointer->enabled() && rank == 0) {
+  if (checkpointer && checkpointer->enabled()) {
     // Note [A run that goes back] (checkpoint/format.h): rank 0 commits and prunes, so moving
-    // the later steps' checkpoints aside here comes before any of this run's commits.
-    absl::StatusOr<std::vector<std::string>> moved =
-        ckpt::SetAsideCheckpointsAfter(checkpointer->root(), start_step);
+    // the later steps' checkpoints aside here comes before any of this run's commits. The
+    // others learn whether it worked (one small all-reduce), as for run.dir above.
+    absl::StatusOr<std::vector<std::string>> moved = std::vector<std::string>();
+    if (rank == 0) moved = ckpt::SetAsideCheckpointsAfter(checkpointer->root(), start_step);
+    at::Tensor aside_failed = at::full({1}, moved.ok() ? 0.0 : 1.0,
+                                       at::TensorOptions().dtype(at::kDouble).device(device));
+    ctx->world().AllReduce(aside_failed)->wait();
     if (!moved.ok()) return WithFailureClass(moved.status(), FailureClass::kCheckpoint);
-    if (!moved->empty()) {
+    if (aside_failed.item<double>() > 0) {
+      return WithFailureClass(
+          absl::FailedPreconditionError(StrCat("rank 0 could not move later checkpoints aside in ",
+                                               checkpointer->root(), " (rank 0's error says why)")),
+          FailureClass::kPeerLost);
+    }
+    if (rank == 0 && !moved->empty()) {
       std::vector<std::string> names;
       for (const std::string& p : *moved) names.push_back(std::filesystem::path(p).filename());
       std::cout << fmt::format(
@@ -603,8 +613,15 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     if (!metrics.ShouldLog(done)) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
-    if (end.terminate) {
-      if (checkpointer && checkpointer->enabled()) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/true));
+    // SIGTERM during the last step: the run has finished; it ends as usual (saved, exit 0).
+    if (end.terminate && done < t.steps) {
+      if (checkpointer && checkpointer->enabled()) {
+        FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/true));
+        // Rank 0 commits after the others have written their shards: they wait for it here,
+        // since the launcher stops the group soon after the first rank exits 143.
+        at::Tensor committed = at::zeros({1}, at::TensorOptions().device(device));
+        ctx->world().AllReduce(committed)->wait();
+      }
       return StopOnTerm(checkpointer, done, t.steps, rank);
     }
     if (t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps)) {

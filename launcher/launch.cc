@@ -298,6 +298,7 @@ int RunLaunch(const LaunchOptions& o) {
     wait.grace = o.grace;
     wait.failure_grace = std::min(o.grace, o.failure_grace);
     const std::string failed_key = AttemptKey(attempt, "failed");
+    const std::string failed_code_key = AttemptKey(attempt, "failed_code");
     wait.stop_requested = [&] {
       if (ReceivedStopSignal() != 0) return true;
       if (o.nnodes == 1) return false;
@@ -327,7 +328,10 @@ int RunLaunch(const LaunchOptions& o) {
       why = headline.text;
       code = headline.code;
       std::string value = StrCat("node ", o.node_rank, ": ", why);
+      std::string code_text = StrCat(code);
       (void)CallTorch("", [&] {
+        // The code first: a node that reads failed_key finds its code too (preempted: 143).
+        store->set(failed_code_key, std::vector<uint8_t>(code_text.begin(), code_text.end()));
         store->set(failed_key, std::vector<uint8_t>(value.begin(), value.end()));
       });
     } else {
@@ -335,6 +339,8 @@ int RunLaunch(const LaunchOptions& o) {
       (void)CallTorch("", [&] {
         auto v = store->get(failed_key);
         why = std::string(v.begin(), v.end());
+        auto c = store->get(failed_code_key);
+        code = ParseInt<int>(std::string(c.begin(), c.end())).value_or(1);
       });
     }
     if (FailureClassOfExitCode(code) == FailureClass::kPreempted) {

@@ -255,6 +255,14 @@ TEST(CheckpointFaultTest, SigtermToOneRankStopsEveryRankAsPreempted) {
   EXPECT_THAT(ckpt::LatestCheckpoint(dir + "/checkpoints"),
               ::fsdp::testing::IsOkAndHolds(dir + "/checkpoints/" + ckpt::StepDirName(3)));
   EXPECT_EQ(run.losses.size(), 3u) << run.result.Output();
+  // SIGTERM during the last step: the run finished, and ends as one that did (exit 0).
+  const std::string last_dir = dir + "/last";
+  TrainRun last = Train(last_dir, 2, "full_shard",
+                        {"checkpoint.enabled=true", "checkpoint.interval=100", "training.steps=3"},
+                        {{"FSDP_TEST_SIGTERM", "1@3"}});
+  EXPECT_TRUE(last.result.exit.ok()) << last.result.Output();
+  EXPECT_THAT(ckpt::LatestCheckpoint(last_dir + "/checkpoints"),
+              ::fsdp::testing::IsOkAndHolds(last_dir + "/checkpoints/" + ckpt::StepDirName(3)));
   fs::remove_all(dir);
 }
 
@@ -445,13 +453,15 @@ TEST(CheckpointResumeTest, GoingBackSetsLaterCheckpointsAsideAndKeepsItsOwn) {
 TEST(CheckpointFaultTest, FailedBackgroundSaveStopsTheRunPromptly) {
   std::string dir = FreshTempDir("async-fail");
   // Rank 1's shard file cannot be created: a folder has its name.
-  fs::create_directories(dir + "/checkpoints/" + ckpt::StepDirName(4) + ".tmp/rank00001.bin");
+  fs::create_directories(dir + "/checkpoints/" + ckpt::StepDirName(10) + ".tmp/rank00001.bin");
   TrainRun run = Train(dir, 2, "full_shard",
                        {"checkpoint.enabled=true", "checkpoint.async=true",
-                        "checkpoint.interval=4", "training.steps=60"});
+                        "checkpoint.interval=10", "training.steps=60"});
   EXPECT_EQ(run.result.exit.code, 3) << run.result.Output();
   EXPECT_TRUE(run.result.StderrHas("rank00001.bin")) << run.result.Output();
-  EXPECT_LT(run.losses.size(), 30u) << run.result.Output();
+  // Stopped after step 10 (the failed save), before the next save (step 20) would have noticed.
+  EXPECT_GE(run.losses.size(), 10u) << run.result.Output();
+  EXPECT_LT(run.losses.size(), 20u) << run.result.Output();
   fs::remove_all(dir);
 }
 
