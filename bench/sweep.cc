@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -107,6 +108,23 @@ int RunSweep(const SweepOptions& o) {
       return 2;
     }
     models.push_back({config_path, *std::move(config)});
+  }
+  // Two run.names can give one folder ("exp/a" and "exp_a"): the second row would remove the
+  // first's run folder. Refused before anything runs.
+  {
+    std::map<std::string, std::string> folders;  // folder -> the config that names it
+    for (const Model& model : models) {
+      // The folders are SafeFileName("<run.name>-<strategy>-<world>"): the same for two
+      // configs exactly when their names map to the same prefix.
+      const std::string name = SafeFileName(StrCat(model.config.run.name, "-"));
+      auto [it, fresh] = folders.emplace(name, model.config_path);
+      if (!fresh) {
+        std::cerr << "fsdp bench sweep: " << it->second << " and " << model.config_path
+                  << " name the same run folders (run.name '" << model.config.run.name
+                  << "'); give them different run.name values (--set applies to both)\n";
+        return 2;
+      }
+    }
   }
   std::vector<Strategy> strategies;
   int runnable = 0;

@@ -348,6 +348,22 @@ TEST(BenchSweep, RunNameCannotLeaveTheOutputFolder) {
   fs::remove_all(dir);
 }
 
+// Two configs whose run.names sanitise to one folder would share run folders (the second row
+// removing the first's): refused before anything runs.
+TEST(BenchSweep, ConfigsThatNameTheSameRunFoldersAreRefused) {
+  const std::string out = FreshTempDir("sweep-same");
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml",
+       SourceDir() + "/configs/sweep_medium.yaml", "--set", "run.name=exp", "--world-sizes", "1",
+       "--strategies", "full_shard", "--steps", "2", "--warmup", "0", "--hardware", "cpu",
+       "--no-plot", "--out", out},
+      {}, std::chrono::seconds(120));
+  EXPECT_EQ(r.exit.code, 2) << r.Output();
+  EXPECT_TRUE(r.StderrHas("name the same run folders (run.name 'exp')")) << r.Output();
+  EXPECT_FALSE(fs::exists(fs::path(out) / "sweep.csv")) << r.Output();
+  fs::remove_all(out);
+}
+
 // Skipped combinations are named; a sweep with none left is an error, not an empty CSV.
 TEST(BenchSweep, CombinationsWithoutALayoutAreNamed) {
   const std::string out = FreshTempDir("sweep-none");
