@@ -642,8 +642,9 @@ class Harness:
             outcome, detail = "ok", "the run ended before the fault could be injected"
         elif code is None:
             outcome, detail = "hang", f"not ended {timeout} s after the fault"
-        elif expect_exit == 0:
-            outcome, detail = ("ok", "") if code == 0 else ("unnamed", first_error(out))
+        elif expect_exit in (0, 143):  # 143: stopped by SIGTERM after saving (preempted)
+            outcome, detail = (("ok", "") if code == expect_exit
+                               else ("unnamed", f"exit {code}: {first_error(out)}"))
         else:
             headline = next((l for l in out.splitlines() if "fsdp launch:" in l and
                              "failed" in l), "")
@@ -708,7 +709,7 @@ class Harness:
                                           "checkpoint.keep_latest_k=1",
                                           f"checkpoint.async={asy}"],
                                     when=checkpoints_done(1), sig=signal.SIGTERM, victim=0,
-                                    expect_exit=0, after=self.resumable)))
+                                    expect_exit=143, after=self.resumable)))
         trials = self.sample(trials, 4)
         print(f"ranks: {len(trials)} runs with a rank killed, stopped or preempted", flush=True)
         for name, kw in trials:
