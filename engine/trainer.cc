@@ -156,6 +156,23 @@ absl::Status CheckSomeUnitIsCheckpointed(const FsdpModel* sharded,
 
 // A save's error, of class checkpoint unless it has a more specific one (a timeout waiting for
 // a rank's shard, a write error's I/O class).
+// Rank 0's outcome of a set-up step only it performs (`status`; OK on the other ranks), shared
+// by one small all-reduce: rank 0 returns its error with class `c`, the others stop naming
+// `what` rank 0 could not do, rather than wait in the first collective until it times out.
+absl::Status AgreeWithRankZero(const absl::Status& status, FailureClass c, std::string_view what,
+                               ProcessGroup& world, c10::Device device) {
+  at::Tensor failed = at::full({1}, status.ok() ? 0.0 : 1.0,
+                               at::TensorOptions().dtype(at::kDouble).device(device));
+  world.AllReduce(failed)->wait();
+  FSDP_RETURN_IF_ERROR(WithFailureClass(status, c));
+  if (failed.item<double>() > 0) {
+    return WithFailureClass(absl::FailedPreconditionError(StrCat(
+                                "rank 0 could not ", what, " (rank 0's error says why)")),
+                            FailureClass::kPeerLost);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AsCheckpointFailure(absl::Status s) {
   if (s.ok() || ClassifyFailure(s) != FailureClass::kError) return s;
   return WithFailureClass(std::move(s), FailureClass::kCheckpoint);
@@ -410,15 +427,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
       return absl::OkStatus();
     }();
   }
-  at::Tensor setup_failed = at::full({1}, setup.ok() ? 0.0 : 1.0,
-                                     at::TensorOptions().dtype(at::kDouble).device(device));
-  ctx->world().AllReduce(setup_failed)->wait();
-  FSDP_RETURN_IF_ERROR(WithFailureClass(setup, FailureClass::kIo));
-  if (setup_failed.item<double>() > 0) {
-    return WithFailureClass(absl::FailedPreconditionError(StrCat(
-        "rank 0 could not set up run.dir '", run_dir.string(), "' (rank 0's error says why)")),
-        FailureClass::kPeerLost);
-  }
+  FSDP_RETURN_IF_ERROR(AgreeWithRankZero(setup, FailureClass::kIo,
+                                         StrCat("set up run.dir '", run_dir.string(), "'"),
+                                         ctx->world(), device));
 
   // ===== model (from the registry), wrapped, and its optimizer ==================================
   // model.attention: one SDPA backend for the whole run, chosen here (engine/attention.h).
@@ -494,16 +505,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     // others learn whether it worked (one small all-reduce), as for run.dir above.
     absl::StatusOr<std::vector<std::string>> moved = std::vector<std::string>();
     if (rank == 0) moved = ckpt::SetAsideCheckpointsAfter(checkpointer->root(), start_step);
-    at::Tensor aside_failed = at::full({1}, moved.ok() ? 0.0 : 1.0,
-                                       at::TensorOptions().dtype(at::kDouble).device(device));
-    ctx->world().AllReduce(aside_failed)->wait();
-    if (!moved.ok()) return WithFailureClass(moved.status(), FailureClass::kCheckpoint);
-    if (aside_failed.item<double>() > 0) {
-      return WithFailureClass(
-          absl::FailedPreconditionError(StrCat("rank 0 could not move later checkpoints aside in ",
-                                               checkpointer->root(), " (rank 0's error says why)")),
-          FailureClass::kPeerLost);
-    }
+    FSDP_RETURN_IF_ERROR(AgreeWithRankZero(
+        moved.status(), FailureClass::kCheckpoint,
+        StrCat("move later checkpoints aside in ", checkpointer->root()), ctx->world(), device));
     if (rank == 0 && !moved->empty()) {
       std::vector<std::string> names;
       for (const std::string& p : *moved) names.push_back(std::filesystem::path(p).filename());
@@ -514,8 +518,6 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
           start_step, moved->size(), StrJoin(names, ", "),
           (std::filesystem::path(checkpointer->root()) / ckpt::kSupersededDir).string());
     }
-  }
-  if (checkpointer && checkpointer->enabled()) {
     // Note [Checkpoint staging]: the saves' host buffers, page-locked here rather than by the
     // first save inside the loop.
     auto reserve_start = std::chrono::steady_clock::now();
