@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: build with the machine's own torch, run the GPU tests, then
-# the llama_1b comparison (fused kernels, composite, unwrapped, FSDP2, eager, compile), the
-# kernel microbenchmark and a profile, and print one table. Meant for one call on a fresh
-# H100 (../shared/GPU.md: the device tool; carry .device/ made by ../shared/device/pack-deps.sh).
+# the llama_1b comparison (fused kernels, FSDP2, eager, compile, unwrapped), the runs behind
+# issue 14's targets (activation checkpointing, offload), the async checkpoint of issue 15, the
+# kernel microbenchmark and a profile, and print one table. Meant for one call on a fresh H100
+# (../shared/GPU.md: the device tool; carry .device/ made by ../shared/device/pack-deps.sh).
 #
-#   scripts/gpu_check.sh                 # build + ctest -L gpu + llama_1b runs + table
-#   GPU_CHECK_STEPS=20 scripts/gpu_check.sh
-#   GPU_CHECK_PART=large scripts/gpu_check.sh   # second call: issue 14 (AC, offload, the plan
-#                                               # beside each run, an 8B-shape run on one GPU)
+# The stages run in one order, that of what the issues need most, each only if the time left
+# before the deadline covers its estimate (Note [Stages in one call] below):
+#   scripts/gpu_check.sh                        # every stage, most needed first
+#   GPU_CHECK_STAGES=skipped GPU_CHECK_SKIP_BUILD=1 GPU_CHECK_DEADLINE_S=150 scripts/gpu_check.sh
+#                                               # a second call on the same warm machine: the
+#                                               # stages the first one skipped
+#   GPU_CHECK_STAGES=big_1gpu scripts/gpu_check.sh   # named stages only
 #   GPU_CHECK_CPU=1 GPU_CHECK_CONFIG=configs/default.yaml GPU_CHECK_CKPT_CONFIG=configs/default.yaml \
 #     GPU_CHECK_SKIP_BUILD=1 scripts/gpu_check.sh   # plumbing check on a CPU box (no GPU figures)
 #
 # Environment: FSDP_TORCH_DIR (default: the torch that python3 imports), JOBS (default: nproc),
-# GPU_CHECK_STEPS (steps per llama_1b run, default 30; 15 with GPU_CHECK_PART=large), GPU_CHECK_OUT (the
-# working folder, default gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default configs/llama_1b.yaml),
-# GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml), GPU_CHECK_SKIP_BUILD=1 (use the existing
-# build), GPU_CHECK_CPU=1 (run without a GPU: checks the script itself, measures nothing),
-# GPU_CHECK_PART (speed, the default: issue 13 and 15's runs; large: issue 14's runs, no GPU
-# tests), GPU_CHECK_BIG_CONFIG (default configs/llama3_8b_one_gpu.yaml) and GPU_CHECK_BIG_LAYERS
-# (default 20: 5.4B parameters, ~81 GiB of pinned host memory by `fsdp plan`, which a 128 GiB
-# host holds; the full 32 layers need ~120 GiB) for large's one-GPU run, GPU_CHECK_KERNELS
-# (auto, fused, composite: model.kernels for every run; default auto, or composite when a
-# fused-kernel GPU test failed).
+# GPU_CHECK_STAGES (a comma list of the stage names below, or `skipped`: those the last call in
+# this output folder skipped or stopped; default: GPU_CHECK_PART's), GPU_CHECK_PART (all, the
+# default; speed: issue 13 and 15's stages; large: issue 14's), GPU_CHECK_STEPS (steps per
+# llama_1b run, default 20), GPU_CHECK_DEADLINE_S (default 570), GPU_CHECK_OUT (the working
+# folder, default gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default
+# configs/llama_1b.yaml), GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml),
+# GPU_CHECK_SKIP_BUILD=1 (use the existing build), GPU_CHECK_CPU=1 (run without a GPU: checks
+# the script itself, measures nothing), GPU_CHECK_BIG_CONFIG (default
+# configs/llama3_8b_one_gpu.yaml) and GPU_CHECK_BIG_LAYERS (default 20: 5.4B parameters, ~81 GiB
+# of pinned host memory by `fsdp plan`, which a 128 GiB host holds; the full 32 layers need
+# ~120 GiB) for big_1gpu, GPU_CHECK_KERNELS (auto, fused, composite: model.kernels for every run;
+# default auto, or composite when a fused-kernel GPU test failed).
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
 # Under the device tool ($OUT set), what comes back is small: the table (table-PART.txt), every
 # log, metrics and plan file in one archive (gpu_check-PART.tar.gz) and the profile's trace
@@ -32,12 +38,71 @@ script_start=$(date +%s)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 out="${GPU_CHECK_OUT:-$here/gpu_check}"
-part="${GPU_CHECK_PART:-speed}"
+part="${GPU_CHECK_PART:-all}"
+steps="${GPU_CHECK_STEPS:-20}"
+
+# Note [Stages in one call]
+# A session gets the GPU machine for 15 minutes of device time in all, its start included, and
+# one call for at most 10 minutes: in practice one call, and perhaps a short second one on the
+# still-warm machine. So every stage of every issue is in one list, in the order of what the
+# issues need most (the correctness of the GPU code, then each issue's headline target), each
+# with its estimate in seconds on an H100; a stage runs only if the time left before the
+# deadline covers its estimate, and the names of those skipped (or stopped at the deadline) are
+# written to skipped.txt, so that a later call on the same machine can run exactly those
+# (GPU_CHECK_STAGES=skipped) and its table shows both calls' runs.
+stage_order=(
+  gpu_tests           # ctest -L gpu: the CUDA kernels, NCCL, parity and staging on the GPU
+  compare_2x4         # issue 13: fsdp.cpp vs FSDP2, eager, torch.compile, unwrapped (MFU, ratios)
+  base_8x1            # issue 14's AC baseline, and issue 13's 8 x 1 row
+  ac_full_8x1         # issue 14: full AC, peak <= 45% at <= 1.38x
+  ac_selective_8x1    # issue 14: selective AC, <= 70% at <= 1.15x
+  fsdp_2x4            # issue 14's offload baseline
+  offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
+  ckpt_125m           # issue 15: the async save's blocked time, <= 100 ms
+  keep_2x4            # issue 13: the wrapper's overhead <= 3% (against unwrapped_2x4)
+  unwrapped_2x4
+  kernels             # issue 13: each fused kernel against its composite
+  profile_2x4         # issue 13: the per-kernel-class profile
+  offload_optimizer_2x4
+  deterministic_2x4   # issue 15: the cost of training.deterministic
+  composite_2x4
+  per_tensor_2x4
+  sanitizer           # compute-sanitizer memcheck on the CUDA kernels' tests
+  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
+)
+declare -A estimate=(
+  [gpu_tests]=90 [compare_2x4]=220 [base_8x1]=40 [ac_full_8x1]=45 [ac_selective_8x1]=45
+  [fsdp_2x4]=40 [offload_params_2x4]=60 [ckpt_125m]=60 [keep_2x4]=40 [unwrapped_2x4]=40
+  [kernels]=45 [profile_2x4]=45 [offload_optimizer_2x4]=60 [deterministic_2x4]=40
+  [composite_2x4]=40 [per_tensor_2x4]=40 [sanitizer]=60 [big_1gpu]=240
+)
 case "$part" in
-  speed) steps="${GPU_CHECK_STEPS:-30}" ;;
-  large) steps="${GPU_CHECK_STEPS:-15}" ;;  # seven llama_1b runs and the big one in one call
-  *) echo "gpu_check: GPU_CHECK_PART=$part: expected speed or large" >&2; exit 2 ;;
+  all) wanted=("${stage_order[@]}") ;;
+  speed) wanted=(gpu_tests compare_2x4 base_8x1 ckpt_125m keep_2x4 unwrapped_2x4 fsdp_2x4 kernels
+                 profile_2x4 composite_2x4 per_tensor_2x4 sanitizer) ;;
+  large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 fsdp_2x4 offload_params_2x4
+                 offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
+  *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
 esac
+if [ "${GPU_CHECK_STAGES:-}" = skipped ]; then
+  if [ ! -s "$out/skipped.txt" ]; then
+    echo "gpu_check: GPU_CHECK_STAGES=skipped, but $out/skipped.txt lists no stage (no earlier" \
+      "call in this folder skipped any)" >&2
+    exit 2
+  fi
+  mapfile -t wanted <"$out/skipped.txt"
+elif [ -n "${GPU_CHECK_STAGES:-}" ]; then
+  IFS=, read -r -a wanted <<<"$GPU_CHECK_STAGES"
+fi
+for name in "${wanted[@]}"; do
+  if [ -z "${estimate[$name]:-}" ]; then
+    echo "gpu_check: unknown stage '$name' (GPU_CHECK_STAGES); the stages are:" \
+      "${stage_order[*]}" >&2
+    exit 2
+  fi
+done
+declare -A selected=()
+for name in "${wanted[@]}"; do selected[$name]=1; done
 build="${BUILD_DIR:-build}"
 config="${GPU_CHECK_CONFIG:-configs/llama_1b.yaml}"
 ckpt_config="${GPU_CHECK_CKPT_CONFIG:-configs/gpt_125m.yaml}"
@@ -61,7 +126,7 @@ pack_results() {
     tar --null -czf "$dest/gpu_check-$part.tar.gz" -T -) ||
     log "packing the logs into $dest failed"
   local trace=""
-  [ "$part" = speed ] && trace=$(find "$out" -path "*profile*" -name rank0.json 2>/dev/null | head -1)
+  trace=$(find "$out" -path "*profile*" -name rank0.json 2>/dev/null | head -1)
   if [ -n "$trace" ]; then
     gzip -c "$trace" >"$dest/trace-$part.json.gz"
     if [ "$(stat -c %s "$dest/trace-$part.json.gz")" -gt $((16 << 20)) ]; then
@@ -82,42 +147,62 @@ else
 fi
 
 # ---- build with the machine's torch (and the Debian deps carried in .device/) -----------------
+# Only what the stages use: the fsdp binary, and the test binaries holding tests labelled gpu
+# (read from tests/CMakeLists.txt), about two thirds of the whole build. ctest lists the tests of
+# binaries not built as "not built", without their labels, so `ctest -L gpu` still finds all its own.
 if [ -f .device/unpack.sh ]; then source .device/unpack.sh; fi
 export FSDP_SKIP_APT="${FSDP_SKIP_APT:-1}" FSDP_PYTHON="${FSDP_PYTHON:-$(command -v python3)}"
 export PATH="$PATH:/usr/local/cuda/bin"
+targets=(fsdp)
+if [ -n "${selected[gpu_tests]:-}${selected[sanitizer]:-}" ]; then
+  targets+=($(python3 - <<'EOF'
+import re
+text = open("tests/CMakeLists.txt").read()
+found = {m.group(1) for m in re.finditer(r"gtest_discover_tests\((\w+)([^)]*)\)", text)
+         if re.search(r"\bLABELS\s+gpu\b", m.group(2))}
+print(" ".join(sorted(found)))
+EOF
+  ))
+fi
 start=$(date +%s)
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then
   log "GPU_CHECK_SKIP_BUILD=1: using the build in $build"
-elif ! FSDP_TORCH_DIR="${FSDP_TORCH_DIR:-$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')}" \
-    make build BUILD_DIR="$build" JOBS="${JOBS:-$(nproc)}" >"$out/build.log" 2>&1; then
+elif ! (export FSDP_TORCH_DIR="${FSDP_TORCH_DIR:-$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')}" &&
+        make configure BUILD_DIR="$build" &&
+        cmake --build "$build" -j "${JOBS:-$(nproc)}" --target "${targets[@]}") >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log" >&2
   log "build failed (full log: $out/build.log)"
   exit 1
+else
+  log "built ${targets[*]} in $(($(date +%s) - start)) s"
 fi
-log "built in $(($(date +%s) - start)) s"
 
-# Stages run in order of what the issues need most; each starts only if the time left before
-# the deadline (GPU_CHECK_DEADLINE_S after the script started, default 570: the device tool
-# stops a call at 600 s) covers its estimate, so a slow machine still returns its logs and the
-# table of what ran.
-# A stage that overruns its estimate is stopped at the deadline (bounded), so the table is
-# still printed inside the call.
+# Each stage starts only if the time left before the deadline (GPU_CHECK_DEADLINE_S after the
+# script started, default 570: the device tool stops a call at 600 s) covers its estimate, and
+# one that overruns is stopped at the deadline (bounded), so the table is still printed inside
+# the call and a slow machine still returns its logs.
 deadline=$((script_start + ${GPU_CHECK_DEADLINE_S:-570}))
-stage() {  # stage NAME ESTIMATE_S: true if there is time for it
+current_stage=""
+stage() {  # stage NAME: true if NAME was asked for and there is time for it
+  [ -n "${selected[$1]:-}" ] || return 1
   local left=$((deadline - $(date +%s)))
-  if [ "$left" -lt "$2" ]; then
-    log "skipped $1 (needs ~$2 s, $left s left)"
+  if [ "$left" -lt "${estimate[$1]}" ]; then
+    log "skipped $1 (needs ~${estimate[$1]} s, $left s left)"
     echo "$1" >>"$out/skipped.txt"
     return 1
   fi
   log "$1 ($left s left)"
+  current_stage=$1
 }
 bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (TERM, then KILL)
   local left=$((deadline - $(date +%s))) rc
   [ "$left" -gt 0 ] || left=1
   timeout -k 10 "$left" "$@"
   rc=$?
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then log "stopped at the deadline: ${*:1:2}" 2>&3; fi
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    log "stopped at the deadline: ${current_stage:-setup} (${*:1:2})" 2>&3
+    [ -n "$current_stage" ] && echo "$current_stage" >>"$out/skipped.txt"
+  fi
   return "$rc"
 }
 
@@ -125,7 +210,7 @@ bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (
 gpu_tests=0
 # ~31 tests, most of their time CUDA and process start-up: four at a time (none times anything,
 # and their memory is a few GiB at most).
-if [ "$part" = speed ] && stage "ctest -L gpu" 90; then
+if stage gpu_tests; then
   (cd "$build" && bounded ctest -L gpu -j 4 --output-on-failure --timeout 120) \
     >"$out/ctest_gpu.log" 2>&1
   gpu_tests=$?
@@ -134,8 +219,8 @@ if [ "$part" = speed ] && stage "ctest -L gpu" 90; then
 fi
 # The fused kernels (model.kernels: auto = fused on CUDA) had never run on a GPU when this was
 # written. If one of their GPU tests fails, the runs below use the composite ops instead, so the
-# call still measures the engine; GPU_CHECK_KERNELS (auto, fused, composite) forces a choice,
-# e.g. for the large part after a first call found the kernels broken.
+# call still measures the engine; GPU_CHECK_KERNELS (auto, fused, composite) forces a choice.
+# A second call in the same folder finds the first call's ctest log and decides the same way.
 kernels=()
 if [ -n "${GPU_CHECK_KERNELS:-}" ]; then
   kernels=(--set model.kernels="$GPU_CHECK_KERNELS")
@@ -149,80 +234,53 @@ fi
 
 # ---- llama_1b on one GPU ------------------------------------------------------------------------
 bin="$build/bin/fsdp"
-run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log, folder $out/NAME
+run() {  # run NAME ARGS...: stage NAME, one fsdp train on one rank, output in $out/NAME.log and $out/NAME/
   local name=$1; shift
+  stage "$name" || return 0
+  rm -rf "${out:?}/$name"  # a rerun replaces the earlier call's run, never appends to it
   bounded "$bin" train "$config" --quiet --set run.dir="$out/$name" --set parallelism.nproc=1 \
     --set training.steps="$steps" --set training.log_interval="$steps" \
     --set training.eval_interval=0 --set metrics.progress_bar=off "${kernels[@]}" "$@" \
     >"$out/$name.log" 2>&1 ||
     log "$name failed (see $out/$name.log)"
 }
-accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
-
-# ---- issue 14 (GPU_CHECK_PART=large): activation checkpointing and offload on llama_1b, each
-# run beside `fsdp plan`'s prediction for it, then the largest Llama 3 shape on one GPU.
-plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON
+plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON (< 1 s)
   local name=$1 cfg=$2; shift 2
   bounded "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" \
     "${kernels[@]}" "$@" \
     >"$out/$name.plan.log" 2>&1 || log "plan $name failed (see $out/$name.plan.log)"
 }
-run_large() {
-  local mb8=(--set training.micro_batch_size=8 --set training.grad_accum_steps=1)
-  plan plan_8x1 "$config" "${mb8[@]}"
-  plan plan_2x4 "$config" "${accum2x4[@]}"
-  stage "base_8x1" 45 && run base_8x1 "${mb8[@]}"
-  stage "ac_full_8x1" 50 && run ac_full_8x1 "${mb8[@]}" --set training.activation_checkpointing=full
-  stage "ac_selective_8x1" 50 && run ac_selective_8x1 "${mb8[@]}" \
-    --set training.activation_checkpointing=selective
-  stage "fsdp_2x4" 45 && run fsdp_2x4 "${accum2x4[@]}"
-  stage "offload_optimizer_2x4" 60 && run offload_optimizer_2x4 "${accum2x4[@]}" \
-    --set parallelism.offload=optimizer
-  stage "offload_params_2x4" 60 && run offload_params_2x4 "${accum2x4[@]}" \
-    --set parallelism.offload=params
-  # issue 15: the cost of training.deterministic (against fsdp_2x4).
-  stage "deterministic_2x4" 45 && run deterministic_2x4 "${accum2x4[@]}" \
-    --set training.deterministic=true
-  local big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
-  local big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
-  plan plan_big "$big_config" "${big[@]}"
-  # Deferred init of 5.4B parameters on the host and their pinning take minutes by themselves.
-  if stage "big_1gpu" 240; then
-    bounded "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
-      --set training.steps=6 --set training.log_interval=6 --set training.eval_interval=0 \
-      --set metrics.progress_bar=off --set checkpoint.enabled=false "${kernels[@]}" "${big[@]}" \
-      >"$out/big_1gpu.log" 2>&1 || log "big_1gpu failed (see $out/big_1gpu.log)"
-  fi
-}
-if [ "$part" = speed ]; then
+accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
+mb8=(--set training.micro_batch_size=8 --set training.grad_accum_steps=1)
+big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
+big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
+# The planner's predictions that the table sets beside issue 14's runs.
+plan plan_8x1 "$config" "${mb8[@]}"
+plan plan_2x4 "$config" "${accum2x4[@]}"
+[ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
+
 # fsdp.cpp (fused kernels on CUDA), FSDP2 as users run it, eager, torch.compile and the
 # unwrapped model, same weights and batches (bench compare's reference modes).
-if stage "bench compare 2x4" 240; then
+if stage compare_2x4; then
   bounded "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
     --reference fsdp2,eager,compile --unwrapped --no-plot --out "$out/compare" \
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare.log" 2>&1 ||
     log "bench compare failed (see $out/compare.log)"
 fi
-# The wrapper's overhead with the parameters kept across micro-batches (issue 13's <= 3%).
-stage "keep_2x4" 45 && run keep_2x4 "${accum2x4[@]}" \
-  --set parallelism.reshard_between_micro_batches=false
-stage "fsdp_2x4" 45 && run fsdp_2x4 "${accum2x4[@]}"
-stage "composite_2x4" 45 && run composite_2x4 "${accum2x4[@]}" --set model.kernels=composite
-stage "unwrapped_2x4" 45 && run unwrapped_2x4 "${accum2x4[@]}" \
-  --set parallelism.strategy=none
-
-# ---- each fused kernel against its composite reference at llama_1b's shapes ------------------
-if stage "bench kernels" 45; then
-  bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
-    --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
-fi
-stage "fsdp_8x1" 45 && run fsdp_8x1 --set training.micro_batch_size=8 --set training.grad_accum_steps=1
+# Issue 14: activation checkpointing at micro-batch 8 (its targets are against base_8x1), and
+# offload at 2 x 4 (against fsdp_2x4).
+run base_8x1 "${mb8[@]}"
+run ac_full_8x1 "${mb8[@]}" --set training.activation_checkpointing=full
+run ac_selective_8x1 "${mb8[@]}" --set training.activation_checkpointing=selective
+run fsdp_2x4 "${accum2x4[@]}"
+run offload_params_2x4 "${accum2x4[@]}" --set parallelism.offload=params
 
 # ---- issue 15: the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
 # [Checkpoint staging]). Each save line says the loop's blocked ms, how much of it waited for the
 # previous save, and any staging a save allocated (the trainer reserves it at start-up, in a line
 # of its own); the target is <= 100 ms per save.
-if stage "ckpt_125m" 60; then
+if stage ckpt_125m; then
+  rm -rf "${out:?}/ckpt_125m"
   bounded "$bin" train "$ckpt_config" --set run.dir="$out/ckpt_125m" --set training.steps=60 \
     --set training.log_interval=10 --set training.eval_interval=0 --set metrics.progress_bar=off \
     --set checkpoint.enabled=true --set checkpoint.interval=20 --set checkpoint.async=true \
@@ -231,18 +289,36 @@ if stage "ckpt_125m" 60; then
   grep -E "^(\[rank0\]: )?checkpoint: (step|[0-9])" "$out/ckpt_125m.log" >&2  # rank 0 prefixed when several
   rm -rf "$out/ckpt_125m/checkpoints"  # 1.5 GB each: the log has what was measured
 fi
-stage "profile_2x4" 45 && run profile_2x4 "${accum2x4[@]}" --set training.steps=8 \
-  --set training.profile=5:2
-stage "per_tensor_2x4" 45 && run per_tensor_2x4 "${accum2x4[@]}" \
-  --set optimizer.implementation=per_tensor
-# The CUDA kernels under compute-sanitizer (out-of-bounds and race checks), if time is left.
-if command -v compute-sanitizer >/dev/null && stage "compute-sanitizer" 60; then
+# The wrapper's overhead with the parameters kept across micro-batches (issue 13's <= 3%).
+run keep_2x4 "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
+run unwrapped_2x4 "${accum2x4[@]}" --set parallelism.strategy=none
+
+# ---- each fused kernel against its composite reference at llama_1b's shapes ------------------
+if stage kernels; then
+  bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
+    --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
+fi
+run profile_2x4 "${accum2x4[@]}" --set training.steps=8 --set training.profile=5:2
+run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
+run deterministic_2x4 "${accum2x4[@]}" --set training.deterministic=true
+run composite_2x4 "${accum2x4[@]}" --set model.kernels=composite
+run per_tensor_2x4 "${accum2x4[@]}" --set optimizer.implementation=per_tensor
+# The CUDA kernels under compute-sanitizer (out-of-bounds and race checks).
+if [ -n "${selected[sanitizer]:-}" ] && ! command -v compute-sanitizer >/dev/null; then
+  log "skipped sanitizer: no compute-sanitizer on the PATH"
+elif stage sanitizer; then
   bounded compute-sanitizer --tool memcheck --error-exitcode 9 "$build/bin/fsdp_kernels_tests" \
     --gtest_filter='*Cuda*' >"$out/sanitizer.log" 2>&1
   log "compute-sanitizer memcheck: exit $? (see $out/sanitizer.log)"
 fi
-else
-  run_large
+# The largest Llama 3 shape on one GPU, beside its plan: deferred init of 5.4B parameters on
+# the host and their pinning take minutes by themselves.
+if stage big_1gpu; then
+  rm -rf "${out:?}/big_1gpu"
+  bounded "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
+    --set training.steps=6 --set training.log_interval=6 --set training.eval_interval=0 \
+    --set metrics.progress_bar=off --set checkpoint.enabled=false "${kernels[@]}" "${big[@]}" \
+    >"$out/big_1gpu.log" 2>&1 || log "big_1gpu failed (see $out/big_1gpu.log)"
 fi
 
 [ ${#kernels[@]} -gt 0 ] && log "the runs used ${kernels[*]}"
@@ -252,8 +328,8 @@ import json, os, statistics, sys
 out = sys.argv[1]
 rows = []
 peak_bytes, state_bytes = {}, {}
-for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "fsdp_8x1",
-             "per_tensor_2x4", "base_8x1", "ac_full_8x1", "ac_selective_8x1",
+for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
+             "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "deterministic_2x4", "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
