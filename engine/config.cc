@@ -987,7 +987,13 @@ absl::StatusOr<RunConfig> ParseRunConfig(const std::string& yaml_text, const std
         config.model));
   }
   FSDP_RETURN_IF_ERROR(Validate(config, where));
+  config.locations = std::move(where);
   return config;
+}
+
+std::string RunConfig::Where(std::string_view key) const {
+  if (auto it = locations.find(key); it != locations.end()) return it->second;
+  return source_file;
 }
 
 namespace {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -200,6 +201,8 @@ struct CheckpointSection {
 
 struct RunConfig {
   std::string source_file;  // where it was read from
+  // Where each key was set, by "section.key": "configs/x.yaml:12" or "--set model.attention=x".
+  std::map<std::string, std::string, std::less<>> locations;
   RunSection run;
   ModelSection model;
   DataSection data;
@@ -216,6 +219,9 @@ struct RunConfig {
   absl::Status ValidateForWorld(int world_size) const;
   // The resolved configuration as YAML (every key, defaults included).
   std::string ToYaml() const;
+  // Where `key` was set, for errors found after loading (a check that needs the device or
+  // the wrapped model): its location, or the source file when the key kept its default.
+  std::string Where(std::string_view key) const;
   // One key's value as its YAML text ("training.mixed_precision" -> "bf16"), for what leaves
   // the process (the benchmark reference's spec, records); empty for an unknown key.
   std::string Value(std::string_view key) const;

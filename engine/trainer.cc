@@ -126,6 +126,13 @@ absl::Status NonFiniteError(int64_t step) {
       FailureClass::kNonFinite);
 }
 
+// A config error found after loading (it needs the device or the wrapped model), placed where
+// its key was set, as the loader's own errors are ("configs/x.yaml:12: model.attention: ...").
+absl::Status AtKey(const RunConfig& config, std::string_view key, absl::Status status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), StrCat(config.Where(key), ": ", std::string(status.message())));
+}
+
 // training.activation_checkpointing that applies to no unit (every:k past the last unit, or a
 // wrap policy that made no unit besides the root) would be a silent no-op: a config error.
 absl::Status CheckSomeUnitIsCheckpointed(const FsdpModel* sharded,
@@ -435,11 +442,11 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   // model.attention: one SDPA backend for the whole run, chosen here (engine/attention.h).
   std::string attention = "none";
   if (config.model.arch != "mlp") {
-    FSDP_ASSIGN_OR_RETURN(AttentionBackend backend,
-                          SelectAttentionBackend(config.model.attention, config.model,
-                                                 ScalarTypeOf(t.mixed_precision), device,
-                                                 t.deterministic));
-    attention = AttentionBackendName(backend);
+    absl::StatusOr<AttentionBackend> backend =
+        SelectAttentionBackend(config.model.attention, config.model,
+                               ScalarTypeOf(t.mixed_precision), device, t.deterministic);
+    FSDP_RETURN_IF_ERROR(AtKey(config, "model.attention", backend.status()));
+    attention = AttentionBackendName(*backend);
   }
   std::unique_ptr<Model> model = FindModelFamily(config.model.arch)->build(config.model);
   for (auto& buffer : model->module()->buffers()) buffer.set_data(buffer.to(device));
@@ -457,7 +464,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
         frozen.frozen_params, frozen.frozen_numel, frozen.trainable_params, frozen.trainable_numel);
   }
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainableModel> trained, WrapModel(config, *model, mesh));
-  FSDP_RETURN_IF_ERROR(CheckSomeUnitIsCheckpointed(trained->fsdp(), t.activation_checkpointing));
+  FSDP_RETURN_IF_ERROR(AtKey(config, "training.activation_checkpointing",
+                             CheckSomeUnitIsCheckpointed(trained->fsdp(),
+                                                         t.activation_checkpointing)));
   // Over the shards (host shards with offload: Note [CPU offload]); fused by default.
   std::unique_ptr<torch::optim::Optimizer> optimizer =
       BuildOptimizer(config.optimizer, trained->parameters());

@@ -230,8 +230,10 @@ TEST(TrainTest, CheckpointingThatAppliesToNoUnitIsRefused) {
                             {"training.steps=1", "training.activation_checkpointing=every:5"},
                             "ac-past");
   EXPECT_EQ(past.result.exit.code, 2) << past.result.Output();
+  // Found after the model is wrapped, and still placed where the key was set.
   EXPECT_TRUE(past.result.StderrHas(
-      "training.activation_checkpointing: every:5 checkpoints none of the model's 4 unit(s)"))
+      "--set training.activation_checkpointing=every:5: training.activation_checkpointing: "
+      "every:5 checkpoints none of the model's 4 unit(s)"))
       << past.result.Output();
   EXPECT_TRUE(past.result.StderrHas("valid here: full, selective, every:1 to every:4, or none"))
       << past.result.Output();
@@ -242,6 +244,18 @@ TEST(TrainTest, CheckpointingThatAppliesToNoUnitIsRefused) {
   EXPECT_EQ(root_only.result.exit.code, 2) << root_only.result.Output();
   EXPECT_TRUE(root_only.result.StderrHas("full has no unit to checkpoint"))
       << root_only.result.Output();
+}
+
+// The attention backend is chosen on the rank's device, after loading; its error names where
+// model.attention was set, as the loader's errors do.
+TEST(TrainTest, AttentionBackendThatCannotRunIsRefusedWhereSet) {
+  TrainOutcome run = Train("default.yaml", {"training.steps=1", "model.attention=cudnn"},
+                           "attention-cudnn");
+  EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("--set model.attention=cudnn: model.attention: cudnn cannot "
+                                   "run this model's attention"))
+      << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("backends that can: flash, math")) << run.result.Output();
 }
 
 TEST(TrainTest, NonFiniteLossStopsNamingTheStep) {
