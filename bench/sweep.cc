@@ -294,7 +294,7 @@ int RunSweep(const SweepOptions& o) {
         const double wire_ratio = engine_wire > 0 ? wire / engine_wire : std::nan("");
         const double t_err = predicted_step / step_s - 1, m_err = predicted_peak / peak - 1;
         csv << fmt::format("{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{},{},{},{},{},{},{},{},{},{},{}\n",
-                           model_name, counts.params, strategy, world, layout->replicate,
+                           CsvField(model_name), counts.params, strategy, world, layout->replicate,
                            layout->shard, Cell(tokens_per_s), Cell(tokens_per_s / world),
                            Cell(step_s), peak, state, run->MaxOverRanks("peak_rss_bytes"),
                            Cell(buffer_bytes, "{:.0f}"), Cell(wire, "{:.0f}"),

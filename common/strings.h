@@ -70,5 +70,8 @@ std::optional<Int> ParseInt(std::string_view s) {
 
 std::string ToLower(std::string_view s);
 bool ContainsIgnoreCase(std::string_view haystack, std::string_view needle);
+// One CSV field (RFC 4180): as is, or in double quotes (inner quotes doubled) when it holds a
+// comma, a quote or a line break, so that a user's text (a run.name) keeps the columns.
+std::string CsvField(std::string_view s);
 
 }  // namespace fsdp

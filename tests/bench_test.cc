@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -345,6 +346,27 @@ TEST(BenchSweep, RunNameCannotLeaveTheOutputFolder) {
     EXPECT_EQ(run_folders, 1);
     fs::remove_all(fs::path(out) / "runs");
   }
+  fs::remove_all(dir);
+}
+
+// A run.name with a comma or a quote once shifted sweep.csv's columns; it is one quoted field.
+TEST(BenchSweep, RunNameWithACommaStaysOneCsvField) {
+  const std::string dir = FreshTempDir("sweep-csv");
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "bench", "sweep", SourceDir() + "/configs/default.yaml", "--set",
+       "run.name=exp,\"1\"", "--world-sizes", "1", "--strategies", "full_shard", "--steps", "2",
+       "--warmup", "0", "--hardware", "cpu", "--no-plot", "--out", dir},
+      {}, std::chrono::seconds(120));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  std::ifstream csv(dir + "/sweep.csv");
+  std::string header, row;
+  ASSERT_TRUE(std::getline(csv, header));
+  ASSERT_TRUE(std::getline(csv, row));
+  const std::string field = "\"exp,\"\"1\"\"\",";
+  ASSERT_EQ(row.substr(0, field.size()), field) << row;
+  EXPECT_EQ(std::count(header.begin(), header.end(), ','),
+            std::count(row.begin() + field.size(), row.end(), ',') + 1)
+      << header << "\n" << row;
   fs::remove_all(dir);
 }
 

@@ -170,6 +170,14 @@ TEST(ToLowerTest, LowersAsciiOnly) {
   EXPECT_EQ(ToLower("\xC3\x89"), "\xC3\x89") << "non-ASCII bytes are left alone";
 }
 
+TEST(CsvFieldTest, QuotesOnlyWhatWouldBreakTheColumns) {
+  EXPECT_EQ(CsvField("gpt_125m"), "gpt_125m");
+  EXPECT_EQ(CsvField(""), "");
+  EXPECT_EQ(CsvField("a,b"), "\"a,b\"");
+  EXPECT_EQ(CsvField("say \"hi\""), "\"say \"\"hi\"\"\"");
+  EXPECT_EQ(CsvField("two\nlines"), "\"two\nlines\"");
+}
+
 TEST(ContainsIgnoreCaseTest, FindsNeedleInAnyCase) {
   EXPECT_TRUE(ContainsIgnoreCase("Hello World", "WORLD"));
   EXPECT_TRUE(ContainsIgnoreCase("Hello World", "lo w"));
