@@ -51,7 +51,7 @@ absl::Status WriteBatches(const RunConfig& config, int world_size, int steps,
   for (int step = 0; step < steps && ok; ++step) {
     for (int64_t m = 0; m < t.grad_accum_steps && ok; ++m) {
       for (DataLoader& loader : loaders) {
-        Batch b = loader.Get(static_cast<int>(m));
+        FSDP_ASSIGN_OR_RETURN(Batch b, loader.Get(static_cast<int>(m)));
         for (const at::Tensor& part : {b.inputs, b.targets}) {
           at::Tensor values = part.to(at::kInt).contiguous();
           ok = ok && std::fwrite(values.data_ptr(), values.nbytes(), 1, f) == 1;

@@ -306,7 +306,11 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
   absl::StatusOr<ShardingPlan> plan =
       ShardingPlanFor(config_, *config_.parallelism.strategy, mesh_.shape().degrees.back());
   metadata.strategy = plan.ok() ? plan->effective : StrategyLabel(config_.parallelism.strategy);
-  metadata.extra = {{"data", {{"epoch", pending.data.epoch}, {"batch", pending.data.batch}}},
+  // global_batch: Note [Resuming at another global batch] (engine/data.cc).
+  metadata.extra = {{"data",
+                     {{"epoch", pending.data.epoch},
+                      {"batch", pending.data.batch},
+                      {"global_batch", pending.data.global_batch}}},
                     {"config", config_.ToYaml()},
                     {"optimizer", OptimizerRecord(config_.optimizer, pending.optimizer_state,
                                                   pending.optimizer_step)}};
@@ -474,6 +478,7 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
   if (extra_meta.contains("data")) {
     point.data.epoch = extra_meta["data"].value("epoch", int64_t{0});
     point.data.batch = extra_meta["data"].value("batch", int64_t{0});
+    point.data.global_batch = extra_meta["data"].value("global_batch", int64_t{0});
   }
   return std::optional<ResumePoint>(point);
 }

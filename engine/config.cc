@@ -735,7 +735,15 @@ absl::Status ValidateData(const DataSection& d, const Validator& v) {
                                StrCat("required for data.source '", d.source == DataSource::kTokens ? "tokens" : "text", "'"),
                                {"data.source"}));
   FSDP_RETURN_IF_ERROR(v.Fraction("data.val_fraction", d.val_fraction));
-  return v.AtLeast<int64_t>("data.synthetic_tokens", d.synthetic_tokens, 1024);
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("data.synthetic_tokens", d.synthetic_tokens, 1024));
+  // Generated in memory at start (engine/data.cc): 2^63 failed inside std::vector as an
+  // internal error, and 2^40 would take the host's memory.
+  constexpr int64_t kMaxSyntheticTokens = int64_t{1} << 32;
+  return v.Check(d.synthetic_tokens <= kMaxSyntheticTokens, "data.synthetic_tokens",
+                 StrCat("must be <= 2^32 = ", kMaxSyntheticTokens,
+                        " (the synthetic stream is generated in memory at start, 4 bytes a "
+                        "token; data.source tokens reads a file of any size), got ",
+                        d.synthetic_tokens));
 }
 
 absl::Status ValidateTraining(const TrainingSection& t, const Validator& v) {
@@ -805,6 +813,13 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
   FSDP_RETURN_IF_ERROR(ValidateModel(c.model, v));
   FSDP_RETURN_IF_ERROR(ValidateData(c.data, v));
   FSDP_RETURN_IF_ERROR(ValidateTraining(c.training, v));
+  // Every evaluation was NaN (no held-out windows), and the run exited 0.
+  FSDP_RETURN_IF_ERROR(v.Check(
+      c.training.eval_interval == 0 || c.data.val_fraction > 0, "training.eval_interval",
+      StrCat(c.training.eval_interval,
+             " evaluates on the held-out part of the data, but data.val_fraction is 0 (nothing "
+             "held out); set data.val_fraction (e.g. 0.05), or training.eval_interval: 0"),
+      {"data.val_fraction"}));
   FSDP_RETURN_IF_ERROR(ValidateOptimizer(c.optimizer, c.lr_scheduler, v));
   FSDP_RETURN_IF_ERROR(ValidateParallelism(c.parallelism, v));
   FSDP_RETURN_IF_ERROR(v.Check(c.metrics.cpu_peak_flops >= 0, "metrics.cpu_peak_flops",

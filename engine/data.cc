@@ -83,6 +83,12 @@ double UniformUnit(SplitMix64& rng) { return static_cast<double>(rng() >> 11) * 
 // context per token keeps it learnable in a few hundred steps by a tiny model (an order-2
 // chain has vocab^2 contexts, too many to see in a short run).
 constexpr int kSuccessors = 4;
+// The stream is generated in memory at start-up, 4 bytes a token (16 GiB and minutes at the
+// bound); a larger value failed deep in std::vector, or took the host's memory.
+constexpr int64_t kMaxSyntheticTokens = int64_t{1} << 32;
+constexpr const char* kSyntheticTokensNote =
+    "the synthetic stream is generated in memory at start, 4 bytes a token; use data.source "
+    "tokens for more";
 constexpr double kNoise = 0.05;
 constexpr double kSuccessorCdf[kSuccessors] = {8.0 / 15, 12.0 / 15, 14.0 / 15, 1.0};
 
@@ -125,6 +131,7 @@ class SyntheticDataset : public TokenDataset {
   std::string Describe() const override {
     return StrCat("synthetic, ", size(), " tokens, vocab ", vocab_size_);
   }
+  std::string Name() const override { return "data.source synthetic"; }
 
  private:
   int64_t vocab_size_;
@@ -210,6 +217,7 @@ class FileDataset : public TokenDataset {
     return StrCat("tokens '", file_->path(), "', ", size(), " tokens (", format_, "uint",
                   8 * token_bytes_, "), vocab ", vocab_size_);
   }
+  std::string Name() const override { return StrCat("data.path '", file_->path(), "'"); }
 
   int64_t TokenAt(int64_t i) const {
     const uint8_t* p = file_->data() + header_bytes_ + i * token_bytes_;
@@ -402,9 +410,10 @@ absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(const DataSection& dat
       return std::make_unique<FileDataset>(std::move(file), 1, 256);
     }
   }
-  if (data.synthetic_tokens < 1) {
-    return absl::InvalidArgumentError(
-        StrCat("data.synthetic_tokens: must be >= 1, got ", data.synthetic_tokens));
+  if (data.synthetic_tokens < 1 || data.synthetic_tokens > kMaxSyntheticTokens) {
+    return absl::InvalidArgumentError(StrCat("data.synthetic_tokens: must be in [1, ",
+                                             kMaxSyntheticTokens, "] (", kSyntheticTokensNote,
+                                             "), got ", data.synthetic_tokens));
   }
   return std::make_unique<SyntheticDataset>(data.synthetic_tokens, vocab_size, seed);
 }
@@ -435,6 +444,17 @@ absl::StatusOr<DataLoader> DataLoader::Create(const TokenDataset& dataset,
     return absl::InvalidArgumentError(StrCat("data loader: dp_rank ", options.dp_rank,
                                              " is not in [0, dp_size ", options.dp_size, ")"));
   }
+  // The product of three user values: a product past 2^62 (no dataset has that many windows)
+  // would overflow and wrap into a small or negative global batch.
+  int64_t global_batch = 0;
+  if (__builtin_mul_overflow(int64_t{options.dp_size}, options.micro_batch, &global_batch) ||
+      __builtin_mul_overflow(global_batch, options.grad_accum, &global_batch) ||
+      global_batch > (int64_t{1} << 62)) {
+    return absl::InvalidArgumentError(
+        StrCat("data: a global batch of dp ", options.dp_size, " x training.micro_batch_size ",
+               options.micro_batch, " x training.grad_accum_steps ", options.grad_accum,
+               " windows is larger than any dataset (at most 2^62)"));
+  }
   if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0)) {
     return absl::InvalidArgumentError(
         StrCat("data.val_fraction: must be in [0, 1), got ", options.val_fraction));
@@ -451,7 +471,6 @@ absl::StatusOr<DataLoader> DataLoader::Create(const TokenDataset& dataset,
   loader.val_begin_ = total - held_out;
   loader.train_windows_ = WindowsIn(loader.val_begin_, options.seq_len);
   loader.val_windows_ = WindowsIn(held_out, options.seq_len);
-  const int64_t global_batch = options.dp_size * options.micro_batch * options.grad_accum;
   if (loader.train_windows_ < global_batch) {
     const std::string held_out_note =
         held_out > 0 ? StrCat(" (after holding out the last ", held_out, " tokens for validation)")
@@ -469,20 +488,18 @@ absl::StatusOr<DataLoader> DataLoader::Create(const TokenDataset& dataset,
 void DataLoader::Shuffle() {
   order_.resize(static_cast<size_t>(train_windows_));
   std::iota(order_.begin(), order_.end(), int64_t{0});
-  std::mt19937_64 rng(
-      HashWords({options_.seed, kShuffleTag, static_cast<uint64_t>(position_.epoch)}));
+  std::mt19937_64 rng(HashWords({options_.seed, kShuffleTag, static_cast<uint64_t>(epoch_)}));
   for (int64_t i = train_windows_ - 1; i > 0; --i) {
     const auto j = static_cast<int64_t>(UniformBelow(rng, static_cast<uint64_t>(i + 1)));
     std::swap(order_[i], order_[j]);
   }
 }
 
-Batch DataLoader::Get(int micro_step) const {
+absl::StatusOr<Batch> DataLoader::Get(int micro_step) const {
   TORCH_CHECK(micro_step >= 0 && micro_step < options_.grad_accum, "DataLoader::Get: micro_step ",
               micro_step, " is not in [0, grad_accum ", options_.grad_accum, ")");
-  const int64_t global_batch = options_.dp_size * options_.micro_batch * options_.grad_accum;
-  const int64_t first = position_.batch * global_batch +
-                        (micro_step * options_.dp_size + options_.dp_rank) * options_.micro_batch;
+  const int64_t first =
+      window_ + (micro_step * options_.dp_size + options_.dp_rank) * options_.micro_batch;
   std::vector<int64_t> starts(static_cast<size_t>(options_.micro_batch));
   for (int64_t i = 0; i < options_.micro_batch; ++i) {
     starts[i] = order_[first + i] * options_.seq_len;
@@ -490,30 +507,65 @@ Batch DataLoader::Get(int micro_step) const {
   return Windows(starts);
 }
 
+// An epoch ends when the rest of its permutation cannot fill a global batch (that rest is
+// dropped: Note on the layout above).
 void DataLoader::Advance() {
-  if (++position_.batch >= batches_per_epoch()) {
-    position_.batch = 0;
-    ++position_.epoch;
+  window_ += global_batch();
+  if (window_ + global_batch() > train_windows_) {
+    window_ = 0;
+    ++epoch_;
     Shuffle();
   }
 }
 
-// A batch index past the end of its epoch (from a run with a larger global batch) carries over
-// into the following epochs.
+// Note [Resuming at another global batch]
+// An epoch's permutation depends on (seed, epoch, number of training windows) only, not on the
+// global batch B, so a position is a cursor into it: `batch * global_batch` windows done. A run
+// resumed at another B (another world size, micro_batch_size or grad_accum_steps) goes on from
+// that window: it neither repeats the windows the earlier run trained on nor skips any. Its
+// cursor then need not be a multiple of its own B; position() says so by counting in windows
+// (global_batch 1). A cursor whose rest of the epoch cannot fill a batch starts the next epoch,
+// as Advance does; one past the epoch (global_batch 0, the loader's own B, from a checkpoint
+// written before global_batch was recorded) carries over into the following epochs.
 void DataLoader::set_position(const DataPosition& position) {
-  TORCH_CHECK(position.epoch >= 0 && position.batch >= 0, "DataLoader::set_position: epoch ",
-              position.epoch, " and batch ", position.batch, " must be >= 0");
-  const int64_t epoch = position.epoch + position.batch / batches_per_epoch();
-  const bool reshuffle = epoch != position_.epoch;
-  position_ = {.epoch = epoch, .batch = position.batch % batches_per_epoch()};
+  TORCH_CHECK(position.epoch >= 0 && position.batch >= 0 && position.global_batch >= 0,
+              "DataLoader::set_position: epoch ", position.epoch, ", batch ", position.batch,
+              " and global_batch ", position.global_batch, " must be >= 0");
+  const int64_t b = global_batch();
+  const int64_t per_batch = position.global_batch > 0 ? position.global_batch : b;
+  int64_t epoch = position.epoch;
+  int64_t window = 0;
+  const int64_t epoch_windows = batches_per_epoch() * b;
+  if (position.batch > std::numeric_limits<int64_t>::max() / per_batch) {
+    epoch += position.batch / batches_per_epoch();  // absurd; only keeps the arithmetic defined
+  } else {
+    window = position.batch * per_batch;
+    epoch += window / epoch_windows;
+    window %= epoch_windows;
+    if (window + b > train_windows_) {
+      window = 0;
+      ++epoch;
+    }
+  }
+  const bool reshuffle = epoch != epoch_;
+  epoch_ = epoch;
+  window_ = window;
   if (reshuffle) Shuffle();
 }
 
-int64_t DataLoader::batches_per_epoch() const {
-  return train_windows_ / (options_.dp_size * options_.micro_batch * options_.grad_accum);
+DataPosition DataLoader::position() const {
+  const int64_t b = global_batch();
+  if (window_ % b == 0) return {.epoch = epoch_, .batch = window_ / b, .global_batch = b};
+  return {.epoch = epoch_, .batch = window_, .global_batch = 1};
 }
 
-Batch DataLoader::ValBatch(int64_t index) const {
+int64_t DataLoader::batches_per_epoch() const { return train_windows_ / global_batch(); }
+
+int64_t DataLoader::global_batch() const {
+  return options_.dp_size * options_.micro_batch * options_.grad_accum;
+}
+
+absl::StatusOr<Batch> DataLoader::ValBatch(int64_t index) const {
   TORCH_CHECK(index >= 0 && index < num_val_batches(), "DataLoader::ValBatch: index ", index,
               " is not in [0, ", num_val_batches(), ")");
   const int64_t first = (index * options_.dp_size + options_.dp_rank) * options_.micro_batch;
@@ -528,8 +580,9 @@ int64_t DataLoader::num_val_batches() const {
   return val_windows_ / (options_.dp_size * options_.micro_batch);
 }
 
-Batch DataLoader::Windows(const std::vector<int64_t>& starts) const {
+absl::StatusOr<Batch> DataLoader::Windows(const std::vector<int64_t>& starts) const {
   const int64_t seq_len = options_.seq_len;
+  const int64_t vocab = dataset_->vocab_size();
   const auto rows = static_cast<int64_t>(starts.size());
   Batch batch{.inputs = at::empty({rows, seq_len}, at::kLong),
               .targets = at::empty({rows, seq_len}, at::kLong)};
@@ -538,6 +591,18 @@ Batch DataLoader::Windows(const std::vector<int64_t>& starts) const {
   std::vector<int64_t> window(static_cast<size_t>(seq_len + 1));
   for (int64_t r = 0; r < rows; ++r) {
     dataset_->Read(starts[r], seq_len + 1, window.data());
+    // OpenDataset checks a sample of a file's ids; this checks every id a batch reads (an id
+    // past the vocabulary would otherwise fail inside the embedding as an index error, or as a
+    // device-side assert on a GPU). One comparison per token, beside the copy.
+    for (int64_t j = 0; j <= seq_len; ++j) {
+      if (window[j] < 0 || window[j] >= vocab) {
+        return absl::DataLossError(StrCat(
+            dataset_->Name(), ": token id ", window[j], " at position ", starts[r] + j,
+            " is >= model.vocab_size ", vocab,
+            " (the check when the file was opened reads a sample of it; this id was read for a "
+            "batch): the file holds ids of a larger vocabulary, or is corrupt there"));
+      }
+    }
     std::copy(window.begin(), window.end() - 1, inputs + r * seq_len);
     std::copy(window.begin() + 1, window.end(), targets + r * seq_len);
   }

@@ -15,8 +15,10 @@
 // [b * B, (b + 1) * B) of the permutation, B = dp_size * micro_batch * grad_accum, and data-
 // parallel rank r takes the r-th consecutive slice of micro_batch windows per micro-step. So
 // every rank (all replicate x shard ranks) gets distinct samples, and the whole run depends only
-// on (seed, global batch), not on how it is sharded. The position (epoch, batch) is all the
-// state, so resuming is exact.
+// on (seed, global batch), not on how it is sharded. The position (epoch, batch, and the global
+// batch it counts in) is all the state, so resuming is exact, at another global batch too (Note
+// [Resuming at another global batch]). Every id read is checked against the vocabulary: an id
+// at or past it is an error naming the file and position, not an index error in the model.
 //
 //   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> data,
 //                         OpenDataset(config.data, /*vocab_size=*/256, /*seed=*/1));
@@ -24,8 +26,8 @@
 //                         DataLoader::Create(*data, {.seq_len = 64, .micro_batch = 8,
 //                                                    .grad_accum = 2, .dp_rank = 1,
 //                                                    .dp_size = 4, .seed = 1}));
-//   Batch b = loader.Get(/*micro_step=*/0);  // b.inputs, b.targets: [8, 64] int64
-//   loader.Advance();                        // the next global batch; position() resumes it
+//   FSDP_ASSIGN_OR_RETURN(Batch b, loader.Get(/*micro_step=*/0));  // [8, 64] int64 each
+//   loader.Advance();  // the next global batch; position() resumes it
 // (compiled and run in tests/header_examples_test.cc)
 #pragma once
 
@@ -50,12 +52,15 @@ class TokenDataset {
   // Copies tokens [begin, begin + count) into `out` (int64).
   virtual void Read(int64_t begin, int64_t count, int64_t* out) const = 0;
   virtual std::string Describe() const = 0;     // "synthetic, 1048576 tokens, vocab 256"
+  // What an error names: "data.path 'train.bin'", "data.source synthetic".
+  virtual std::string Name() const { return Describe(); }
 };
 
-// kNotFound for a missing file, kInvalidArgument for a bad source/dtype, kDataLoss for a file
-// whose size is not a multiple of the token size, an llm.c header with a wrong magic, version
-// or token count, or an id >= vocab (checked on a sample), each naming the file and values.
-// `vocab_size` is the model's.
+// kNotFound for a missing file, kInvalidArgument for a bad source/dtype or a synthetic_tokens
+// too large to generate in memory, kDataLoss for a file whose size is not a multiple of the
+// token size, an llm.c header with a wrong magic, version or token count, or an id >= vocab
+// (checked on a sample here; every id is checked again as the loader reads it), each naming
+// the file and values. `vocab_size` is the model's.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(const DataSection& data,
                                                           int64_t vocab_size, uint64_t seed);
 
@@ -78,10 +83,12 @@ struct LoaderOptions {
 // (what the trainer uses; `fsdp bench` writes the same batches for the FSDP2 side).
 LoaderOptions LoaderOptionsFor(const RunConfig& config, int dp_rank, int dp_size);
 
-// Resumable position in the training stream.
+// Resumable position in the training stream: `batch * global_batch` windows of the epoch's
+// permutation are done.
 struct DataPosition {
   int64_t epoch = 0;
-  int64_t batch = 0;  // global batches done in this epoch
+  int64_t batch = 0;         // global batches done in this epoch
+  int64_t global_batch = 0;  // windows per global batch `batch` counts in; 0: the loader's own
 };
 
 class DataLoader {
@@ -90,21 +97,27 @@ class DataLoader {
   static absl::StatusOr<DataLoader> Create(const TokenDataset& dataset,
                                            const LoaderOptions& options);
 
-  // This rank's micro-batch `micro_step` (0..grad_accum-1) of the current global batch.
-  Batch Get(int micro_step) const;
+  // This rank's micro-batch `micro_step` (0..grad_accum-1) of the current global batch;
+  // kDataLoss naming the file and position for an id at or past the dataset's vocab_size.
+  absl::StatusOr<Batch> Get(int micro_step) const;
   // Moves to the next global batch (next epoch, reshuffled, when this one is used up).
   void Advance();
-  const DataPosition& position() const { return position_; }
+  // {epoch, batch, global_batch}; after a resume at another global batch that left the cursor
+  // between two of this loader's batches, counted in windows (global_batch 1).
+  DataPosition position() const;
+  // Requires epoch, batch >= 0 and global_batch >= 0.
   void set_position(const DataPosition& position);
   int64_t batches_per_epoch() const;
+  int64_t global_batch() const;  // dp_size * micro_batch * grad_accum
 
   // Held-out batch `index` (0..): the same windows on every call, this rank's slice.
-  Batch ValBatch(int64_t index) const;
+  absl::StatusOr<Batch> ValBatch(int64_t index) const;
   int64_t num_val_batches() const;  // full held-out batches available
+  int64_t num_val_windows() const { return val_windows_; }
 
  private:
   DataLoader() = default;
-  Batch Windows(const std::vector<int64_t>& starts) const;
+  absl::StatusOr<Batch> Windows(const std::vector<int64_t>& starts) const;
   void Shuffle();
 
   const TokenDataset* dataset_ = nullptr;
@@ -113,7 +126,8 @@ class DataLoader {
   int64_t val_begin_ = 0;  // first token of the held-out part
   int64_t val_windows_ = 0;
   std::vector<int64_t> order_;  // permutation of training windows for the current epoch
-  DataPosition position_;
+  int64_t epoch_ = 0;
+  int64_t window_ = 0;  // index into order_ of the current global batch's first window
 };
 
 }  // namespace fsdp

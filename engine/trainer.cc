@@ -58,16 +58,29 @@ void InstallTermHandler() {
 }
 bool TermRequested() { return g_term != 0; }
 
-// Evaluation on the held-out part: mean loss over eval_batches batches, averaged over ranks.
-double Evaluate(Model& model, const DataLoader& loader, int64_t batches, ProcessGroup& world,
-                c10::Device device) {
+// A data error (a file named by data.path, or a loader that cannot be built from the config)
+// is a configuration error (exit 2), not a checkpoint's (kDataLoss's default class), except
+// where the file could not be read at all (permissions: io; mmap: internal).
+absl::Status AsDataFailure(absl::Status s) {
+  if (s.ok() || s.code() == absl::StatusCode::kPermissionDenied ||
+      s.code() == absl::StatusCode::kInternal) {
+    return s;
+  }
+  return WithFailureClass(std::move(s), FailureClass::kConfig);
+}
+
+// Evaluation on the held-out part: mean loss over eval_batches batches (at most the held-out
+// batches there are: the trainer checks at start that there is one), averaged over ranks.
+absl::StatusOr<double> Evaluate(Model& model, const DataLoader& loader, int64_t batches,
+                                ProcessGroup& world, c10::Device device) {
   RECORD_FUNCTION("fsdp::evaluate", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   int64_t n = std::min(batches, loader.num_val_batches());
   at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (int64_t i = 0; i < n; ++i) {
-    Batch b = loader.ValBatch(i);
-    sum += model.Loss(b.inputs.to(device), b.targets.to(device)).to(at::kDouble);
+    absl::StatusOr<Batch> b = loader.ValBatch(i);
+    FSDP_RETURN_IF_ERROR(AsDataFailure(b.status()));
+    sum += model.Loss(b->inputs.to(device), b->targets.to(device)).to(at::kDouble);
   }
   world.AllReduce(sum)->wait();
   return n > 0 ? sum.item<double>() / (n * world.size()) : std::nan("");
@@ -131,6 +144,73 @@ absl::Status NonFiniteError(int64_t step) {
 absl::Status AtKey(const RunConfig& config, std::string_view key, absl::Status status) {
   if (status.ok()) return status;
   return absl::Status(status.code(), StrCat(config.Where(key), ": ", std::string(status.message())));
+}
+
+// training.eval_interval needs a held-out batch: without one every evaluation was NaN, exit 0
+// (data.val_fraction 0 is refused by the config's validation; this is a held-out part too
+// small for one batch of dp x micro_batch windows). More eval_batches than there are use them
+// all, said once.
+absl::Status CheckEvaluation(const RunConfig& config, const DataLoader& loader, int world,
+                             int rank) {
+  const TrainingSection& t = config.training;
+  if (t.eval_interval == 0) return absl::OkStatus();
+  const int64_t per_batch = int64_t{world} * t.micro_batch_size;
+  if (loader.num_val_batches() == 0) {
+    return AtKey(
+        config, "training.eval_interval",
+        absl::InvalidArgumentError(StrCat(
+            "training.eval_interval: ", t.eval_interval, " evaluates on the held-out part of "
+            "the data, which has ", loader.num_val_windows(), " window(s) of model.seq_len ",
+            config.model.seq_len, " (data.val_fraction ", config.data.val_fraction,
+            "), fewer than one held-out batch of ", per_batch, " (", world,
+            " rank(s) x training.micro_batch_size ", t.micro_batch_size,
+            "); raise data.val_fraction, or set training.eval_interval: 0")));
+  }
+  if (rank == 0 && t.eval_batches > loader.num_val_batches()) {
+    FSDP_LOG_WARN(
+        "training.eval_batches {}: the held-out part has {} batch(es) of {} windows "
+        "(data.val_fraction {}); each evaluation uses those {}",
+        t.eval_batches, loader.num_val_batches(), per_batch, config.data.val_fraction,
+        loader.num_val_batches());
+  }
+  return absl::OkStatus();
+}
+
+// A warm-up longer than the run leaves the learning rate below optimizer.lr throughout and
+// never decays it: said once at start. The schedule stays as configured (shortening the
+// warm-up would make a longer run resumed from this one follow another schedule).
+void WarnAboutTheSchedule(const RunConfig& config, int rank) {
+  const int64_t warmup = config.lr_scheduler.warmup_steps, steps = config.training.steps;
+  if (rank != 0 || warmup <= steps) return;
+  FSDP_LOG_WARN(
+      "lr_scheduler.warmup_steps {} is longer than training.steps {}: the learning rate rises "
+      "only to {:.3g} ({}/{} of optimizer.lr) and never decays",
+      warmup, steps, config.optimizer.lr * static_cast<double>(steps) / static_cast<double>(warmup),
+      steps, warmup);
+}
+
+// A checkpoint's step past training.steps ran no step and saved the checkpoint's state again
+// as step training.steps, exit 0; a data position that cannot be one failed as an internal
+// error.
+absl::Status CheckResumePoint(const RunConfig& config, const ResumePoint& resume) {
+  const DataPosition& d = resume.data;
+  if (d.epoch < 0 || d.batch < 0 || d.global_batch < 0) {
+    return WithFailureClass(
+        absl::DataLossError(StrCat(resume.dir, ": the data position in metadata.json (epoch ",
+                                   d.epoch, ", batch ", d.batch, ", global_batch ", d.global_batch,
+                                   ") must be >= 0")),
+        FailureClass::kCheckpoint);
+  }
+  if (resume.step > config.training.steps) {
+    return AtKey(
+        config, "training.steps",
+        absl::InvalidArgumentError(StrCat(
+            "training.steps: ", config.training.steps, " is before the step of the checkpoint "
+            "loaded (", resume.dir, ", step ", resume.step, "): nothing would train, and its "
+            "state would be saved again as step ", config.training.steps,
+            "; set training.steps > ", resume.step, ", or load an earlier checkpoint")));
+  }
+  return absl::OkStatus();
 }
 
 // training.activation_checkpointing that applies to no unit (every:k past the last unit, or a
@@ -232,19 +312,21 @@ struct StepOutput {
   bool skipped = false;
 };
 
-StepOutput TrainStep(Model& model, TrainableModel& trained, torch::optim::Optimizer& optimizer,
-                     DataLoader& loader, const TrainingSection& t, c10::Device device) {
+absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
+                                     torch::optim::Optimizer& optimizer, DataLoader& loader,
+                                     const TrainingSection& t, c10::Device device) {
   RECORD_FUNCTION("fsdp::train_step", std::vector<c10::IValue>());
   StepOutput out;
   out.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (int m = 0; m < t.grad_accum_steps; ++m) {
     RECORD_FUNCTION("fsdp::micro_batch", std::vector<c10::IValue>());
     trained.BeginMicroBatch(m, static_cast<int>(t.grad_accum_steps));
-    Batch b = loader.Get(m);
+    absl::StatusOr<Batch> b = loader.Get(m);
+    FSDP_RETURN_IF_ERROR(AsDataFailure(b.status()));
     at::Tensor loss;
     {
       RECORD_FUNCTION("fsdp::forward", std::vector<c10::IValue>());
-      loss = model.Loss(BatchToDevice(b.inputs, device), BatchToDevice(b.targets, device)) /
+      loss = model.Loss(BatchToDevice(b->inputs, device), BatchToDevice(b->targets, device)) /
              static_cast<double>(t.grad_accum_steps);
     }
     {
@@ -472,12 +554,17 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
       BuildOptimizer(config.optimizer, trained->parameters());
 
   // ===== data ===================================================================================
-  FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> dataset,
-                        OpenDataset(config.data, config.model.vocab_size,
-                                    static_cast<uint64_t>(config.run.seed)));
+  absl::StatusOr<std::unique_ptr<TokenDataset>> opened = OpenDataset(
+      config.data, config.model.vocab_size, static_cast<uint64_t>(config.run.seed));
+  FSDP_RETURN_IF_ERROR(AsDataFailure(opened.status()));
+  std::unique_ptr<TokenDataset> dataset = *std::move(opened);
   // Every rank is a data-parallel rank (replicate x shard).
-  FSDP_ASSIGN_OR_RETURN(DataLoader loader,
-                        DataLoader::Create(*dataset, LoaderOptionsFor(config, rank, world)));
+  absl::StatusOr<DataLoader> created =
+      DataLoader::Create(*dataset, LoaderOptionsFor(config, rank, world));
+  FSDP_RETURN_IF_ERROR(AsDataFailure(created.status()));
+  DataLoader loader = *std::move(created);
+  FSDP_RETURN_IF_ERROR(CheckEvaluation(config, loader, world, rank));
+  WarnAboutTheSchedule(config, rank);
 
   // ===== checkpoint: resume, or start from a safetensors file ===================================
   // (checkpoint.enabled is false for the unwrapped model: config validation.)
@@ -493,6 +580,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   int64_t start_step = 0;
   if (resume) {
     start_step = resume->step;
+    FSDP_RETURN_IF_ERROR(CheckResumePoint(config, *resume));
     loader.set_position(resume->data);
     if (rank == 0) {
       std::cout << fmt::format(
@@ -587,6 +675,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   int64_t state_bytes = 0;  // model states right after the last update: Note [Rank statistics]
   constexpr int kMaxConsecutiveSkips = 10;
   int consecutive_skips = 0;
+  bool epoch_noted = false;  // the first wrap to another epoch is noted, once
   StepProfiler profiler(t.profile,
                         t.profile_dir.empty() ? run_dir / "profile" : std::filesystem::path(t.profile_dir),
                         device, rank);
@@ -599,7 +688,15 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     SetLearningRate(*optimizer, lr);
     profiler.BeforeStep(step);
     metrics.BeginStep();
-    StepOutput out = TrainStep(*model, *trained, *optimizer, loader, t, device);
+    const int64_t epoch = loader.position().epoch;
+    FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t, device));
+    if (rank == 0 && loader.position().epoch > epoch && !epoch_noted) {
+      std::cout << fmt::format(
+          "fsdp train: step {} finished epoch {} of the training data ({} steps of {} windows); "
+          "later epochs see the same windows again, reshuffled (not noted again)\n",
+          done, epoch + 1, loader.batches_per_epoch(), loader.global_batch());
+      epoch_noted = true;
+    }
     absl::StatusOr<std::optional<std::string>> profiled = profiler.AfterStep(step);
     if (!profiled.ok()) return WithFailureClass(profiled.status(), FailureClass::kIo);
     const std::optional<std::string>& profile_summary = *profiled;
@@ -621,7 +718,11 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     }
     if (checkpointer) FSDP_RETURN_IF_ERROR(AsCheckpointFailure(checkpointer->PollBackgroundSave()));
     if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
-    if (!metrics.ShouldLog(done)) continue;
+    // An evaluation due between two log steps logs the interval so far with it (it ran only at
+    // log steps, so with eval_interval 25 and log_interval 10 every other one was skipped).
+    const bool eval_due =
+        t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps);
+    if (!metrics.ShouldLog(done) && !eval_due) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
     // SIGTERM during the last step: the run has finished; it ends as usual (saved, exit 0).
@@ -635,8 +736,10 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
       }
       return StopOnTerm(checkpointer, done, t.steps, rank);
     }
-    if (t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps)) {
-      metrics.RecordEval(done, Evaluate(*model, loader, t.eval_batches, ctx->world(), device));
+    if (eval_due) {
+      FSDP_ASSIGN_OR_RETURN(double val_loss,
+                            Evaluate(*model, loader, t.eval_batches, ctx->world(), device));
+      metrics.RecordEval(done, val_loss);
     }
   }
 

@@ -70,7 +70,7 @@ TEST(BenchInputs, BatchesAreTheTrainersBatches) {
   ASSERT_TRUE(loader.ok());
   for (int s = 0; s < steps; ++s) {
     for (int m = 0; m < accum; ++m) {
-      Batch b = loader->Get(m);
+      Batch b = loader->Get(m).value();
       EXPECT_TRUE(at::equal(file[s][m][1][0], b.inputs)) << "step " << s << " micro " << m;
       EXPECT_TRUE(at::equal(file[s][m][1][1], b.targets)) << "step " << s << " micro " << m;
     }

@@ -306,6 +306,16 @@ TEST(RunConfigParseTest, EveryValueRule) {
       {"data.val_fraction=1", "data.val_fraction: must be in [0, 1), got 1"},
       {"data.val_fraction=-0.1", "data.val_fraction: must be in [0, 1), got -0.1"},
       {"data.synthetic_tokens=1000", "data.synthetic_tokens: must be >= 1024, got 1000"},
+      // Generated in memory: 2^63 failed inside std::vector as an internal error.
+      {"data.synthetic_tokens=9223372036854775807",
+       "data.synthetic_tokens: must be <= 2^32 = 4294967296 (the synthetic stream is generated "
+       "in memory at start, 4 bytes a token; data.source tokens reads a file of any size), got "
+       "9223372036854775807"},
+      // Every evaluation was NaN, exit 0 (the default eval_interval is 50).
+      {"data.val_fraction=0",
+       "training.eval_interval: 50 evaluates on the held-out part of the data, but "
+       "data.val_fraction is 0 (nothing held out); set data.val_fraction (e.g. 0.05), or "
+       "training.eval_interval: 0"},
       {"training.steps=0", "training.steps: must be >= 1, got 0"},
       {"training.micro_batch_size=0", "training.micro_batch_size: must be >= 1, got 0"},
       {"training.grad_accum_steps=0", "training.grad_accum_steps: must be >= 1, got 0"},

@@ -90,7 +90,7 @@ std::vector<int64_t> GlobalBatchWindows(const TokenDataset& dataset, LoaderOptio
       absl::StatusOr<DataLoader> loader = DataLoader::Create(dataset, options);
       EXPECT_TRUE(loader.ok()) << loader.status();
       loader->set_position(position);
-      std::vector<int64_t> w = WindowsOf(loader->Get(m), options.seq_len);
+      std::vector<int64_t> w = WindowsOf(loader->Get(m).value(), options.seq_len);
       windows.insert(windows.end(), w.begin(), w.end());
     }
   }
@@ -216,6 +216,11 @@ TEST(SyntheticDataTest, RejectsBadSettings) {
               InvalidArgumentWith(HasSubstr("data.synthetic_tokens")));
   EXPECT_THAT(OpenDataset(Synthetic(100), 0, 1),
               InvalidArgumentWith(HasSubstr("model.vocab_size")));
+  // Generated in memory: past 2^32 tokens (16 GiB) it is refused, not attempted (2^63 failed
+  // inside std::vector as an internal error).
+  EXPECT_THAT(OpenDataset(Synthetic((int64_t{1} << 32) + 1), 256, 1),
+              InvalidArgumentWith(AllOf(HasSubstr("data.synthetic_tokens: must be in [1, "),
+                                        HasSubstr("got 4294967297"))));
   // An unknown data.source or token_dtype cannot get past the parser (config_test.cc).
 }
 
@@ -235,8 +240,8 @@ TEST(TokenFileDataTest, ReadsUint16File) {
   absl::StatusOr<DataLoader> loader =
       DataLoader::Create(*data, {.seq_len = 10, .micro_batch = 2, .val_fraction = 0.1});
   ASSERT_TRUE(loader.ok()) << loader.status();
-  std::vector<int64_t> inputs = ToVector(loader->Get(0).inputs);
-  std::vector<int64_t> targets = ToVector(loader->Get(0).targets);
+  std::vector<int64_t> inputs = ToVector(loader->Get(0).value().inputs);
+  std::vector<int64_t> targets = ToVector(loader->Get(0).value().targets);
   for (int row = 0; row < 2; ++row) {
     auto start = std::find(ids.begin(), ids.end(), inputs[row * 10]) - ids.begin();
     ASSERT_EQ(start % 10, 0);
@@ -392,6 +397,68 @@ TEST(TokenFileDataTest, IdsPastTheVocabSuggestAHeaderOrTheDtype) {
   ::unlink(path.c_str());
 }
 
+// OpenDataset checks a sample of the ids (both ends and 16 strided chunks). An id past the
+// vocabulary elsewhere reached the embedding as an index error ("internal: index out of range
+// in self", exit 70; a device-side assert on a GPU). Now the loader checks every id it reads.
+TEST(TokenFileDataTest, EveryIdReadIsCheckedAgainstTheVocab) {
+  constexpr int64_t kTokens = 400000, kSeqLen = 16, kVocab = 512;
+  // A position in none of the sampled ranges: past the first 64K tokens, before the third
+  // strided chunk (which starts at 3 * (kTokens / 17) = 70587).
+  constexpr int64_t kBad = 70000;
+  std::vector<int64_t> ids(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) ids[i] = i % kVocab;
+  ids[kBad] = 9999;
+  const std::string path = WriteBytes("bad_middle.bin", LittleEndian<uint16_t>(ids));
+  std::unique_ptr<TokenDataset> data = OpenOrDie(TokensFile(path, "uint16"), kVocab, 1);
+  ASSERT_TRUE(data) << "the sample does not include position " << kBad;
+  // The windows holding the position as an input or as the last target, in epoch 0's order:
+  // the first batch that reads one of them is refused, every batch before it is read.
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(*data, {.seq_len = kSeqLen, .micro_batch = 50, .seed = 3});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  bool refused = false;
+  for (int64_t b = 0; b < loader->batches_per_epoch() && !refused; ++b) {
+    absl::StatusOr<Batch> batch = loader->Get(0);
+    if (!batch.ok()) {
+      EXPECT_THAT(batch.status(),
+                  StatusIs(absl::StatusCode::kDataLoss,
+                           AllOf(HasSubstr(StrCat("data.path '", path, "'")),
+                                 HasSubstr(StrCat("token id 9999 at position ", kBad)),
+                                 HasSubstr("model.vocab_size 512"))));
+      refused = true;
+      break;
+    }
+    for (int64_t t : ToVector(batch->inputs)) ASSERT_LT(t, kVocab);
+    for (int64_t t : ToVector(batch->targets)) ASSERT_LT(t, kVocab);
+    loader->Advance();
+  }
+  EXPECT_TRUE(refused) << "an epoch reads every window, the one holding position " << kBad
+                       << " included";
+  // The held-out part is checked the same way: half the file held out, an id past the
+  // vocabulary at 250001, between the strided chunks at 10 and 11 x 23529.
+  ids[kBad] = kBad % kVocab;
+  constexpr int64_t kBadHeldOut = 250001;
+  ids[kBadHeldOut] = 7777;
+  const std::string held_out = WriteBytes("bad_held_out.bin", LittleEndian<uint16_t>(ids));
+  std::unique_ptr<TokenDataset> val_data = OpenOrDie(TokensFile(held_out, "uint16"), kVocab, 1);
+  ASSERT_TRUE(val_data);
+  absl::StatusOr<DataLoader> val_loader = DataLoader::Create(
+      *val_data, {.seq_len = kSeqLen, .micro_batch = 50, .seed = 3, .val_fraction = 0.5});
+  ASSERT_TRUE(val_loader.ok()) << val_loader.status();
+  int refused_val = 0;
+  for (int64_t v = 0; v < val_loader->num_val_batches(); ++v) {
+    absl::StatusOr<Batch> batch = val_loader->ValBatch(v);
+    if (batch.ok()) continue;
+    ++refused_val;
+    EXPECT_THAT(batch.status(),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         HasSubstr(StrCat("token id 7777 at position ", kBadHeldOut))));
+  }
+  EXPECT_EQ(refused_val, 1) << "one held-out batch holds the position (windows of 16, 50 a batch)";
+  ::unlink(path.c_str());
+  ::unlink(held_out.c_str());
+}
+
 TEST(TextFileDataTest, ReadsBytesAsTokens) {
   const std::string text = "hello, world\n\xff\x01";
   const std::string path = WriteBytes("text.txt", text);
@@ -425,7 +492,7 @@ TEST(DataLoaderTest, TargetsAreInputsShiftedByOne) {
       DataLoader::Create(data, {.seq_len = 16, .micro_batch = 4, .grad_accum = 2, .seed = 3});
   ASSERT_TRUE(loader.ok()) << loader.status();
   for (int m = 0; m < 2; ++m) {
-    Batch batch = loader->Get(m);
+    Batch batch = loader->Get(m).value();
     EXPECT_THAT(batch.inputs.sizes(), ElementsAre(4, 16));
     EXPECT_THAT(batch.targets.sizes(), ElementsAre(4, 16));
     EXPECT_EQ(batch.inputs.scalar_type(), at::kLong);
@@ -454,9 +521,9 @@ TEST(DataLoaderTest, SameSeedSameBatchesDifferentSeedDifferent) {
   ASSERT_TRUE(a.ok() && b.ok() && c.ok());
   bool any_different = false;
   for (int step = 0; step < 5; ++step) {
-    EXPECT_EQ(ToVector(a->Get(0).inputs), ToVector(b->Get(0).inputs));
-    EXPECT_EQ(ToVector(a->Get(0).targets), ToVector(b->Get(0).targets));
-    any_different |= ToVector(a->Get(0).inputs) != ToVector(c->Get(0).inputs);
+    EXPECT_EQ(ToVector(a->Get(0).value().inputs), ToVector(b->Get(0).value().inputs));
+    EXPECT_EQ(ToVector(a->Get(0).value().targets), ToVector(b->Get(0).value().targets));
+    any_different |= ToVector(a->Get(0).value().inputs) != ToVector(c->Get(0).value().inputs);
     a->Advance();
     b->Advance();
     c->Advance();
@@ -477,7 +544,7 @@ TEST(DataLoaderTest, RanksGetDistinctWindowsThatMakeUpTheGlobalBatch) {
     EXPECT_EQ(std::set<int64_t>(windows.begin(), windows.end()).size(), 24u);
     // The same windows in the same order as one rank taking the whole global batch.
     single->set_position({.epoch = 0, .batch = b});
-    EXPECT_EQ(windows, WindowsOf(single->Get(0), 16));
+    EXPECT_EQ(windows, WindowsOf(single->Get(0).value(), 16));
   }
   // Sharded differently, same global batch size: same batches.
   const LoaderOptions other{
@@ -498,7 +565,7 @@ TEST(DataLoaderTest, EpochsCoverEveryWindowOnceInANewOrder) {
       EXPECT_EQ(loader->position().epoch, e);
       EXPECT_EQ(loader->position().batch, b);
       for (int m = 0; m < 2; ++m) {
-        std::vector<int64_t> w = WindowsOf(loader->Get(m), 8);
+        std::vector<int64_t> w = WindowsOf(loader->Get(m).value(), 8);
         epochs[e].insert(epochs[e].end(), w.begin(), w.end());
       }
       loader->Advance();
@@ -524,7 +591,7 @@ TEST(DataLoaderTest, DropsTheRemainderOfAnEpoch) {
   EXPECT_EQ(loader->batches_per_epoch(), 8);
   std::set<int64_t> seen;
   for (int b = 0; b < 8; ++b) {
-    for (int64_t w : WindowsOf(loader->Get(0), 8)) EXPECT_TRUE(seen.insert(w).second) << w;
+    for (int64_t w : WindowsOf(loader->Get(0).value(), 8)) EXPECT_TRUE(seen.insert(w).second) << w;
     loader->Advance();
   }
   EXPECT_EQ(seen.size(), 64u);
@@ -551,8 +618,8 @@ TEST(DataLoaderTest, ResumesExactlyFromAPosition) {
     EXPECT_EQ(resumed->position().batch, original->position().batch);
     for (int step = 0; step < 4; ++step) {
       for (int m = 0; m < 2; ++m) {
-        EXPECT_EQ(ToVector(resumed->Get(m).inputs), ToVector(original->Get(m).inputs)) << k;
-        EXPECT_EQ(ToVector(resumed->Get(m).targets), ToVector(original->Get(m).targets)) << k;
+        EXPECT_EQ(ToVector(resumed->Get(m).value().inputs), ToVector(original->Get(m).value().inputs)) << k;
+        EXPECT_EQ(ToVector(resumed->Get(m).value().targets), ToVector(original->Get(m).value().targets)) << k;
       }
       original->Advance();
       resumed->Advance();
@@ -561,10 +628,88 @@ TEST(DataLoaderTest, ResumesExactlyFromAPosition) {
   // Going back to an earlier epoch re-derives its permutation.
   absl::StatusOr<DataLoader> fresh = DataLoader::Create(*data, options);
   ASSERT_TRUE(fresh.ok());
-  std::vector<int64_t> first = ToVector(fresh->Get(0).inputs);
+  std::vector<int64_t> first = ToVector(fresh->Get(0).value().inputs);
   fresh->set_position({.epoch = 3, .batch = 2});
   fresh->set_position({.epoch = 0, .batch = 0});
-  EXPECT_EQ(ToVector(fresh->Get(0).inputs), first);
+  EXPECT_EQ(ToVector(fresh->Get(0).value().inputs), first);
+}
+
+// Note [Resuming at another global batch]: a position counted in one global batch, resumed at
+// another (other world size, micro_batch_size or grad_accum_steps), goes on from the same
+// window of the epoch's permutation. It was read in the new run's batches, repeating windows
+// already trained on (a smaller batch) or skipping some (a larger one).
+TEST(DataLoaderTest, ResumesAtAnotherGlobalBatchFromTheSameWindow) {
+  IotaDataset data(8 * 200 + 1);  // 200 windows of seq_len 8
+  auto options = [](int64_t micro_batch, int dp_size = 1) {
+    return LoaderOptions{.seq_len = 8, .micro_batch = micro_batch, .dp_size = dp_size,
+                         .seed = 5, .val_fraction = 0};
+  };
+  // The reference: epoch e's permutation, one window at a time (global batch 1).
+  auto permutation = [&](int64_t epoch) {
+    absl::StatusOr<DataLoader> one = DataLoader::Create(data, options(1));
+    EXPECT_TRUE(one.ok());
+    one->set_position({.epoch = epoch, .batch = 0});
+    std::vector<int64_t> order;
+    for (int64_t i = 0; i < 200; ++i) {
+      order.push_back(WindowsOf(one->Get(0).value(), 8).at(0));
+      one->Advance();
+    }
+    return order;
+  };
+  const std::vector<int64_t> epoch0 = permutation(0), epoch1 = permutation(1);
+  // Saved at global batch 6 (2 ranks x 3) after 7 batches: 42 windows done.
+  absl::StatusOr<DataLoader> saved = DataLoader::Create(data, options(3, 2));
+  ASSERT_TRUE(saved.ok());
+  for (int i = 0; i < 7; ++i) saved->Advance();
+  const DataPosition at = saved->position();
+  EXPECT_EQ(at.epoch, 0);
+  EXPECT_EQ(at.batch, 7);
+  EXPECT_EQ(at.global_batch, 6);
+  for (int64_t b : {4, 6, 7, 10}) {
+    absl::StatusOr<DataLoader> resumed = DataLoader::Create(data, options(b));
+    ASSERT_TRUE(resumed.ok());
+    resumed->set_position(at);
+    int64_t next = 42;
+    for (int step = 0; step < 5; ++step) {
+      const std::vector<int64_t> expected(epoch0.begin() + next, epoch0.begin() + next + b);
+      EXPECT_EQ(WindowsOf(resumed->Get(0).value(), 8), expected) << "batch " << b;
+      next += b;
+      resumed->Advance();
+    }
+    // Its own position says where it is, in windows where that is not a multiple of b.
+    const DataPosition now = resumed->position();
+    EXPECT_EQ(now.epoch, 0);
+    EXPECT_EQ(now.batch * now.global_batch, next) << "batch " << b;
+    if (next % b == 0) EXPECT_EQ(now.global_batch, b);
+  }
+  // The rest of the epoch cannot fill a batch of 64 after 180 windows: the next epoch.
+  absl::StatusOr<DataLoader> large = DataLoader::Create(data, options(64));
+  ASSERT_TRUE(large.ok());
+  large->set_position({.epoch = 0, .batch = 30, .global_batch = 6});
+  EXPECT_EQ(large->position().epoch, 1);
+  EXPECT_EQ(large->position().batch, 0);
+  EXPECT_EQ(WindowsOf(large->Get(0).value(), 8),
+            std::vector<int64_t>(epoch1.begin(), epoch1.begin() + 64));
+  // A position without global_batch (a checkpoint from before it was recorded) counts in the
+  // loader's own: batch 3 of 10 is window 30.
+  absl::StatusOr<DataLoader> legacy = DataLoader::Create(data, options(10));
+  ASSERT_TRUE(legacy.ok());
+  legacy->set_position({.epoch = 0, .batch = 3});
+  EXPECT_EQ(WindowsOf(legacy->Get(0).value(), 8),
+            std::vector<int64_t>(epoch0.begin() + 30, epoch0.begin() + 40));
+}
+
+// dp x micro_batch x grad_accum past 2^63 wrapped into a small or negative global batch that
+// passed the size check; the run then failed inside std::vector (exit 70).
+TEST(DataLoaderTest, GlobalBatchThatOverflowsIsAnError) {
+  IotaDataset data(10000);
+  EXPECT_THAT(DataLoader::Create(data, {.seq_len = 8, .micro_batch = int64_t{1} << 62,
+                                        .grad_accum = 4, .val_fraction = 0}),
+              InvalidArgumentWith(AllOf(HasSubstr("training.micro_batch_size 4611686018427387904"),
+                                        HasSubstr("training.grad_accum_steps 4"))));
+  EXPECT_THAT(DataLoader::Create(data, {.seq_len = 8, .micro_batch = int64_t{1} << 61,
+                                        .grad_accum = 1, .dp_size = 8, .val_fraction = 0}),
+              InvalidArgumentWith(HasSubstr("larger than any dataset")));
 }
 
 TEST(DataLoaderTest, HeldOutWindowsNeverAppearInTraining) {
@@ -581,7 +726,7 @@ TEST(DataLoaderTest, HeldOutWindowsNeverAppearInTraining) {
       options.dp_rank = r;
       absl::StatusOr<DataLoader> rank = DataLoader::Create(data, options);
       rank->set_position(loader->position());
-      for (int64_t t : ToVector(rank->Get(0).targets)) ASSERT_LT(t, 9000);
+      for (int64_t t : ToVector(rank->Get(0).value().targets)) ASSERT_LT(t, 9000);
     }
     loader->Advance();
   }
@@ -590,8 +735,8 @@ TEST(DataLoaderTest, HeldOutWindowsNeverAppearInTraining) {
     for (int r = 0; r < 2; ++r) {
       options.dp_rank = r;
       absl::StatusOr<DataLoader> rank = DataLoader::Create(data, options);
-      Batch batch = rank->ValBatch(v);
-      EXPECT_EQ(ToVector(batch.inputs), ToVector(rank->ValBatch(v).inputs));
+      Batch batch = rank->ValBatch(v).value();
+      EXPECT_EQ(ToVector(batch.inputs), ToVector(rank->ValBatch(v).value().inputs));
       for (int64_t t : ToVector(batch.inputs)) EXPECT_GE(t, 9000);
       for (int64_t w : WindowsOf(batch, 10)) EXPECT_TRUE(val_windows.insert(w).second) << w;
       EXPECT_EQ(ToVector(batch.targets)[0], ToVector(batch.inputs)[0] + 1);

@@ -69,8 +69,8 @@ absl::Status DataExample(const RunConfig& config, Batch& batch_out, DataPosition
                         DataLoader::Create(*data, {.seq_len = 64, .micro_batch = 8,
                                                    .grad_accum = 2, .dp_rank = 1,
                                                    .dp_size = 4, .seed = 1}));
-  Batch b = loader.Get(/*micro_step=*/0);  // b.inputs, b.targets: [8, 64] int64
-  loader.Advance();                        // the next global batch; position() resumes it
+  FSDP_ASSIGN_OR_RETURN(Batch b, loader.Get(/*micro_step=*/0));  // [8, 64] int64 each
+  loader.Advance();  // the next global batch; position() resumes it
   // (end of the example)
   batch_out = b;
   position_out = loader.position();

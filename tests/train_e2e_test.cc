@@ -369,6 +369,115 @@ TEST(TrainTest, OneRunPerRunDir) {
   std::filesystem::remove_all(dir);
 }
 
+// Evaluations ran only at log steps: with eval_interval 4 and log_interval 3 the one at step 4
+// was skipped without a word. Each now runs at its interval (logging the steps so far with it).
+TEST(TrainTest, EvaluatesAtItsIntervalBetweenLogSteps) {
+  const int steps = 6, eval_interval = 4, log_interval = 3;
+  TrainOutcome run = Train("default.yaml",
+                           {StrCat("training.steps=", steps),
+                            StrCat("training.eval_interval=", eval_interval),
+                            StrCat("training.log_interval=", log_interval),
+                            "training.eval_batches=1", "parallelism.nproc=1"},
+                           "eval-interval");
+  ASSERT_EQ(run.result.exit.code, 0) << run.result.Output();
+  std::vector<int64_t> expected, evaluated, stepped;
+  for (int s = 1; s <= steps; ++s) {
+    if (s % eval_interval == 0 || s == steps) expected.push_back(s);
+  }
+  for (const nlohmann::json& r : run.records) {
+    if (r.contains("val_loss")) evaluated.push_back(r["step"].get<int64_t>());
+    if (r.contains("loss")) stepped.push_back(r["step"].get<int64_t>());
+  }
+  EXPECT_EQ(evaluated, expected) << run.result.Output();
+  EXPECT_EQ(stepped, (std::vector<int64_t>{1, 2, 3, 4, 5, 6})) << "each step recorded once";
+}
+
+// A data file's problems stopped the run as "checkpoint:" errors (exit 3), and an id past the
+// vocabulary outside the sample the open checks ended inside the embedding as "internal: index
+// out of range in self" (exit 70). Both are now configuration errors naming the file.
+TEST(TrainTest, DataFileErrorsAreConfigErrorsNamingTheFile) {
+  std::string dir = FreshTempDir("data-errors");
+  // 400000 uint16 ids: every id below 256 in the sampled ranges (both ends' 64K tokens, 16
+  // chunks of 4K at multiples of 400000 / 17), 9999 everywhere else.
+  const int64_t n = 400000;
+  std::vector<uint16_t> ids(n, 9999);
+  auto good = [&](int64_t begin, int64_t end) {
+    for (int64_t i = std::max<int64_t>(0, begin); i < std::min(n, end); ++i) ids[i] = i % 256;
+  };
+  good(0, 1 << 16);
+  good(n - (1 << 16), n);
+  for (int64_t c = 1; c <= 16; ++c) good(n / 17 * c, n / 17 * c + (1 << 12));
+  const std::string bad = dir + "/bad_ids.bin", empty = dir + "/empty.bin";
+  std::ofstream(bad, std::ios::binary)
+      .write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(n * 2));
+  std::ofstream(empty, std::ios::binary).flush();
+  for (const std::string& file : {bad, empty}) {
+    TrainOutcome run = Train("default.yaml",
+                             {"training.steps=2", "parallelism.nproc=1", "data.source=tokens",
+                              "data.path=" + file, "training.eval_interval=0"},
+                             "data-error");
+    EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
+    EXPECT_TRUE(run.result.StderrHas("rank 0: config: data.path '" + file + "'"))
+        << run.result.Output();
+  }
+  TrainOutcome run = Train("default.yaml",
+                           {"training.steps=2", "parallelism.nproc=1", "data.source=tokens",
+                            "data.path=" + bad, "training.eval_interval=0"},
+                           "data-error");
+  EXPECT_TRUE(run.result.StderrHas("is >= model.vocab_size 256")) << run.result.Output();
+  EXPECT_TRUE(run.result.StderrHas("token id 9999 at position ")) << run.result.Output();
+  std::filesystem::remove_all(dir);
+}
+
+// Resuming at another global batch read the saved batch index in the new batch size (repeating
+// windows or skipping them); the data position now carries its global batch (Note [Resuming at
+// another global batch]). And a checkpoint past training.steps ran nothing and saved its state
+// again as step training.steps, exit 0: now refused, naming the key.
+TEST(TrainTest, ResumeKeepsTheDataPositionAcrossGlobalBatchesAndRefusesAnEarlierEnd) {
+  std::string dir = FreshTempDir("resume-data");
+  const std::vector<std::string> common = {"parallelism.nproc=1", "training.eval_interval=0",
+                                           "checkpoint.enabled=true", "checkpoint.async=false",
+                                           "training.steps=4"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> sets = common;
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return sets;
+  };
+  const int first_batch = 4, second_batch = 2;  // windows per global batch (1 rank x micro)
+  testing::TrainRun first = testing::RunTrain(
+      SourceDir() + "/configs/default.yaml", dir + "/first",
+      with({StrCat("training.micro_batch_size=", first_batch), "checkpoint.interval=2"}));
+  ASSERT_EQ(first.result.exit.code, 0) << first.result.Output();
+  const std::string step2 = dir + "/first/checkpoints/step_000000002";
+  auto data_of = [](const std::string& checkpoint) {
+    std::ifstream in(checkpoint + "/metadata.json");
+    return nlohmann::json::parse(in)["extra"]["data"];
+  };
+  nlohmann::json saved = data_of(step2);
+  EXPECT_EQ(saved["batch"], 2);
+  EXPECT_EQ(saved["global_batch"], first_batch);
+  testing::TrainRun second = testing::RunTrain(
+      SourceDir() + "/configs/default.yaml", dir + "/second",
+      with({StrCat("training.micro_batch_size=", second_batch), "checkpoint.load=" + step2}));
+  ASSERT_EQ(second.result.exit.code, 0) << second.result.Output();
+  // 2 x 4 windows done at step 2, then 2 steps of 2: 12 windows, 6 batches of 2.
+  nlohmann::json resumed = data_of(dir + "/second/checkpoints/step_000000004");
+  EXPECT_EQ(resumed["epoch"], 0);
+  EXPECT_EQ(resumed["batch"].get<int64_t>() * resumed["global_batch"].get<int64_t>(),
+            2 * first_batch + 2 * second_batch)
+      << resumed.dump();
+
+  testing::TrainRun earlier = testing::RunTrain(
+      SourceDir() + "/configs/default.yaml", dir + "/earlier",
+      with({"training.steps=3", "checkpoint.load=" + dir + "/first/checkpoints/step_000000004"}));
+  EXPECT_EQ(earlier.result.exit.code, 2) << earlier.result.Output();
+  EXPECT_TRUE(earlier.result.StderrHas("training.steps: 3 is before the step of the checkpoint "
+                                       "loaded"))
+      << earlier.result.Output();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/earlier/checkpoints/step_000000003"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ExampleTest, CustomModelTrainsOnTwoRanks) {
   std::string example =
       (std::filesystem::path(FsdpBinary()).parent_path() / "train_custom_model").string();
