@@ -162,12 +162,13 @@ class MappedFile {
     if (file->size_ > 0) {
       void* data = ::mmap(nullptr, static_cast<size_t>(file->size_), PROT_READ, MAP_PRIVATE, fd, 0);
       const int error = errno;
-      ::close(fd);
       if (data == MAP_FAILED) {
+        ::close(fd);
         return absl::InternalError(
             StrCat("data.path '", path, "': mmap failed: ", std::strerror(error)));
       }
       file->data_ = static_cast<const uint8_t*>(data);
+      file->fd_ = fd;  // kept for CurrentSize
     } else {
       ::close(fd);
     }
@@ -176,6 +177,7 @@ class MappedFile {
 
   ~MappedFile() {
     if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+    if (fd_ >= 0) ::close(fd_);
   }
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -183,6 +185,12 @@ class MappedFile {
   const std::string& path() const { return path_; }
   const uint8_t* data() const { return data_; }
   int64_t size() const { return size_; }
+  // The file's size now (size() when it cannot be read): Note [A token file that shrinks].
+  int64_t CurrentSize() const {
+    struct stat info;
+    if (fd_ < 0 || ::fstat(fd_, &info) != 0) return size_;
+    return static_cast<int64_t>(info.st_size);
+  }
 
  private:
   MappedFile(std::string path, int64_t size) : path_(std::move(path)), size_(size) {}
@@ -190,7 +198,16 @@ class MappedFile {
   std::string path_;
   const uint8_t* data_ = nullptr;
   int64_t size_ = 0;
+  int fd_ = -1;  // open while mapped
 };
+
+// Note [A token file that shrinks]
+// The mapping is the file itself (MAP_PRIVATE copies only on write): a token file truncated or
+// rewritten in place during the run (a preparation script run again writes with O_TRUNC) makes
+// every read past its new end a SIGBUS, which ended the run with "Bus error" and no word. So
+// each batch first compares the file's size with the size it was opened with (one fstat a
+// batch), and stops naming the file; a truncation between that check and the reads can still
+// SIGBUS. A file replaced by rename keeps the old one mapped and is safe.
 
 // Little-endian ids of 1 (text), 2 or 4 bytes, after `header_bytes` (llm.c's header, or 0).
 class FileDataset : public TokenDataset {
@@ -218,6 +235,14 @@ class FileDataset : public TokenDataset {
                   8 * token_bytes_, "), vocab ", vocab_size_);
   }
   std::string Name() const override { return StrCat("data.path '", file_->path(), "'"); }
+  absl::Status CheckUnchanged() const override {  // See Note [A token file that shrinks].
+    const int64_t now = file_->CurrentSize();
+    if (now == file_->size()) return absl::OkStatus();
+    return absl::DataLossError(StrCat(
+        "data.path '", file_->path(), "': the file changed size during the run (", file_->size(),
+        " bytes when opened, ", now, " now): it was truncated or rewritten in place; write a new "
+        "file and rename it over the old one, or restart the run"));
+  }
 
   int64_t TokenAt(int64_t i) const {
     const uint8_t* p = file_->data() + header_bytes_ + i * token_bytes_;
@@ -581,6 +606,7 @@ int64_t DataLoader::num_val_batches() const {
 }
 
 absl::StatusOr<Batch> DataLoader::Windows(const std::vector<int64_t>& starts) const {
+  FSDP_RETURN_IF_ERROR(dataset_->CheckUnchanged());
   const int64_t seq_len = options_.seq_len;
   const int64_t vocab = dataset_->vocab_size();
   const auto rows = static_cast<int64_t>(starts.size());

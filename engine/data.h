@@ -38,6 +38,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/config.h"
 
@@ -54,6 +55,8 @@ class TokenDataset {
   virtual std::string Describe() const = 0;     // "synthetic, 1048576 tokens, vocab 256"
   // What an error names: "data.path 'train.bin'", "data.source synthetic".
   virtual std::string Name() const { return Describe(); }
+  // kDataLoss when the source changed since it was opened (a file truncated in place).
+  virtual absl::Status CheckUnchanged() const { return absl::OkStatus(); }
 };
 
 // kNotFound for a missing file, kInvalidArgument for a bad source/dtype or a synthetic_tokens

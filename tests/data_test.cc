@@ -459,6 +459,29 @@ TEST(TokenFileDataTest, EveryIdReadIsCheckedAgainstTheVocab) {
   ::unlink(held_out.c_str());
 }
 
+// Note [A token file that shrinks]: a token file truncated in place during the run made the
+// next read past its new end a SIGBUS ("Bus error", no message). Each batch now checks the size.
+TEST(TokenFileDataTest, AFileTruncatedDuringTheRunIsAnError) {
+  std::vector<int64_t> ids(16 * 1000 + 1);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i % 256);
+  const std::string path = WriteBytes("shrinks.bin", LittleEndian<uint16_t>(ids));
+  std::unique_ptr<TokenDataset> data = OpenOrDie(TokensFile(path, "uint16"), 256, 1);
+  ASSERT_TRUE(data);
+  absl::StatusOr<DataLoader> loader =
+      DataLoader::Create(*data, {.seq_len = 16, .micro_batch = 8, .seed = 1});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  ASSERT_TRUE(loader->Get(0).ok());
+  const int64_t bytes = static_cast<int64_t>(ids.size()) * 2;
+  ASSERT_EQ(::truncate(path.c_str(), 64), 0);
+  EXPECT_THAT(loader->Get(0).status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(StrCat("data.path '", path, "'")),
+                             HasSubstr(StrCat("changed size during the run (", bytes,
+                                              " bytes when opened, 64 now)")))));
+  EXPECT_FALSE(loader->ValBatch(0).ok());
+  ::unlink(path.c_str());
+}
+
 TEST(TextFileDataTest, ReadsBytesAsTokens) {
   const std::string text = "hello, world\n\xff\x01";
   const std::string path = WriteBytes("text.txt", text);
