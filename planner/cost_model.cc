@@ -395,8 +395,15 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
       break;
   }
-  mem.unsharded_units = root * cb * 2 + blocks_unsharded * block * cb +
-                        (num_blocks > 0 ? block * cb + block * rb : 0);
+  // Note [One shard] (sharding/collectives.h): one rank in all gathers and reduces nothing; fp32
+  // parameters alias their shards, and an fp32 gradient becomes its shard's gradient (counted
+  // in the gradients), so neither has a copy, and there is no reduce buffer.
+  const bool one_shard = s == 1 && r == 1;
+  const bool aliased = one_shard && cb == 4;
+  const double gathered = aliased ? 0 : cb;  // bytes of a gathered parameter value
+  const double unit_grad = aliased && rb == 4 ? 0 : block * cb;
+  mem.unsharded_units = root * (gathered + cb) + blocks_unsharded * block * gathered +
+                        (num_blocks > 0 ? unit_grad + (one_shard ? 0 : block * rb) : 0);
   // model.kernels as it resolves on this hardware (a profile with CPU cores per node is a CPU
   // machine): the fused kernels keep less per token (Note [Activation bytes] in gpt_counts.cc).
   ModelArgs resolved = model;

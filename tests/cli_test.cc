@@ -1,8 +1,14 @@
 // The fsdp command line's own errors, through the binary: every mistake in the words typed is
 // one line naming the flag or word and what is valid, and exit code 2 (Note [Exit codes]);
-// --help still exits 0.
+// --help still exits 0. And `fsdp plan`'s memory beside `fsdp train`'s.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include "common/strings.h"
 #include "tests/multirank.h"
@@ -81,6 +87,79 @@ TEST(CommandLineErrors, HelpStillExitsZero) {
     EXPECT_TRUE(r.StdoutHas("Usage:")) << r.Output();
     EXPECT_FALSE(r.StdoutHas("179769313")) << r.Output();  // DBL_MAX, CLI11's range text
   }
+}
+
+// `fsdp plan`'s peak memory per rank beside `fsdp train`'s measured peak on this CPU (issue 14's
+// target: within 15%), with activation checkpointing, offload and bf16, on one rank and two. On a
+// CPU the host state (offload) lives in the memory the peak counts, so it is added. At one rank
+// in fp32 the accounting is exact up to the allocator's slack (Note [One shard]: parameters alias
+// their shards, gradients become theirs, nothing is gathered or reduced), which the planner once
+// counted as copies (+14% here): within 5%.
+TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
+  struct Case {
+    int ranks;
+    std::vector<std::string> sets;
+    double tolerance;
+  };
+  const std::string dir = testing::FreshTempDir("plan-vs-train");
+  for (const Case& c : std::vector<Case>{
+           {1, {}, 0.05},
+           {1, {"training.activation_checkpointing=full"}, 0.15},
+           {1, {"training.mixed_precision=bf16"}, 0.15},
+           {2, {}, 0.15},
+           {2, {"parallelism.offload=optimizer"}, 0.15},
+       }) {
+    const std::string what = StrCat(c.ranks, " rank(s) ", StrJoin(c.sets, " "));
+    const std::string run_dir = StrCat(dir, "/run");
+    std::filesystem::remove_all(run_dir);
+    std::vector<std::string> train = {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml",
+                                      "--quiet", "--set", "training.steps=4", "--set",
+                                      "training.eval_interval=0", "--set",
+                                      StrCat("parallelism.nproc=", c.ranks), "--set",
+                                      "run.dir=" + run_dir};
+    std::vector<std::string> plan = {FsdpBinary(), "plan", SourceDir() + "/configs/default.yaml",
+                                     "--world-size", std::to_string(c.ranks), "--gpu", "cpu",
+                                     "--json", dir + "/plan.json"};
+    for (const std::string& set : c.sets) {
+      for (auto* argv : {&train, &plan}) {
+        argv->push_back("--set");
+        argv->push_back(set);
+      }
+    }
+    CommandResult trained = RunCommand(train, {}, std::chrono::seconds(120));
+    ASSERT_TRUE(trained.exit.ok()) << what << "\n" << trained.Output();
+    CommandResult planned = RunCommand(plan);
+    ASSERT_TRUE(planned.exit.ok()) << what << "\n" << planned.Output();
+
+    double measured = 0;
+    std::ifstream metrics(run_dir + "/metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (record.is_object() && record.contains("peak_mem_bytes")) {
+        measured = std::max(measured, record["peak_mem_bytes"].get<double>());
+      }
+    }
+    ASSERT_GT(measured, 0) << what;
+    // The prediction for the configured layout (full_shard over every rank) and modes.
+    const nlohmann::json p = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
+    const nlohmann::json& configured = p["configured"];
+    double predicted = 0;
+    for (const char* list : {"layouts", "alternatives"}) {
+      if (!p.contains(list)) continue;
+      for (const nlohmann::json& l : p[list]) {
+        if (l.value("strategy", "") == "full_shard" &&
+            l["activation_checkpointing"] == configured["activation_checkpointing"] &&
+            l["offload"] == configured["offload"] && predicted == 0) {
+          predicted = l["memory_bytes"]["total"].get<double>() +
+                      l["memory_bytes"]["host"].get<double>();
+        }
+      }
+    }
+    ASSERT_GT(predicted, 0) << what << ": no such layout in " << p.dump();
+    EXPECT_NEAR(predicted / measured, 1.0, c.tolerance)
+        << what << ": predicted " << predicted << " B, measured " << measured << " B";
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
