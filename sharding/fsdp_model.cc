@@ -188,6 +188,10 @@ int64_t FsdpModel::Recomputes(const FsdpUnit& unit) const {
 
 at::Tensor FsdpModel::RunUnitForward(FsdpUnit& unit, const at::Tensor& input,
                                      const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  // See Note [Nested UnitForward of one unit]: the unit's forward is already running.
+  if (unit.training_state() == FsdpUnit::TrainingState::kForward || in_checkpoint_ == &unit) {
+    return fn(input);
+  }
   TORCH_CHECK(in_checkpoint_ == nullptr, "training.activation_checkpointing: unit '",
               in_checkpoint_ != nullptr ? in_checkpoint_->name() : "", "' runs the forward of unit '",
               unit.name(), "' inside its own; a checkpointed unit cannot contain other units "
@@ -309,6 +313,11 @@ at::Tensor FsdpModel::CheckpointUnitForward(FsdpUnit& unit, const at::Tensor& x,
 void FsdpModel::PreForward(FsdpUnit& unit) {
   if (unit.is_root()) {
     // A new iteration: the last forward need not have been followed by a backward.
+    if (forward_without_backward_) {
+      // See Note [Forward without backward]: what it left unsharded may be stale.
+      for (auto& u : units_) ReshardFully(*u);
+    }
+    forward_without_backward_ = true;
     for (auto& u : units_) u->ResetIteration();
   }
   unit.BeginForward();
@@ -331,6 +340,7 @@ at::Tensor FsdpModel::PostForward(FsdpUnit& unit, at::Tensor output) {
       // shards included (they are a copy that a later optimizer step or checkpoint load
       // would make stale).
       for (auto& u : units_) ReshardFully(*u);
+      forward_without_backward_ = false;
     }
     const auto& out_dtype = ctx_.options.mixed_precision.output_dtype;
     if (out_dtype && output.defined() && at::isFloatingType(output.scalar_type())) {
@@ -358,6 +368,7 @@ void FsdpModel::PreBackward(FsdpUnit& unit) {
   // A unit that ran more than once in forward has one hook per output: only the first counts.
   if (unit.training_state() != FsdpUnit::TrainingState::kIdle) return;
   if (!backward_started_) {
+    ApplyModuleZeroGrad();  // before any accumulation or collective of this backward
     backward_started_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { FinishBackward(); });
   }
@@ -410,6 +421,37 @@ void FsdpModel::FinishBackward() {
   last_reducing_ = nullptr;
   for (auto& u : units_) u->ResetIteration();
   backward_started_ = false;
+  forward_without_backward_ = false;
+  LeaveGradSentinels();
+}
+
+void FsdpModel::LeaveGradSentinels() {
+  for (auto& unit : units_) {
+    for (FsdpParam& p : unit->params()) {
+      p.grad_sentinel_set = p.requires_grad && !p.param.grad().defined();
+      if (p.grad_sentinel_set) p.param.mutable_grad() = p.grad_sentinel;
+    }
+  }
+}
+
+void FsdpModel::ApplyModuleZeroGrad() {
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    for (FsdpParam& p : unit->params()) {
+      if (!p.grad_sentinel_set) continue;
+      p.grad_sentinel_set = false;
+      at::Tensor& grad = p.param.mutable_grad();
+      at::Tensor& shard_grad = p.sharded.mutable_grad();
+      if (grad.defined() && grad.is_same(p.grad_sentinel)) {
+        grad.reset();  // untouched: the shard's gradient stays
+      } else if (!grad.defined()) {
+        shard_grad.reset();  // module->zero_grad() (set_to_none)
+      } else {
+        grad.reset();  // module->zero_grad(false): a zeroed copy of the sentinel
+        if (shard_grad.defined()) shard_grad.zero_();
+      }
+    }
+  }
 }
 
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,

@@ -101,6 +101,35 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 // true, so a loop that never calls it reshards after every backward (a shard_grad_op step);
 // the trainer calls it per micro-batch (engine/trainable.cc). A caller that steps the optimizer
 // after a backward with false would run the next forward on stale parameters: don't.
+// Note [Forward without backward]
+// A training forward (grad mode on) leaves the root unit unsharded for its backward, and with
+// reshard_after_forward false every unit. When no backward follows (a metric computed with
+// grad mode on, a forward whose loss is dropped) and the optimizer then steps, those unsharded
+// copies are stale: the next forward would find them unsharded and gather nothing, computing
+// with the parameters of before the step, silently. So the root's forward that starts while
+// the previous training forward has had no backward first reshards every unit
+// (ReshardFully): they are gathered again from the current shards. Two forwards before one
+// backward (loss = f(a) + f(b)) pay one extra gather per unit kept unsharded; the backward
+// gathers what it needs as usual. An evaluation forward (grad mode off) already reshards
+// everything at its end.
+// Note [Nested UnitForward of one unit]
+// A unit's forward that reaches UnitForward for the same unit again (its module's forward goes
+// through UnitForward and its parent calls it through SequentialForward, which does too; or a
+// checkpointed unit's recompute) just runs the function: the unit is unsharded and its
+// forward already counted.
+// Note [zero_grad on the module]
+// The optimizer updates the shards (FsdpModel::parameters()) and reads their .grad, which
+// backward writes and accumulates into; the module's own parameters (P) hold no gradient
+// after a backward with gradient sync. module->zero_grad(), the usual PyTorch idiom, clears
+// only P's .grad, so on its own it would leave the shards' gradients to be added to by the
+// next backward, silently. So, as FSDP2's module.zero_grad() clears the sharded gradients,
+// each backward leaves a 0-element tensor of its own (FsdpParam::grad_sentinel) as .grad of
+// every trainable P that has none, and the next backward starts (before any autograd
+// accumulation or collective: the root output's hook runs first) by looking at it: still
+// there, it is removed; gone (zero_grad() reset it) the shard's .grad is reset too; replaced
+// (zero_grad(false) zeroes a detached copy) the shard's .grad is zeroed. A P's .grad that
+// holds real gradients (set_requires_gradient_sync(false)) is never replaced. Between two
+// backwards, code that reads P's .grad sees an empty tensor where it saw none.
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
@@ -186,6 +215,9 @@ class FsdpModel {
   void Prefetch(const FsdpUnit& current, int direction);
   FsdpUnit* Neighbour(const FsdpUnit& unit, int step) const;
   void UpdateMemoryStats();
+  // See Note [zero_grad on the module]: at the end of a backward and at the start of the next.
+  void LeaveGradSentinels();
+  void ApplyModuleZeroGrad();
 
   std::shared_ptr<torch::nn::Module> root_;
   EngineContext ctx_;
@@ -193,6 +225,9 @@ class FsdpModel {
   std::vector<FsdpUnit*> order_;                  // forward order (root first)
   bool order_final_ = false;
   bool backward_started_ = false;
+  // A training forward of the root began and no backward finished since: Note [Forward
+  // without backward].
+  bool forward_without_backward_ = false;
   FsdpUnit* last_reducing_ = nullptr;  // the unit whose reduce-scatter was issued last
   MemoryStats memory_;
   std::unordered_map<std::string, const FsdpParam*> by_name_;

@@ -35,6 +35,11 @@ struct FsdpParam {
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
   bool requires_grad = false;
   c10::ScalarType compute_dtype = c10::kFloat;
+  // Trainable only: 0 elements; P's .grad from the end of a backward that left P without one
+  // until the next backward starts, so that module->zero_grad() is seen (Note [zero_grad on
+  // the module] in fsdp_model.h). grad_sentinel_set: it was put there by the last backward.
+  at::Tensor grad_sentinel;
+  bool grad_sentinel_set = false;
 
   int64_t unsharded_nbytes() const;
   bool unsharded_allocated() const;

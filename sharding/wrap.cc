@@ -282,6 +282,8 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
       }
       p.sharded = p.padded_shard.narrow(0, 0, rows).detach();
       p.sharded.set_requires_grad(p.requires_grad);
+      // See Note [zero_grad on the module].
+      if (p.requires_grad) p.grad_sentinel = at::empty({0}, orig.dtype(p.compute_dtype));
       // P keeps its TensorImpl: new storage (padded, compute dtype), freed until unsharded.
       std::vector<int64_t> strides(shape.size(), 1);
       for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) {
