@@ -43,9 +43,10 @@ class Module;
 
 namespace fsdp {
 
-// Which children of Sequential / ModuleList containers become units.
+// Which children of Sequential / ModuleList / ModuleDict containers become units.
 struct WrapPolicy {
-  std::vector<std::string> module_types;  // Module::name(), e.g. "BlockImpl"
+  // Module::name(), qualified ("myproject::BlockImpl") or not ("BlockImpl").
+  std::vector<std::string> module_types;
   int64_t min_num_params = 0;             // > 0: also any child with at least this many
 };
 std::vector<std::shared_ptr<torch::nn::Module>> SelectUnits(torch::nn::Module& root,
@@ -133,7 +134,12 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 class FsdpModel {
  public:
   // Shards `root`: each of `unit_modules` (submodules of root) becomes a unit, the root unit
-  // holds the rest. The mesh needs a "shard" axis and may have a "replicate" axis.
+  // holds the rest (the root itself or a module listed twice in `unit_modules` adds nothing).
+  // The mesh needs a "shard" axis and may have a "replicate" axis. A model is wrapped once:
+  // from then on its modules' own parameters have no memory outside forward and backward
+  // (clone, save or read them through named_parameters() / GatherFullParameter instead), also
+  // after this FsdpModel is destroyed. The parameters of one unit share one dtype (or set
+  // mixed_precision.param_dtype).
   static absl::StatusOr<std::unique_ptr<FsdpModel>> Wrap(
       std::shared_ptr<torch::nn::Module> root, const DeviceMesh& mesh,
       const std::vector<std::shared_ptr<torch::nn::Module>>& unit_modules,

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -52,8 +53,13 @@ std::vector<std::shared_ptr<torch::nn::Module>> SelectUnits(torch::nn::Module& r
                                                             const WrapPolicy& policy) {
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   auto matches = [&](const std::shared_ptr<torch::nn::Module>& m) {
+    const std::string name = m->name();  // qualified: "myproject::(anonymous namespace)::BlockImpl"
+    const size_t colons = name.rfind("::");
+    const std::string_view unqualified = colons == std::string::npos
+                                             ? std::string_view(name)
+                                             : std::string_view(name).substr(colons + 2);
     for (const std::string& type : policy.module_types) {
-      if (m->name() == type) return true;
+      if (name == type || unqualified == type) return true;
     }
     if (policy.min_num_params > 0) {
       int64_t n = 0;
@@ -65,7 +71,8 @@ std::vector<std::shared_ptr<torch::nn::Module>> SelectUnits(torch::nn::Module& r
   for (const auto& item : root.named_modules()) {
     torch::nn::Module* m = item.value().get();
     if (dynamic_cast<torch::nn::SequentialImpl*>(m) == nullptr &&
-        dynamic_cast<torch::nn::ModuleListImpl*>(m) == nullptr) {
+        dynamic_cast<torch::nn::ModuleListImpl*>(m) == nullptr &&
+        dynamic_cast<torch::nn::ModuleDictImpl*>(m) == nullptr) {
       continue;
     }
     for (const auto& child : m->children()) {
@@ -146,8 +153,31 @@ absl::Status CheckSameModel(DistContext& ctx, const std::string& signature) {
 
 absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     std::shared_ptr<torch::nn::Module> root, const DeviceMesh& mesh,
-    const std::vector<std::shared_ptr<torch::nn::Module>>& unit_modules,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& requested_units,
     const FsdpOptions& options) {
+  // The root is always a unit (as fully_shard(model) on the root in FSDP2), and a module listed
+  // twice is one unit: both are dropped from the list rather than becoming a second unit of
+  // the same module, which would never gather its parameters.
+  std::vector<std::shared_ptr<torch::nn::Module>> unit_modules;
+  for (const auto& m : requested_units) {
+    if (m == nullptr) return absl::InvalidArgumentError("unit module is null");
+    if (m.get() == root.get()) continue;
+    bool seen = false;
+    for (const auto& u : unit_modules) seen |= u.get() == m.get();
+    if (!seen) unit_modules.push_back(m);
+  }
+  if (LookupUnit(root.get()).model != nullptr) {
+    return absl::FailedPreconditionError(StrCat(
+        "the root module (", root->name(), ") is already wrapped by another FsdpModel; a model "
+        "is wrapped once (its parameters are shards from then on): keep the first FsdpModel"));
+  }
+  for (const auto& m : unit_modules) {
+    if (LookupUnit(m.get()).model != nullptr) {
+      return absl::FailedPreconditionError(StrCat(
+          "module ", m->name(), " is already a unit of another FsdpModel; a model is wrapped "
+          "once (its parameters are shards from then on): keep the first FsdpModel"));
+    }
+  }
   std::unique_ptr<FsdpModel> model(new FsdpModel());
   model->root_ = root;
   EngineContext& ctx = model->ctx_;
@@ -240,11 +270,40 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     if (IsDeferred(e.tensor) && !options.param_init) {
       return absl::InvalidArgumentError(StrCat(
           "parameter '", e.names[0], "' is deferred (no memory yet) but FsdpOptions::param_init "
-          "is not set; give an initialiser such as fsdp::SeededInit"));
+          "is not set; give an initialiser such as fsdp::SeededInit. (A model that an FsdpModel "
+          "wrapped before has no memory in its parameters either, even after that FsdpModel is "
+          "destroyed: a model is wrapped once.)"));
     }
   }
   DistContext& dist = mesh.context();
   FSDP_RETURN_IF_ERROR(CheckSameModel(dist, Signature(unit_names, entries)));
+  // A unit's all-gather and its flat buffers have one compute dtype (its first parameter's):
+  // parameters of another dtype in the unit would pair buffers of different sizes across
+  // ranks (Gloo: "Received data size doesn't match expected size", an abort). With one shard
+  // nothing is gathered.
+  if (ctx.num_shards > 1) {
+    std::vector<const ParamEntry*> first_of_unit(root_index + 1, nullptr);
+    for (const ParamEntry& e : entries) {
+      const c10::ScalarType dtype =
+          options.mixed_precision.param_dtype.value_or(e.tensor.scalar_type());
+      const ParamEntry*& first = first_of_unit[e.owner];
+      if (first == nullptr) {
+        first = &e;
+        continue;
+      }
+      const c10::ScalarType first_dtype =
+          options.mixed_precision.param_dtype.value_or(first->tensor.scalar_type());
+      if (dtype != first_dtype) {
+        return absl::UnimplementedError(StrCat(
+            "FSDP unit '", unit_names[e.owner], "' holds parameters of different dtypes: '",
+            first->names[0], "' is ", c10::toString(first_dtype), ", '", e.names[0], "' is ",
+            c10::toString(dtype), "; a unit's parameters are gathered in one dtype. Set "
+            "FsdpOptions::mixed_precision.param_dtype (every unit then computes in that dtype, "
+            "the shards keep their own), convert the parameters to one dtype before wrapping, "
+            "or make the module holding '", e.names[0], "' a unit of its own"));
+      }
+    }
+  }
 
   absl::Status status = CallTorch("sharding the model", [&] {
     at::NoGradGuard no_grad;

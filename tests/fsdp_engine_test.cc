@@ -779,6 +779,63 @@ TEST(FsdpEngineTest, SequentialForwardOfBlocksThatUseUnitForward) {
   });
 }
 
+// A unit with parameters of two dtypes used to abort in Gloo ("Received data size doesn't
+// match expected size"); a model wrapped twice got "is deferred"; the root or a module listed
+// twice among the units became a unit that never gathered its parameters.
+TEST(FsdpWrapErrors, MixedDtypesWrappingTwiceRootAndDuplicateUnits) {
+  testing::RunOnRanks(2, [](int) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
+    const FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+    {
+      torch::manual_seed(3);
+      TwoBlockNet model(false, true);
+      model->second->fc->bias.set_data(model->second->fc->bias.to(torch::kBFloat16));
+      auto f =
+          FsdpModel::Wrap(model.ptr(), mesh, {model->first.ptr(), model->second.ptr()}, options);
+      ASSERT_FALSE(f.ok());
+      EXPECT_EQ(f.status().code(), absl::StatusCode::kUnimplemented);
+      EXPECT_THAT(std::string(f.status().message()),
+                  HasSubstr("FSDP unit 'second' holds parameters of different dtypes: "
+                            "'second.fc.weight' is Float, 'second.fc.bias' is BFloat16"));
+      FsdpOptions bf16 = options;  // one compute dtype: trains
+      bf16.mixed_precision.param_dtype = torch::kBFloat16;
+      f = FsdpModel::Wrap(model.ptr(), mesh, {model->first.ptr(), model->second.ptr()}, bf16);
+      ASSERT_TRUE(f.ok()) << f.status();
+      model->forward(torch::randn({4, 8})).sum().backward();
+      EXPECT_TRUE((*f)->FindParam("second.fc.bias")->sharded.grad().defined());
+    }
+    torch::manual_seed(3);
+    TwoBlockNet model(false, true);
+    torch::Tensor x = torch::randn({4, 8});
+    torch::Tensor expected = model->forward(x);
+    auto f = FsdpModel::Wrap(
+        model.ptr(), mesh,
+        {model->first.ptr(), model.ptr(), model->second.ptr(), model->first.ptr()}, options);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->units().size(), 3u);  // first, second and the root
+    EXPECT_TRUE(torch::allclose(model->forward(x), expected, 1e-5, 1e-6));
+    auto again = FsdpModel::Wrap(model.ptr(), mesh, {}, options);
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(again.status().message()), HasSubstr("is already wrapped"));
+  });
+}
+
+// A type given without its namespace used to select nothing (Module::name() is qualified:
+// "fsdp::(anonymous namespace)::LinearBlockImpl"), silently: one root unit, nothing saved.
+TEST(FsdpEngineTest, SelectUnitsByUnqualifiedTypeAndInModuleDicts) {
+  torch::nn::Sequential seq(LinearBlock(true), torch::nn::Tanh(), LinearBlock(true));
+  EXPECT_EQ(SelectUnits(*seq, {.module_types = {"LinearBlockImpl"}}).size(), 2u);
+  EXPECT_EQ(
+      SelectUnits(*seq, {.module_types = {"fsdp::(anonymous namespace)::LinearBlockImpl"}}).size(),
+      2u);
+  EXPECT_EQ(SelectUnits(*seq, {.module_types = {"BlockImpl"}}).size(), 0u);  // whole names only
+  torch::nn::ModuleDict dict;
+  dict->update({{"a", LinearBlock(true).ptr()}, {"b", LinearBlock(true).ptr()}});
+  EXPECT_EQ(SelectUnits(*dict, {.module_types = {"LinearBlockImpl"}}).size(), 2u);
+}
+
 TEST(FsdpEngineTest, UnwrappedModelRunsUnchanged) {
   // UnitForward is a plain call when the module is not a unit.
   torch::manual_seed(7);
