@@ -102,6 +102,14 @@ struct BlockActivationBytes {
   double none = 0;       // everything autograd saves; also what a recompute materialises
   double full = 0;       // the unit's input only
   double selective = 0;  // the input and the output of every matmul
+  // At the unit's backward, beyond `none` (Note [Recompute and backward bytes] in
+  // models/gpt/gpt_counts.cc): the backward's own transient gradients (T), and for a
+  // checkpointed unit (X) the recomputed output, the input where `none` does not keep it, and,
+  // selective, the matmul outputs `none` does not keep.
+  double backward_transient = 0;
+  double recompute_output = 0;
+  double recompute_input_unkept = 0;
+  double selective_unkept = 0;
 };
 
 // A built model, as the trainer drives it.

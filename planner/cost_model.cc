@@ -88,7 +88,8 @@ double OptimizerStateBytesPerParam(const OptimizerSection& o) {
 //   start of backward: sum_i kept(i) + the head's activations (logits, fp32 loss copies and
 //     their gradients, freed once the head's backward is done);
 //   backward of block j (the blocks after j and the head freed by then): sum_{i < j} kept(i) +
-//     none + T, plus X when j is checkpointed (Note [Recompute and backward bytes]); without
+//     none + T, plus X when j is checkpointed (Note [Recompute and backward bytes] in
+//     models/gpt/gpt_counts.cc); without
 //     accumulation the gradient shards of the blocks after j are written by then too.
 // A block moment grows with j by the kept bytes and shrinks by a block's gradient shard, the
 // same amounts in every period of k blocks, so for every:k the largest lies at an end of the
@@ -98,50 +99,6 @@ double OptimizerStateBytesPerParam(const OptimizerSection& o) {
 // training FLOPs); selective re-runs the attention core's forward (a third of
 // block_attention_flops_per_token) and the elementwise ops, no projection.
 //
-// Note [Recompute and backward bytes]
-// What autograd and sharding/activation_checkpoint.cc hold at a block's backward beyond its
-// `none` set, per token (GPT family, counted like Note [Activation bytes] in
-// models/gpt/gpt_counts.cc, next to BlockActivationBytes where they belong):
-//   T, every block: the backward's own gradients at the MLP, which runs first, while the whole
-//     block's saved set is alive: the incoming gradient of the block's output (dim) and the
-//     intermediate ones, 2 ffn with GELU (of w2's input, then of w1's output), 3 ffn with
-//     SwiGLU (of the product, then of both its inputs);
-//   X, a checkpointed block: the recomputed output (dim; RecomputeBackward holds it until its
-//     nested backward returns); the input, where `none` does not keep it (RecomputeBackward
-//     does: the composite RMSNorm in bf16 saves an fp32 copy instead); and, for selective, the
-//     tape's matmul outputs that `none` does not keep, held until the block's backward ends:
-//     wo's and w2's (residual adds save nothing) and, with RoPE, q and k before the rotation
-//     (autograd keeps the rotated ones). q, k, v, w1 and w3 are in `none` already: the tape and
-//     the recomputed graph share them.
-// Measured (fsdp train on a CPU, one rank, peak tensor bytes: GPT and Llama blocks, 1 to 4 of
-// them, fused and composite kernels; CheckpointingTest.SelectiveAndFullAgainstMeasuredPeaks):
-// the differences between none, selective and full agree to within 300 bytes per token or 8%.
-// So with one block and a small head selective (and full) keep more than none: the block's
-// backward is the peak of both and the recompute adds X. From two blocks on they keep less.
-struct BackwardBytes {
-  double transient = 0;         // T
-  double output = 0;            // X: the recomputed output
-  double input_unkept = 0;      // X: the input, where `none` does not keep it
-  double selective_unkept = 0;  // X, selective: the matmul outputs `none` does not keep
-};
-
-BackwardBytes GptBackwardBytes(const ModelArgs& m, double cb) {
-  const double d = static_cast<double>(m.dim), f = static_cast<double>(m.ffn());
-  const double kv = static_cast<double>(m.kv_dim());
-  const bool swiglu = m.activation == Activation::kSwiglu;
-  BackwardBytes b;
-  b.transient = (d + (swiglu ? 3 : 2) * f) * cb;
-  b.output = d * cb;
-  const bool composite_rms = m.norm == NormKind::kRmsNorm && m.kernels != KernelMode::kFused;
-  if (composite_rms && cb < 4) b.input_unkept = d * cb;
-  b.selective_unkept = d * cb;  // w2
-  if (HasAttention(m)) {
-    b.selective_unkept += d * cb;  // wo
-    if (m.positions == Positions::kRope) b.selective_unkept += (d + kv) * cb;
-  }
-  return b;
-}
-
 struct Activations {
   double peak = 0;             // bytes per token at the moment with the most activations
   double peak_with_grads = 0;  // bytes: the largest activations + gradient shards written
@@ -154,14 +111,15 @@ Activations CheckpointedActivations(const ModelArgs& model, const ModelFamily& f
                                     const ModelCounts& counts, const ActivationCheckpointing& ac,
                                     int num_blocks, double cb, double tokens,
                                     double grad_per_block) {
+  // Note [Recompute and backward bytes] (models/gpt/gpt_counts.cc): T and X.
   const BlockActivationBytes block = family.block_activation_bytes(model, cb);
-  const BackwardBytes back = GptBackwardBytes(model, cb);
   const bool selective = ac.mode == ActivationCheckpointing::Mode::kSelective;
   BlockBytes bytes;
   bytes.none = block.none;
   bytes.kept = selective ? block.selective : block.full;
-  bytes.transient = back.transient;
-  bytes.recompute_extra = back.output + back.input_unkept + (selective ? back.selective_unkept : 0);
+  bytes.transient = block.backward_transient;
+  bytes.recompute_extra = block.recompute_output + block.recompute_input_unkept +
+                          (selective ? block.selective_unkept : 0);
   bytes.head = family.head_bytes_per_token(model, cb);
   const BlockPeak peak = PeakOfBlocks(bytes, ac, num_blocks, tokens, grad_per_block);
   Activations a;
