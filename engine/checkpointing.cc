@@ -310,7 +310,9 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
   metadata.extra = {{"data",
                      {{"epoch", pending.data.epoch},
                       {"batch", pending.data.batch},
-                      {"global_batch", pending.data.global_batch}}},
+                      {"global_batch", pending.data.global_batch},
+                      {"train_windows", pending.data.train_windows},
+                      {"seed", pending.data.seed}}},
                     {"config", config_.ToYaml()},
                     {"optimizer", OptimizerRecord(config_.optimizer, pending.optimizer_state,
                                                   pending.optimizer_step)}};
@@ -479,6 +481,8 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
     point.data.epoch = extra_meta["data"].value("epoch", int64_t{0});
     point.data.batch = extra_meta["data"].value("batch", int64_t{0});
     point.data.global_batch = extra_meta["data"].value("global_batch", int64_t{0});
+    point.data.train_windows = extra_meta["data"].value("train_windows", int64_t{0});
+    point.data.seed = extra_meta["data"].value("seed", uint64_t{0});
   }
   return std::optional<ResumePoint>(point);
 }

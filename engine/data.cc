@@ -580,8 +580,13 @@ void DataLoader::set_position(const DataPosition& position) {
 
 DataPosition DataLoader::position() const {
   const int64_t b = global_batch();
-  if (window_ % b == 0) return {.epoch = epoch_, .batch = window_ / b, .global_batch = b};
-  return {.epoch = epoch_, .batch = window_, .global_batch = 1};
+  DataPosition p{.epoch = epoch_, .batch = window_ / b, .global_batch = b,
+                 .train_windows = train_windows_, .seed = options_.seed};
+  if (window_ % b != 0) {
+    p.batch = window_;
+    p.global_batch = 1;
+  }
+  return p;
 }
 
 int64_t DataLoader::batches_per_epoch() const { return train_windows_ / global_batch(); }

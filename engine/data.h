@@ -92,6 +92,10 @@ struct DataPosition {
   int64_t epoch = 0;
   int64_t batch = 0;         // global batches done in this epoch
   int64_t global_batch = 0;  // windows per global batch `batch` counts in; 0: the loader's own
+  // What the permutation depends on besides the epoch, as the run that reached this position
+  // had them (0: not recorded): a resume on other data or another seed is said (trainer.cc).
+  int64_t train_windows = 0;
+  uint64_t seed = 0;
 };
 
 class DataLoader {
@@ -117,6 +121,7 @@ class DataLoader {
   absl::StatusOr<Batch> ValBatch(int64_t index) const;
   int64_t num_val_batches() const;  // full held-out batches available
   int64_t num_val_windows() const { return val_windows_; }
+  int64_t num_train_windows() const { return train_windows_; }
 
  private:
   DataLoader() = default;

@@ -189,6 +189,28 @@ void WarnAboutTheSchedule(const RunConfig& config, int rank) {
       steps, warmup);
 }
 
+// A resume on other data (another file, data.val_fraction or model.seq_len: another number of
+// training windows) or another run.seed draws other epoch permutations, so the position no
+// longer says which windows were trained on: the rest of the epoch may repeat some and skip
+// others. Allowed (a second stage on new data), and said.
+void WarnAboutOtherData(const DataPosition& saved, const DataLoader& loader) {
+  const DataPosition now = loader.position();
+  std::vector<std::string> changed;
+  if (saved.train_windows > 0 && saved.train_windows != now.train_windows) {
+    changed.push_back(StrCat(saved.train_windows, " training windows, now ", now.train_windows,
+                             " (data.path, data.val_fraction or model.seq_len changed)"));
+  }
+  if (saved.train_windows > 0 && saved.seed != now.seed) {
+    changed.push_back(StrCat("run.seed ", saved.seed, ", now ", now.seed));
+  }
+  if (changed.empty()) return;
+  FSDP_LOG_WARN(
+      "the checkpoint's data position (epoch {}) was taken with {}: the epochs' order differs, "
+      "so the rest of this epoch may repeat windows trained on before the checkpoint and skip "
+      "others",
+      saved.epoch, StrJoin(changed, " and "));
+}
+
 // A checkpoint's step past training.steps ran no step and saved the checkpoint's state again
 // as step training.steps, exit 0; a data position that cannot be one failed as an internal
 // error.
@@ -582,6 +604,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     start_step = resume->step;
     FSDP_RETURN_IF_ERROR(CheckResumePoint(config, *resume));
     loader.set_position(resume->data);
+    if (rank == 0) WarnAboutOtherData(resume->data, loader);
     if (rank == 0) {
       std::cout << fmt::format(
           "fsdp train: resumed from {} at step {} (loaded in {:.2f} s)\n", resume->dir, start_step,

@@ -467,6 +467,19 @@ TEST(TrainTest, ResumeKeepsTheDataPositionAcrossGlobalBatchesAndRefusesAnEarlier
             2 * first_batch + 2 * second_batch)
       << resumed.dump();
 
+  // On other data (here another held-out share: another number of training windows) the
+  // position no longer says which windows were trained on: allowed, and said.
+  testing::TrainRun other = testing::RunTrain(
+      SourceDir() + "/configs/default.yaml", dir + "/other",
+      with({StrCat("training.micro_batch_size=", first_batch), "checkpoint.load=" + step2,
+            "data.val_fraction=0.2"}));
+  ASSERT_EQ(other.result.exit.code, 0) << other.result.Output();
+  const std::string said = StrCat("was taken with ", saved["train_windows"].get<int64_t>(),
+                                  " training windows, now ");
+  EXPECT_TRUE(other.result.StderrHas(said) || other.result.StdoutHas(said))
+      << other.result.Output();
+  EXPECT_FALSE(second.result.StderrHas("training windows, now")) << second.result.Output();
+
   testing::TrainRun earlier = testing::RunTrain(
       SourceDir() + "/configs/default.yaml", dir + "/earlier",
       with({"training.steps=3", "checkpoint.load=" + dir + "/first/checkpoints/step_000000004"}));
