@@ -478,6 +478,16 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
   point.step = reader.metadata().step;
   point.dir = dir;
   if (extra_meta.contains("data")) {
+    // A field of another type threw out of json::value as an internal error naming nothing.
+    const nlohmann::json& data = extra_meta["data"];
+    for (const char* key : {"epoch", "batch", "global_batch", "train_windows", "seed"}) {
+      if (!data.is_object() || (data.contains(key) && !data[key].is_number_integer())) {
+        return absl::DataLossError(StrCat(
+            dir, ": metadata.json extra.data", data.is_object() ? StrCat(".", key) : "",
+            " must be ", data.is_object() ? "an integer" : "an object", ", got ",
+            (data.is_object() ? data[key] : data).dump()));
+      }
+    }
     point.data.epoch = extra_meta["data"].value("epoch", int64_t{0});
     point.data.batch = extra_meta["data"].value("batch", int64_t{0});
     point.data.global_batch = extra_meta["data"].value("global_batch", int64_t{0});

@@ -480,6 +480,19 @@ TEST(TrainTest, ResumeKeepsTheDataPositionAcrossGlobalBatchesAndRefusesAnEarlier
       << other.result.Output();
   EXPECT_FALSE(second.result.StderrHas("training windows, now")) << second.result.Output();
 
+  // A data position field of another type threw out of json::value as an internal error.
+  std::filesystem::copy(step2, dir + "/edited", std::filesystem::copy_options::recursive);
+  nlohmann::json metadata = nlohmann::json::parse(std::ifstream(dir + "/edited/metadata.json"));
+  metadata["extra"]["data"]["batch"] = "x";
+  std::ofstream(dir + "/edited/metadata.json", std::ios::trunc) << metadata.dump();
+  testing::TrainRun edited = testing::RunTrain(
+      SourceDir() + "/configs/default.yaml", dir + "/edited_run",
+      with({StrCat("training.micro_batch_size=", first_batch),
+            "checkpoint.load=" + dir + "/edited"}));
+  EXPECT_EQ(edited.result.exit.code, 3) << edited.result.Output();
+  EXPECT_TRUE(edited.result.StderrHas("metadata.json extra.data.batch must be an integer, got \"x\""))
+      << edited.result.Output();
+
   testing::TrainRun earlier = testing::RunTrain(
       SourceDir() + "/configs/default.yaml", dir + "/earlier",
       with({"training.steps=3", "checkpoint.load=" + dir + "/first/checkpoints/step_000000004"}));
