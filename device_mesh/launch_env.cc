@@ -200,9 +200,15 @@ absl::StatusOr<std::string> FirstSlurmHost(std::string_view node_list) {
   return host;
 }
 
+// Note [Which launcher started this process]
+// The launcher closest to the process wins: torchrun (or `fsdp launch`) sets RANK for each
+// process it starts, and so does mpirun (OMPI_COMM_WORLD_RANK, PMI_RANK). SLURM_PROCID comes
+// last: an sbatch script's environment can hold the batch step's SLURM_PROCID=0 and its
+// SLURM_NTASKS, which every process that mpirun starts inside the script inherits; read first,
+// it made all of them rank 0 (with SLURM_NTASKS=1, each a single-rank run of its own, exit 0).
+// Under srun, which starts the processes itself, the MPI variables are either absent or agree.
 absl::StatusOr<LaunchEnv> ParseLaunchEnv(const EnvLookup& env) {
   if (env("RANK")) return FromTorchrun(env);
-  if (env("SLURM_PROCID")) return FromSlurm(env);
   if (env("OMPI_COMM_WORLD_RANK")) {
     return FromMpi(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
@@ -210,6 +216,7 @@ absl::StatusOr<LaunchEnv> ParseLaunchEnv(const EnvLookup& env) {
   if (env("PMI_RANK")) {
     return FromMpi(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
   }
+  if (env("SLURM_PROCID")) return FromSlurm(env);
   if (env("WORLD_SIZE")) {
     return absl::InvalidArgumentError(
         "environment variable WORLD_SIZE is set but RANK is not; set both (torchrun does)");

@@ -1,12 +1,13 @@
 // Who am I? Reading rank, world size and rendezvous address from any common launcher.
 //
-// Recognised, in this order (the first whose rank variable is set wins):
+// Recognised, in this order (the first whose rank variable is set wins; Note [Which launcher
+// started this process], launch_env.cc):
 //   torchrun / plain  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 //                     MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT
-//   SLURM srun        SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE /
-//                     SLURM_TASKS_PER_NODE, SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_ID
 //   Open MPI mpirun   OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE
 //   MPICH / Hydra     PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
+//   SLURM srun        SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE /
+//                     SLURM_TASKS_PER_NODE, SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_ID
 //   nothing           a single process (rank 0 of 1).
 // MASTER_ADDR / MASTER_PORT override what a scheduler-derived default would be. A missing or
 // inconsistent variable is kInvalidArgument naming it.

@@ -360,6 +360,24 @@ TEST(ParseLaunchEnvTest, SchedulerVariablesWinOverAStrayWorldSize) {
   EXPECT_EQ(env.source, "openmpi");
 }
 
+// Note [Which launcher started this process]: an sbatch script's batch step exports
+// SLURM_PROCID=0 and its SLURM_NTASKS; mpirun inside the script starts every process with them
+// and with its own OMPI_* / PMI_* variables, which win. Read first, SLURM made every process
+// rank 0 (with SLURM_NTASKS=1, two single-rank runs that both exited 0).
+TEST(ParseLaunchEnvTest, MpiVariablesWinOverAnEnclosingSlurmBatchStep) {
+  const Vars batch = {{"SLURM_PROCID", "0"},  {"SLURM_NTASKS", "1"},
+                      {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", "0"},
+                      {"SLURM_JOB_ID", "77"}, {"SLURM_JOB_NODELIST", "node01"}};
+  LaunchEnv env = ParseOk(With(batch, OpenMpi(1, 2, 1, 2)));
+  EXPECT_EQ(env.source, "openmpi");
+  EXPECT_THAT(Ranks(env), ElementsAre(1, 2, 1, 2, 0));
+  env = ParseOk(With(batch, {{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}}));
+  EXPECT_EQ(env.source, "mpich");
+  EXPECT_THAT(Ranks(env), ElementsAre(1, 2, 1, 2, 0));
+  // srun alone: SLURM's own variables.
+  EXPECT_EQ(ParseOk(Slurm()).source, "slurm");
+}
+
 TEST(ParseLaunchEnvTest, Mpich) {
   LaunchEnv env = ParseOk({{"PMI_RANK", "5"},
                            {"PMI_SIZE", "6"},
