@@ -10,6 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "common/env.h"
 #include "common/env_knobs.h"
 #include "common/failure.h"
 #include "common/logging.h"
@@ -88,10 +89,14 @@ FailureHeadline SummarizeFailures(const GroupResult& result,
     h.rank = f.rank;
     h.code = f.exited ? f.code : 128 + f.code;
     h.text = StrCat("rank ", f.rank, " ", f.Describe(), "; stopped the other local ranks");
+    h.primary = !f.killed_by_us;
+    h.time_ns = f.exit_time_ns;
     return h;
   }
   h.rank = first->rank;
   h.code = first->code;
+  h.primary = first->primary;
+  h.time_ns = first->time_ns;
   // Preempted ranks (exit 143 after a SIGTERM save, Note [Exit codes]) did not fail: they all
   // stopped at the same step, and one line says so.
   const bool preempted = FailureClassOfExitCode(h.code) == FailureClass::kPreempted;
@@ -165,6 +170,264 @@ std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_r
     env[std::string(kOmpNumThreads.name)] = StrCat(std::max(1L, cores / o.nproc_per_node));
   }
   return env;
+}
+
+}  // namespace
+
+// Note [Launchers across nodes]
+// The launchers of a job meet in node 0's store before any rank starts: each claims its
+// --node-rank (a second launcher for a taken node rank is refused, and the running job is left
+// alone: its ranks would otherwise fail the job's rendezvous as "two processes claim RANK"),
+// publishes its --nnodes and --nproc-per-node, and waits up to --rdzv-timeout for every node;
+// options that disagree are refused on both nodes, naming both, before anything starts (they
+// used to surface as a rank collision blaming an innocent rank, or as 300 s of waiting).
+// When an attempt ends badly, every node writes one report under the attempt's key (its own
+// headline, whether its first failure was its own or only followed a lost peer, and when) and
+// reads the others' for a bounded time: every node prints the job's first failure, whichever
+// node it was on (node 0's ranks only see "peer lost" when a rank of node 1 is killed), and a
+// node that never reports is named (its launcher was killed). Every node makes the same
+// restart decision from the same reports. Node 0 hosts the store, so it leaves last: it waits,
+// bounded, until the other launchers have signed out (torchrun's exit barrier), so that they
+// can read the reports and their ranks can still reach the store while they finish.
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string NodeKey(std::string_view what, int node) {
+  return StrCat("fsdp/launch/", what, "/", node);
+}
+constexpr char kLeftKey[] = "fsdp/launch/left";
+
+std::string GetString(c10d::Store& store, const std::string& key) {
+  std::vector<uint8_t> v = store.get(key);
+  return std::string(v.begin(), v.end());
+}
+void SetString(c10d::Store& store, const std::string& key, std::string_view value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// What the other nodes must agree with: "<nnodes> <nproc_per_node> <host> <pid>".
+std::string NodeCard(const LaunchOptions& o) {
+  return StrCat(o.nnodes, " ", o.nproc_per_node, " ", HostName(), " ", getpid());
+}
+std::string DescribeNode(int node, const std::string& card) {
+  std::vector<std::string_view> f = Split(card, " ");
+  if (f.size() != 4) return StrCat("node ", node);
+  return StrCat("node ", node, " (pid ", f[3], " on ", f[2], ")");
+}
+
+// A launcher that refused to start leaves; node 0 first gives the others (bounded) the time to
+// read its card and refuse too, instead of finding the store gone.
+void LeaveRefused(c10d::Store& store, const LaunchOptions& o) {
+  constexpr char kRefusedKey[] = "fsdp/launch/refused";
+  if (o.node_rank != 0) {
+    store.add(kRefusedKey, 1);
+    return;
+  }
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(5);
+  while (Clock::now() < deadline) {
+    int others = 0;
+    for (int n = 1; n < o.nnodes; ++n) others += store.check({NodeKey("node", n)}) ? 1 : 0;
+    if (store.add(kRefusedKey, 0) >= others) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// See Note [Launchers across nodes]. kAlreadyExists: the node rank is taken; kInvalidArgument:
+// options that disagree; kDeadlineExceeded: a node did not join in time.
+absl::Status MeetOtherNodes(c10d::Store& store, const LaunchOptions& o, int port) {
+  const std::string claim = NodeKey("claim", o.node_rank);
+  const std::string mine = NodeKey("node", o.node_rank);
+  if (store.add(claim, 1) > 1) {
+    std::string holder = StrCat("node ", o.node_rank);
+    if (store.check({mine})) holder = DescribeNode(o.node_rank, GetString(store, mine));
+    return absl::AlreadyExistsError(
+        StrCat("--node-rank ", o.node_rank, " is already taken in the job at ", o.master_addr, ":",
+               port, " by ", holder, "; each node needs its own --node-rank in 0..", o.nnodes - 1,
+               ". Nothing was started; the running job was left alone"));
+  }
+  SetString(store, mine, NodeCard(o));
+  const Clock::time_point deadline = Clock::now() + o.rendezvous_timeout;
+  std::vector<int> missing;
+  while (true) {
+    missing.clear();
+    for (int n = 0; n < o.nnodes; ++n) {
+      if (!store.check({NodeKey("node", n)})) {
+        missing.push_back(n);
+        continue;
+      }
+      const std::string card = GetString(store, NodeKey("node", n));
+      std::vector<std::string_view> f = Split(card, " ");
+      if (f.size() == 4 && (f[0] != StrCat(o.nnodes) || f[1] != StrCat(o.nproc_per_node))) {
+        store.add(claim, -1);  // a corrected launcher may take this node rank
+        LeaveRefused(store, o);
+        return absl::InvalidArgumentError(StrCat(
+            DescribeNode(n, card), " has --nnodes ", f[0], " --nproc-per-node ", f[1],
+            ", this launcher (node ", o.node_rank, ") has --nnodes ", o.nnodes,
+            " --nproc-per-node ", o.nproc_per_node,
+            ": every node must be started with the same --nnodes and --nproc-per-node. Nothing "
+            "was started"));
+      }
+    }
+    if (missing.empty()) return absl::OkStatus();
+    if (Clock::now() >= deadline) {
+      store.add(claim, -1);
+      return absl::DeadlineExceededError(
+          StrCat("node", missing.size() > 1 ? "s " : " ", StrJoin(missing, ", "), " of ", o.nnodes,
+                 " did not join within ", o.rendezvous_timeout.count(),
+                 " s (--rdzv-timeout): start `fsdp launch --nnodes ", o.nnodes,
+                 " --node-rank <N> "
+                 "--master-addr <node 0's host> --master-port ",
+                 port, " ...` on every node. Nothing was started"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// One node's account of an attempt (Note [Launchers across nodes]).
+struct NodeReport {
+  int code = 0;          // 0: its ranks finished; -1: stopped after another node failed
+  bool primary = false;  // its first failure was its own (not a lost peer, not a stop)
+  bool restartable = false;
+  int64_t time_ns = 0;
+  std::string text;  // its headline
+};
+
+std::string EncodeReport(const NodeReport& r) {
+  return StrCat(r.code, " ", r.primary ? 1 : 0, " ", r.restartable ? 1 : 0, " ", r.time_ns, "\n",
+                r.text);
+}
+std::optional<NodeReport> DecodeReport(std::string_view s) {
+  const size_t nl = s.find('\n');
+  if (nl == std::string_view::npos) return std::nullopt;
+  std::vector<std::string_view> f = Split(s.substr(0, nl), " ");
+  if (f.size() != 4) return std::nullopt;
+  std::optional<int> code = ParseInt<int>(f[0]), primary = ParseInt<int>(f[1]),
+                     restartable = ParseInt<int>(f[2]);
+  std::optional<int64_t> time_ns = ParseInt<int64_t>(f[3]);
+  if (!code || !primary || !restartable || !time_ns) return std::nullopt;
+  return NodeReport{*code, *primary != 0, *restartable != 0, *time_ns,
+                    std::string(s.substr(nl + 1))};
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+struct JobOutcome {
+  std::string text;
+  int code = 1;
+  bool restartable = false;
+  std::string not_restarted;  // why not, when a restart was possible by count
+  int silent_nodes = 0;       // nodes that sent no report: they will not sign out either
+};
+
+// Reads every node's report for `attempt`, waiting up to `bound` for those not in yet (not
+// past the store's end), and names the job's first failure.
+JobOutcome CollectReports(c10d::Store& store, const LaunchOptions& o, int attempt,
+                          const NodeReport& mine, std::chrono::milliseconds bound) {
+  std::vector<std::optional<NodeReport>> reports(o.nnodes);
+  reports[o.node_rank] = mine;  // known here even when the store is gone
+  const Clock::time_point deadline = Clock::now() + bound;
+  bool store_lost = false;
+  while (true) {
+    absl::Status read = CallTorch("", [&] {
+      for (int n = 0; n < o.nnodes; ++n) {
+        const std::string key = AttemptKey(attempt, StrCat("report/", n));
+        if (!reports[n] && store.check({key})) reports[n] = DecodeReport(GetString(store, key));
+      }
+    });
+    if (!read.ok()) {
+      store_lost = true;
+      break;
+    }
+    bool all = true;
+    for (const auto& r : reports) all = all && r.has_value();
+    if (all || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  int first = -1;
+  for (bool want_primary : {true, false}) {
+    for (int n = 0; n < o.nnodes; ++n) {
+      const auto& r = reports[n];
+      if (!r || r->code <= 0 || r->primary != want_primary) continue;
+      if (first < 0 || r->time_ns < reports[first]->time_ns) first = n;
+    }
+    if (first >= 0) break;
+  }
+  std::vector<int> missing, finished;
+  std::vector<std::string> also;
+  for (int n = 0; n < o.nnodes; ++n) {
+    if (!reports[n]) {
+      missing.push_back(n);
+    } else if (reports[n]->code == 0) {
+      finished.push_back(n);
+    } else if (n != first && reports[n]->primary) {
+      std::string t = reports[n]->text;
+      if (t.size() > 160) t = t.substr(0, 160) + "...";
+      also.push_back(StrCat("node ", n, " also failed: ", t));
+    }
+  }
+  JobOutcome out;
+  std::string headline = first >= 0 ? StrCat("node ", first, ": ", reports[first]->text) : "";
+  std::string silent;
+  if (!missing.empty()) {
+    silent =
+        StrCat("node", missing.size() > 1 ? "s " : " ", StrJoin(missing, ","), " sent no report",
+               store_lost ? " (node 0's launcher, which holds the store, is gone)"
+                          : StrCat(" within ", std::chrono::duration<double>(bound).count(),
+                                   " s (was its launcher killed, or did it lose node 0?)"));
+  }
+  if (first < 0) {
+    out.text = silent.empty() ? "a rank on another node failed" : silent;
+  } else if (!silent.empty() && !reports[first]->primary) {
+    out.text = StrCat(silent, "; ", headline);  // the silent node is the likelier cause
+  } else {
+    out.text = silent.empty() ? headline : StrCat(headline, "; ", silent);
+  }
+  for (const std::string& a : also) out.text += "; " + a;
+  out.code = first >= 0 ? reports[first]->code : 1;
+  out.silent_nodes = static_cast<int>(missing.size());
+  out.restartable = missing.empty() && finished.empty();
+  for (const auto& r : reports) out.restartable = out.restartable && r && r->restartable;
+  if (!missing.empty()) {
+    out.not_restarted = "a node is missing";
+  } else if (!finished.empty()) {
+    out.not_restarted = StrCat("the ranks of node", finished.size() > 1 ? "s " : " ",
+                               StrJoin(finished, ","), " had already finished");
+  }
+  return out;
+}
+
+// Signs this launcher out of the job; node 0 (the store's host) waits, up to `bound`, until
+// every other node has. While it waits, a failure of the attempt on another node is collected
+// and returned (node 0's own ranks had finished).
+std::optional<JobOutcome> LeaveJob(c10d::Store& store, const LaunchOptions& o, int attempt,
+                                   const NodeReport& mine, std::chrono::milliseconds bound,
+                                   bool watch_failures, int silent_nodes = 0) {
+  if (o.node_rank != 0) {
+    (void)CallTorch("", [&] { store.add(kLeftKey, 1); });
+    return std::nullopt;
+  }
+  const Clock::time_point deadline = Clock::now() + bound;
+  std::optional<JobOutcome> outcome;
+  while (Clock::now() < deadline) {
+    int64_t left = 0;
+    bool failed = false;
+    absl::Status read = CallTorch("", [&] {
+      left = store.add(kLeftKey, 0);
+      failed = watch_failures && !outcome && store.check({AttemptKey(attempt, "failed")});
+    });
+    if (!read.ok() || left >= o.nnodes - 1 - silent_nodes) break;
+    if (failed) {
+      outcome = CollectReports(store, o, attempt, mine, o.grace + std::chrono::seconds(10));
+      silent_nodes = outcome->silent_nodes;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return outcome;
 }
 
 }  // namespace
@@ -244,6 +507,20 @@ int RunLaunch(const LaunchOptions& o) {
     return 1;
   }
   int port = store->getPort();
+  if (o.nnodes > 1) {  // Note [Launchers across nodes]
+    absl::Status met = absl::OkStatus();
+    absl::Status call = CallTorch("meeting the other nodes' launchers",
+                                  [&] { met = MeetOtherNodes(*store, o, port); });
+    if (!call.ok()) met = call;
+    if (!met.ok()) {
+      std::cerr << "fsdp launch: node " << o.node_rank << ": " << met.message() << "\n";
+      return met.code() == absl::StatusCode::kDeadlineExceeded ||
+                     met.code() == absl::StatusCode::kInternal ||
+                     met.code() == absl::StatusCode::kUnavailable
+                 ? 1
+                 : 2;
+    }
+  }
 
   InstallStopSignalHandlers();
   std::mutex out_mu;
@@ -271,6 +548,8 @@ int RunLaunch(const LaunchOptions& o) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } remove_failure_dir{failure_dir};
+  // Other nodes may still be stopping their ranks when this one has stopped its own.
+  const std::chrono::milliseconds report_wait = o.grace + std::chrono::seconds(10);
   for (int attempt = 0;; ++attempt) {
     std::vector<WorkerSpec> specs;
     for (int lr = 0; lr < o.nproc_per_node; ++lr) {
@@ -298,12 +577,12 @@ int RunLaunch(const LaunchOptions& o) {
     wait.grace = o.grace;
     wait.failure_grace = std::min(o.grace, o.failure_grace);
     const std::string failed_key = AttemptKey(attempt, "failed");
-    const std::string failed_code_key = AttemptKey(attempt, "failed_code");
+    bool store_lost = false;  // polled no more: each failed call logs a c10d stack trace
     wait.stop_requested = [&] {
       if (ReceivedStopSignal() != 0) return true;
-      if (o.nnodes == 1) return false;
+      if (o.nnodes == 1 || store_lost) return false;
       bool other_failed = false;
-      (void)CallTorch("", [&] { other_failed = store->check({failed_key}); });
+      store_lost = !CallTorch("", [&] { other_failed = store->check({failed_key}); }).ok();
       return other_failed;
     };
     GroupResult result = group.Wait(wait);
@@ -311,51 +590,86 @@ int RunLaunch(const LaunchOptions& o) {
       std::cerr << "\n";
       status.clear();
     }
+    const int sig = ReceivedStopSignal();
+    // This node's account of the attempt.
+    NodeReport mine;
     if (result.ok()) {
-      std::cerr << "fsdp launch: " << result.Summary() << "\n";
-      return 0;
-    }
-    if (int sig = ReceivedStopSignal(); sig != 0) {
-      std::cerr << "fsdp launch: interrupted by signal " << sig << "; workers stopped\n";
-      return 128 + sig;
-    }
-    std::string why;
-    int code = 1;
-    if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
+      mine.text = "ranks finished";
+    } else if (sig != 0) {
+      mine = {128 + sig, true, false, NowNs(),
+              StrCat("its launcher was interrupted by signal ", sig, " and stopped its ranks")};
+    } else if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
       FailureHeadline headline =
           SummarizeFailures(result, failure_dir.empty() ? std::vector<FailureRecord>()
                                                         : ReadFailureRecords(failure_dir));
-      why = headline.text;
-      code = headline.code;
-      std::string value = StrCat("node ", o.node_rank, ": ", why);
-      std::string code_text = StrCat(code);
+      mine = {headline.code, headline.primary,
+              FailureClassOfExitCode(headline.code) != FailureClass::kPreempted, headline.time_ns,
+              headline.text};
+    } else {  // stopped: another node failed
+      mine = {-1, false, true, NowNs(), "stopped its ranks after another node failed"};
+      // A rank that had failed on its own before the stop still counts as such.
+      std::vector<FailureRecord> records =
+          failure_dir.empty() ? std::vector<FailureRecord>() : ReadFailureRecords(failure_dir);
+      for (const WorkerExit& e : result.exits) {
+        bool recorded = false;
+        for (const FailureRecord& r : records) recorded |= r.rank == e.rank;
+        if (!e.ok() && (recorded || !e.killed_by_us)) result.first_failure = e;
+      }
+      if (result.first_failure) {
+        FailureHeadline headline = SummarizeFailures(result, records);
+        if (headline.primary) {
+          mine = {headline.code, true,
+                  FailureClassOfExitCode(headline.code) != FailureClass::kPreempted,
+                  headline.time_ns, headline.text};
+        }
+      }
+    }
+    if (o.nnodes > 1) {
       (void)CallTorch("", [&] {
-        // The code first: a node that reads failed_key finds its code too (preempted: 143).
-        store->set(failed_code_key, std::vector<uint8_t>(code_text.begin(), code_text.end()));
-        store->set(failed_key, std::vector<uint8_t>(value.begin(), value.end()));
+        SetString(*store, AttemptKey(attempt, StrCat("report/", o.node_rank)), EncodeReport(mine));
+        if (!result.ok()) SetString(*store, failed_key, "1");
       });
+    }
+    if (result.ok()) {
+      std::cerr << "fsdp launch: " << result.Summary() << "\n";
+      if (o.nnodes == 1) return 0;
+      std::optional<JobOutcome> later =
+          LeaveJob(*store, o, attempt, mine, o.rendezvous_timeout, /*watch_failures=*/true);
+      if (!later) return 0;
+      std::cerr << "fsdp launch: " << later->text << "\n";
+      return later->code;
+    }
+    if (sig != 0) {
+      std::cerr << "fsdp launch: interrupted by signal " << sig << "; workers stopped\n";
+      if (o.nnodes > 1) LeaveJob(*store, o, attempt, mine, report_wait, /*watch_failures=*/false);
+      return 128 + sig;
+    }
+    JobOutcome job;
+    if (o.nnodes == 1) {
+      job = {mine.text, mine.code, mine.restartable, ""};
     } else {
-      why = "a rank on another node failed";
-      (void)CallTorch("", [&] {
-        auto v = store->get(failed_key);
-        why = std::string(v.begin(), v.end());
-        auto c = store->get(failed_code_key);
-        code = ParseInt<int>(std::string(c.begin(), c.end())).value_or(1);
-      });
+      job = CollectReports(*store, o, attempt, mine, report_wait);
     }
-    if (FailureClassOfExitCode(code) == FailureClass::kPreempted) {
-      std::cerr << "fsdp launch: " << why << "\n";  // not restarted: the node is going away
-      return code;
+    if (FailureClassOfExitCode(job.code) == FailureClass::kPreempted) {
+      std::cerr << "fsdp launch: " << job.text << "\n";  // not restarted: the node is going away
+      if (o.nnodes > 1) LeaveJob(*store, o, attempt, mine, report_wait, false, job.silent_nodes);
+      return job.code;
     }
-    if (attempt < o.max_restarts) {
-      std::cerr << "fsdp launch: " << why << "; restarting the local group (restart "
+    if (attempt < o.max_restarts && job.restartable) {
+      std::cerr << "fsdp launch: " << job.text << "; restarting the local group (restart "
                 << attempt + 1 << " of " << o.max_restarts << ")\n";
       continue;
     }
-    std::cerr << "fsdp launch: " << why
-              << (o.max_restarts > 0 ? StrCat(" (", o.max_restarts, " restarts used)") : "")
+    std::cerr << "fsdp launch: " << job.text
+              << (attempt < o.max_restarts && !job.not_restarted.empty()
+                      ? StrCat(" (not restarted: ", job.not_restarted, ")")
+                      : "")
+              << (o.max_restarts > 0 && attempt >= o.max_restarts
+                      ? StrCat(" (", o.max_restarts, " restarts used)")
+                      : "")
               << "\n";
-    return code;
+    if (o.nnodes > 1) LeaveJob(*store, o, attempt, mine, report_wait, false, job.silent_nodes);
+    return job.code;
   }
 }
 

@@ -59,13 +59,19 @@ struct FailureHeadline {
   int rank = -1;
   std::string text;  // "rank 2 failed first: rank 2: checkpoint: ...; ranks 0,1 stopped after ..."
   int code = 1;
+  // The first rank failed on its own account (not "peer lost", not stopped by us), and when:
+  // what another node's launcher weighs this node's failure by (Note [Launchers across nodes]).
+  bool primary = true;
+  int64_t time_ns = 0;
 };
 FailureHeadline SummarizeFailures(const GroupResult& result,
                                   const std::vector<FailureRecord>& records);
 
 // Runs the job; returns the process exit code: 0 when every local rank succeeded, otherwise the
-// failed rank's exit code (128 + signal if it was killed), 1 for launcher errors, 128 + signal
-// when the launcher itself was interrupted.
+// failed rank's exit code (128 + signal if it was killed; across nodes, the code of the job's
+// first failure, whichever node it was on), 1 for launcher errors, 2 for options the other
+// nodes' launchers disagree with (or a --node-rank another launcher holds), 128 + signal when
+// the launcher itself was interrupted.
 int RunLaunch(const LaunchOptions& options);
 
 }  // namespace fsdp

@@ -8,6 +8,10 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -291,6 +295,190 @@ TEST(LaunchTest, OurProgramsRunUnderRealMpirun) {
   std::string all = r.Output();
   EXPECT_THAT(all, ::testing::HasSubstr("rank 2: rank 2 of 3 (local 2 of 3, node 0) via openmpi"));
   EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
+}
+
+// ---- Launchers across nodes (Note [Launchers across nodes], launch.cc) -------------------------
+
+std::vector<std::string> NodeLauncher(int port, int node_rank, int nproc_per_node,
+                                      const std::string& script,
+                                      std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv = {FsdpBinary(),           "launch",          "--nproc-per-node",
+                                   StrCat(nproc_per_node), "--nnodes",        "2",
+                                   "--node-rank",          StrCat(node_rank), "--master-port",
+                                   StrCat(port),           "--grace",         "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"--", "/bin/sh", "-c", script});
+  return argv;
+}
+
+// Output of a group of launchers, one string per launcher (its stdout and stderr lines).
+struct LauncherOutput {
+  std::mutex mu;
+  std::map<int, std::string> text;
+  std::function<void(const OutputLine&)> Sink() {
+    return [this](const OutputLine& l) {
+      std::lock_guard<std::mutex> lock(mu);
+      text[l.rank] += std::string(l.text) + "\n";
+    };
+  }
+  std::string Of(int launcher) {
+    std::lock_guard<std::mutex> lock(mu);
+    return text[launcher];
+  }
+  std::string All() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::string all;
+    for (const auto& [n, t] : text) all += StrCat("--- launcher ", n, ":\n", t);
+    return all;
+  }
+};
+
+// Runs each command to its own end at the same time (a WorkerGroup would stop the others when
+// one fails).
+std::vector<CommandResult> RunTogether(const std::vector<std::vector<std::string>>& commands) {
+  std::vector<CommandResult> results(commands.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < commands.size(); ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = RunCommand(commands[i], {}, std::chrono::seconds(120)); });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+// A third launcher claiming a node rank of a running job is refused before it starts anything,
+// and the job runs on. It used to start its ranks, which failed the rendezvous ("two processes
+// claim RANK=1"), and its failure stopped the healthy job on both nodes.
+TEST(LaunchNodesTest, ATakenNodeRankIsRefusedAndTheJobRunsOn) {
+  const int port = testing::FreePort();
+  const std::string dir = testing::FreshTempDir("taken-node");
+  const std::string release = dir + "/release";
+  // Each rank goes through the job's rendezvous, then waits for the test.
+  const std::string script =
+      StrCat(FsdpBinary(), " doctor --max-bytes 1K --timeout 60 && while [ ! -e ", release,
+             " ]; do sleep 0.1; done");
+  LauncherOutput out;
+  WorkerGroup job(out.Sink());
+  ASSERT_TRUE(job.Start({{0, NodeLauncher(port, 0, 1, script), {}},
+                         {1, NodeLauncher(port, 1, 1, script), {}}})
+                  .ok());
+  std::optional<CommandResult> intruder;
+  WaitOptions wait;
+  wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
+  wait.stop_requested = [&] {
+    if (intruder || out.Of(0).find("fsdp doctor: OK") == std::string::npos) return false;
+    intruder = RunCommand(NodeLauncher(port, 1, 1, script), {}, std::chrono::seconds(60));
+    std::ofstream(release) << "go\n";
+    return false;
+  };
+  GroupResult result = job.Wait(wait);
+  ASSERT_TRUE(intruder.has_value()) << out.All();
+  EXPECT_EQ(intruder->exit.code, 2) << intruder->Output();
+  EXPECT_TRUE(intruder->StderrHas("fsdp launch: node 1: --node-rank 1 is already taken in the job"))
+      << intruder->Output();
+  EXPECT_TRUE(intruder->StderrHas("the running job was left alone")) << intruder->Output();
+  EXPECT_TRUE(result.ok()) << result.Summary() << "\n" << out.All();
+  std::filesystem::remove_all(dir);
+}
+
+// Nodes started with different --nproc-per-node are refused on both, naming both values. They
+// used to start (a program that does not meet its peers even succeeded); ours failed with a
+// rank collision that blamed an innocent rank.
+TEST(LaunchNodesTest, NodesWithOtherOptionsAreRefusedOnBothNodes) {
+  const int port = testing::FreePort();
+  std::vector<CommandResult> r = RunTogether(
+      {NodeLauncher(port, 0, 2, "echo started"), NodeLauncher(port, 1, 1, "echo started")});
+  for (const CommandResult& c : r) {
+    EXPECT_EQ(c.exit.code, 2) << c.Output();
+    EXPECT_FALSE(c.StdoutHas("started")) << c.Output();
+  }
+  EXPECT_TRUE(
+      r[0].StderrHas("has --nnodes 2 --nproc-per-node 1, this launcher (node 0) has "
+                     "--nnodes 2 --nproc-per-node 2: every node must be started with the "
+                     "same --nnodes and --nproc-per-node"))
+      << r[0].Output();
+  EXPECT_TRUE(
+      r[1].StderrHas("has --nnodes 2 --nproc-per-node 2, this launcher (node 1) has "
+                     "--nnodes 2 --nproc-per-node 1"))
+      << r[1].Output();
+}
+
+// A node that never comes is named by node 0 within --rdzv-timeout, before any rank starts.
+TEST(LaunchNodesTest, ANodeThatNeverJoinsIsNamedWithinTheRendezvousTimeout) {
+  const int port = testing::FreePort();
+  CommandResult r = RunCommand(NodeLauncher(port, 0, 1, "echo started", {"--rdzv-timeout", "2"}),
+                               {}, std::chrono::seconds(60));
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit.code, 1) << r.Output();
+  EXPECT_TRUE(
+      r.StderrHas("fsdp launch: node 0: node 1 of 2 did not join within 2 s (--rdzv-timeout)"))
+      << r.Output();
+  EXPECT_FALSE(r.StdoutHas("started")) << r.Output();
+}
+
+// A failure record as a rank of ours leaves it (common/failure.h), from a shell.
+std::string WriteRecord(int code, const std::string& line) {
+  return StrCat("printf '%s %s\\n%s\\n' $(date +%s%N) ", code, " '", line,
+                "' > $FSDP_FAILURE_DIR/rank$RANK.failure");
+}
+
+// Both nodes print the job's first failure, whichever node it was on: node 0's rank only saw
+// its peer go ("peer lost"), which node 0 used to name as the first failure (exit 7).
+TEST(LaunchNodesTest, EveryNodeNamesTheFirstFailureWhicheverNodeItWasOn) {
+  const int port = testing::FreePort();
+  const std::string dir = testing::FreshTempDir("first-failure");
+  const std::string marker = dir + "/rank1-failed";
+  const std::string script = StrCat(
+      "if [ \"$RANK\" = 1 ]; then ", WriteRecord(3, "rank 1: checkpoint: the disk is on fire"),
+      "; touch ", marker, "; exec sleep 60; fi; while [ ! -e ", marker, " ]; do sleep 0.1; done; ",
+      WriteRecord(7, "rank 0: peer lost: rank 1 closed the connection"), "; exit 7");
+  std::vector<CommandResult> r =
+      RunTogether({NodeLauncher(port, 0, 1, script), NodeLauncher(port, 1, 1, script)});
+  for (int node : {0, 1}) {
+    EXPECT_EQ(r[node].exit.code, 3) << r[node].Output();
+    EXPECT_TRUE(r[node].StderrHas(
+        "fsdp launch: node 1: rank 1 failed first: rank 1: checkpoint: the disk is on fire"))
+        << r[node].Output();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A node whose launcher was killed sends no report; the other node names it, first, since its
+// own ranks only lost a peer.
+TEST(LaunchNodesTest, ANodeWhoseLauncherWasKilledIsNamed) {
+  const int port = testing::FreePort();
+  const std::string dir = testing::FreshTempDir("killed-node");
+  const std::string marker = dir + "/node1-killed";
+  const std::string script =
+      StrCat("echo started; if [ \"$RANK\" = 1 ]; then exec sleep 60; fi; while [ ! -e ", marker,
+             " ]; do sleep 0.1; done; ",
+             WriteRecord(7, "rank 0: peer lost: rank 1 closed the connection"), "; exit 7");
+  LauncherOutput out0, out1;
+  WorkerGroup node0(out0.Sink()), node1(out1.Sink());
+  ASSERT_TRUE(node0.Start({{0, NodeLauncher(port, 0, 1, script), {}}}).ok());
+  ASSERT_TRUE(node1.Start({{1, NodeLauncher(port, 1, 1, script), {}}}).ok());
+  WaitOptions wait;
+  wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool killed = false;
+  wait.stop_requested = [&] {
+    if (!killed && out0.Of(0).find("[rank0]: started") != std::string::npos) {
+      node1.SignalAll(SIGKILL);  // node 1's launcher (its rank dies with it)
+      killed = true;
+      std::ofstream(marker) << "killed\n";
+    }
+    return false;
+  };
+  GroupResult result = node0.Wait(wait);
+  ASSERT_EQ(result.exits.size(), 1u);
+  EXPECT_TRUE(result.exits[0].exited && result.exits[0].code == 7)
+      << result.exits[0].Describe() << "\n"
+      << out0.All();
+  EXPECT_THAT(out0.Of(0), ::testing::HasSubstr(
+                              "fsdp launch: node 1 sent no report within 11 s (was its launcher "
+                              "killed, or did it lose node 0?); node 0: rank 0 failed first: rank "
+                              "0: peer lost: rank 1 closed the connection"))
+      << out0.All();
+  std::filesystem::remove_all(dir);
 }
 
 // Note [The first failure]: each rank that failed on its own is named with its own class and
