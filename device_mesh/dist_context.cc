@@ -250,6 +250,62 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> RendezvousWithDeadline(
   return std::move(shared->result);
 }
 
+}  // namespace
+
+// Note [A rank outlives its launcher]
+// A rank started by `fsdp launch` or torchrun dies with its launcher (PR_SET_PDEATHSIG) only
+// when it is the launcher's own child. Behind a wrapper (`sh -c 'fsdp train ... > log'`) it is
+// orphaned when the launcher is killed, and its collectives do not use the store, so nothing
+// stopped it: it trained on for as long as it was let (and the watchdog's heartbeat failed
+// quietly). So a rank on a launcher's store (TORCHELASTIC_USE_AGENT_STORE) watches it: when the
+// store fails three times in a row, a second apart, its launcher is gone, and the rank ends as
+// peer lost, naming the store. A store that is slow to answer is not gone: only errors count.
+class LauncherWatch {
+ public:
+  LauncherWatch(c10::intrusive_ptr<c10d::Store> store, int rank, std::string address)
+      : state_(std::make_shared<State>()) {
+    // The thread owns the state: a destructor that finds it in a slow store call leaves it
+    // behind (it ends with the process) instead of waiting for the store's timeout.
+    std::thread([state = state_, store = std::move(store), rank, address = std::move(address)] {
+      constexpr int kFailuresToGiveUp = 3;
+      int failures = 0;
+      std::unique_lock<std::mutex> lock(state->mu);
+      while (!state->cv.wait_for(lock, std::chrono::seconds(1), [&] { return state->stop; })) {
+        lock.unlock();
+        bool failed = false;
+        try {
+          store->check({"fsdp/launcher_watch"});
+        } catch (const std::exception&) {
+          failed = true;
+        }
+        lock.lock();
+        failures = failed ? failures + 1 : 0;
+        if (failures >= kFailuresToGiveUp && !state->stop) {
+          FailAndExit(rank, FailureClass::kPeerLost,
+                      StrCat("peer lost: the launcher's store at ", address,
+                             " is gone: its launcher (fsdp launch, torchrun) ended or was "
+                             "killed, so this rank stops instead of training on alone"));
+        }
+      }
+    }).detach();
+  }
+  ~LauncherWatch() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+    state_->cv.notify_all();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+  };
+  std::shared_ptr<State> state_;
+};
+
+namespace {
+
 int NextGeneration() {
   static int generation = 0;
   return generation++;
@@ -349,6 +405,13 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   std::vector<int> all(env.world_size);
   for (int r = 0; r < env.world_size; ++r) all[r] = r;
   FSDP_ASSIGN_OR_RETURN(ctx->world_, ctx->NewGroup(all, "world"));
+  if (env.use_agent_store) {
+    absl::Status watched = CallTorch("watching the launcher's store", [&] {
+      ctx->launcher_watch_ = std::make_unique<LauncherWatch>(
+          ctx->store_->clone(), env.rank, StrCat(env.master_addr, ":", env.master_port));
+    });
+    FSDP_RETURN_IF_ERROR(watched);
+  }
   if (options.watchdog) {
     WatchdogOptions watch;
     watch.timeout = options.collective_timeout;
@@ -361,6 +424,9 @@ absl::StatusOr<std::shared_ptr<DistContext>> DistContext::Init(const LaunchEnv& 
   }
   return ctx;
 }
+
+DistContext::DistContext() = default;
+DistContext::~DistContext() = default;
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> DistContext::NewGroup(std::vector<int> ranks,
                                                                     std::string_view tag) {

@@ -35,6 +35,8 @@
 
 namespace fsdp {
 
+class LauncherWatch;  // dist_context.cc, Note [A rank outlives its launcher]
+
 struct DistOptions {
   // How long a rank waits for the others to arrive (store connection and group creation).
   std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
@@ -63,6 +65,7 @@ class DistContext {
  public:
   static absl::StatusOr<std::shared_ptr<DistContext>> Init(const LaunchEnv& env,
                                                            const DistOptions& options);
+  ~DistContext();
   // ParseLaunchEnv(ProcessEnv()) + ApplyTimeoutEnv + Init.
   static absl::StatusOr<std::shared_ptr<DistContext>> InitFromEnvironment(DistOptions options);
 
@@ -84,7 +87,7 @@ class DistContext {
   std::string NextTag(std::string_view kind);
 
  private:
-  DistContext() = default;
+  DistContext();
 
   LaunchEnv env_;
   DistOptions options_;
@@ -92,6 +95,8 @@ class DistContext {
   c10::Device device_{c10::kCPU};
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<ProcessGroup> world_;
+  // Ranks on a launcher's store end when it is gone (Note [A rank outlives its launcher]).
+  std::unique_ptr<LauncherWatch> launcher_watch_;
   std::unique_ptr<Watchdog> watchdog_;  // last: stopped first
   int next_tag_ = 0;
   int generation_ = 0;  // how many contexts this process made before this one

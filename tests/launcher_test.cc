@@ -481,6 +481,56 @@ TEST(LaunchNodesTest, ANodeWhoseLauncherWasKilledIsNamed) {
   std::filesystem::remove_all(dir);
 }
 
+// Note [A rank outlives its launcher]: ranks behind a wrapper, their output in files, are
+// orphaned when the launcher is SIGKILLed. They used to train on alone (for ever); they now
+// stop within seconds, naming the launcher's store.
+TEST(LaunchTest, RanksBehindAWrapperStopWhenTheirLauncherIsKilled) {
+  const std::string dir = testing::FreshTempDir("orphans");
+  const std::string script =
+      StrCat(FsdpBinary(), " train ", testing::SourceDir(),
+             "/configs/default.yaml --set training.steps=1000000 ",
+             "--set training.eval_interval=0 --set run.dir=", dir, "/run > ", dir,
+             "/rank$RANK.log 2>&1 & echo $! > ", dir, "/pid$RANK; wait");
+  std::vector<std::string> argv = {FsdpBinary(), "launch", "--nproc-per-node", "2", "--", "/bin/sh",
+                                   "-c",         script};
+  WorkerGroup launcher([](const OutputLine&) {});
+  ASSERT_TRUE(launcher.Start({{0, argv, {}}}).ok());
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  // Training has begun on both ranks (rank 0 logs the steps of both).
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (read(dir + "/rank0.log").find("step ") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_THAT(read(dir + "/rank0.log"), ::testing::HasSubstr("step ")) << read(dir + "/rank0.log");
+  launcher.SignalAll(SIGKILL);
+  std::vector<pid_t> ranks;
+  for (int r : {0, 1})
+    ranks.push_back(ParseInt<pid_t>(Split(read(StrCat(dir, "/pid", r)), "\n")[0]).value_or(-1));
+  auto alive = [](pid_t pid) {  // not a zombie: an orphan's new parent may not reap at once
+    std::string stat;
+    std::ifstream(StrCat("/proc/", pid, "/stat")) >> stat >> stat >> stat;
+    return !stat.empty() && stat != "Z";
+  };
+  until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while ((alive(ranks[0]) || alive(ranks[1])) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (int r : {0, 1}) {
+    EXPECT_FALSE(alive(ranks[r])) << "rank " << r << " trains on without its launcher";
+    if (ranks[r] > 0) kill(ranks[r], SIGKILL);
+    EXPECT_THAT(read(StrCat(dir, "/rank", r, ".log")),
+                ::testing::HasSubstr(
+                    StrCat("rank ", r, ": peer lost: the launcher's store at 127.0.0.1:")));
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Note [The first failure]: each rank that failed on its own is named with its own class and
 // what; only the ranks that followed (peer lost, stopped by the launcher) are summarised.
 TEST(LaunchHeadlineTest, EachRankThatFailedOnItsOwnIsNamed) {
