@@ -1,5 +1,6 @@
 #include "launcher/launch.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -640,7 +641,19 @@ int RunLaunch(const LaunchOptions& o) {
       return later->code;
     }
     if (sig != 0) {
-      std::cerr << "fsdp launch: interrupted by signal " << sig << "; workers stopped\n";
+      // Ranks still running after --grace were killed: a SIGTERM checkpoint did not finish.
+      std::vector<int> killed;
+      for (const WorkerExit& e : result.exits) {
+        if (!e.exited && e.code == SIGKILL && e.killed_by_us) killed.push_back(e.rank);
+      }
+      std::cerr << "fsdp launch: interrupted by signal " << sig << "; workers stopped";
+      if (!killed.empty()) {
+        std::cerr << "; rank" << (killed.size() > 1 ? "s " : " ") << StrJoin(killed, ",")
+                  << " did not stop within --grace "
+                  << std::chrono::duration<double>(o.grace).count()
+                  << " s and were killed (a SIGTERM checkpoint needs a longer --grace)";
+      }
+      std::cerr << "\n";
       if (o.nnodes > 1) LeaveJob(*store, o, attempt, mine, report_wait, /*watch_failures=*/false);
       return 128 + sig;
     }

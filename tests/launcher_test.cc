@@ -243,6 +243,40 @@ TEST(LaunchTest, InterruptedLauncherStopsItsRanks) {
   EXPECT_FALSE(std::filesystem::exists(marker)) << "a rank outlived its launcher";
 }
 
+// Ranks that outlive --grace after the launcher was interrupted are killed, and the launcher
+// says so: a SIGTERM checkpoint that needs longer was lost without a word ("workers stopped").
+TEST(LaunchTest, InterruptedLauncherNamesTheRanksItHadToKill) {
+  std::vector<std::string> argv = {
+      FsdpBinary(), "launch", "--nproc-per-node", "2",  "--grace",
+      "1",          "--",     "/bin/sh",          "-c", "trap '' TERM; echo started; sleep 30"};
+  std::string out;
+  std::mutex mu;
+  WorkerGroup group([&](const OutputLine& l) {
+    std::lock_guard<std::mutex> lock(mu);
+    out += std::string(l.text) + "\n";
+  });
+  ASSERT_TRUE(group.Start({WorkerSpec{0, argv, {}}}).ok());
+  WaitOptions wait;
+  wait.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool sent = false;
+  wait.stop_requested = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!sent && out.find("[rank0]: started") != std::string::npos &&
+        out.find("[rank1]: started") != std::string::npos) {
+      group.SignalAll(SIGTERM);
+      sent = true;
+    }
+    return false;
+  };
+  GroupResult result = group.Wait(wait);
+  ASSERT_EQ(result.exits.size(), 1u);
+  EXPECT_EQ(result.exits[0].code, 128 + SIGTERM) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr(
+                       "fsdp launch: interrupted by signal 15; workers stopped; ranks 0,1 did not "
+                       "stop within --grace 1 s and were killed (a SIGTERM checkpoint needs a "
+                       "longer --grace)"));
+}
+
 TEST(LaunchTest, TwoNodesOnOneMachineFormOneJob) {
   int port = testing::FreePort();
   auto node = [&](int node_rank) {
