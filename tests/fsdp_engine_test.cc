@@ -753,28 +753,36 @@ TEST(FsdpEngineTest, ModuleZeroGradClearsTheShardGradients) {
 // in training state kForward".
 TEST(FsdpEngineTest, SequentialForwardOfBlocksThatUseUnitForward) {
   testing::RunOnRanks(2, [](int) {
-    torch::manual_seed(5);
-    torch::nn::Sequential seq(LinearBlock(true), LinearBlock(true));
-    torch::manual_seed(5);
-    torch::nn::Sequential reference(LinearBlock(true), LinearBlock(true));
     std::shared_ptr<DistContext> ctx = testing::InitDist();
     DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
-    auto units =
-        SelectUnits(*seq, {.module_types = {"fsdp::(anonymous namespace)::LinearBlockImpl"}});
-    ASSERT_EQ(units.size(), 2u);
-    auto f = FsdpModel::Wrap(seq.ptr(), mesh, units, OptionsForStrategy(Strategy::kFullShard));
-    ASSERT_TRUE(f.ok()) << f.status();
-    torch::Tensor x = torch::randn({4, 8});
-    torch::Tensor out = SequentialForward(*seq, x);
-    EXPECT_TRUE(torch::allclose(out, reference->forward(x), 1e-5, 1e-6));
-    out.sum().backward();
-    reference->forward(x).sum().backward();
-    for (const auto& item : reference->named_parameters()) {
-      const FsdpParam* p = (*f)->FindParam(item.key());
-      ASSERT_NE(p, nullptr) << item.key();
-      int64_t rows = p->sharded.size(0);
-      torch::Tensor expected = item.value().grad().narrow(0, (*f)->FirstLocalRow(*p), rows);
-      EXPECT_TRUE(torch::allclose(p->sharded.grad(), expected, 1e-5, 1e-6)) << item.key();
+    // With activation checkpointing the recompute in backward reaches UnitForward again too.
+    for (auto mode : {ActivationCheckpointing::Mode::kNone, ActivationCheckpointing::Mode::kFull}) {
+      torch::manual_seed(5);
+      torch::nn::Sequential seq(LinearBlock(true), LinearBlock(true));
+      torch::manual_seed(5);
+      torch::nn::Sequential reference(LinearBlock(true), LinearBlock(true));
+      FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+      options.activation_checkpointing.mode = mode;
+      auto f = FsdpModel::Wrap(seq.ptr(), mesh,
+                               SelectUnits(*seq, {.module_types = {"LinearBlockImpl"}}), options);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_EQ((*f)->units().size(), 3u);
+      torch::manual_seed(6);  // the same batch on both ranks
+      torch::Tensor x = torch::randn({4, 8});
+      torch::Tensor out = SequentialForward(*seq, x);
+      EXPECT_TRUE(torch::allclose(out, reference->forward(x), 1e-5, 1e-6));
+      out.sum().backward();
+      reference->forward(x).sum().backward();
+      if (mode == ActivationCheckpointing::Mode::kFull) {
+        EXPECT_EQ((*f)->Recomputes(*(*f)->units()[1]), 1);
+      }
+      for (const auto& item : reference->named_parameters()) {
+        const FsdpParam* p = (*f)->FindParam(item.key());
+        ASSERT_NE(p, nullptr) << item.key();
+        int64_t rows = p->sharded.size(0);
+        torch::Tensor expected = item.value().grad().narrow(0, (*f)->FirstLocalRow(*p), rows);
+        EXPECT_TRUE(torch::allclose(p->sharded.grad(), expected, 1e-5, 1e-6)) << item.key();
+      }
     }
   });
 }
