@@ -34,6 +34,7 @@
 #include "engine/optimizer.h"
 #include "engine/profiler.h"
 #include "engine/run_lock.h"
+#include "engine/same_config.h"
 #include "engine/schedule.h"
 #include "engine/train_metrics.h"
 #include "engine/trainable.h"
@@ -489,6 +490,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   const int rank = ctx->rank();
   const int world = ctx->world_size();
   FSDP_RETURN_IF_ERROR(config.ValidateForWorld(world));
+  FSDP_RETURN_IF_ERROR(CheckSameConfigOnEveryRank(config, *ctx, ctx->device()));
   const auto [replicate, shard] = config.parallelism.MeshDegrees(world);
   FSDP_ASSIGN_OR_RETURN(MeshShape shape,
                         ResolveMeshShape({"replicate", "shard"}, {replicate, shard}, world));

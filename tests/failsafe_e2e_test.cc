@@ -57,6 +57,43 @@ std::string Headline(const CommandResult& r) {
   return "";
 }
 
+// Note [One configuration on every rank]: two nodes whose config files disagree (a stale copy
+// on one) trained two runs at once; with other training.steps the longer one's ranks hung in a
+// collective after the shorter ones left. Now the rank that differs from rank 0 names the key
+// with both values at start, on both nodes (each launcher prints the job's first failure).
+TEST(FailSafeTest, NodesWithDifferentConfigsAreRefusedNamingTheKey) {
+  const std::string dir = FreshTempDir("same-config");
+  const int port = testing::FreePort();
+  auto node = [&](int node_rank, int steps) {
+    return StrCat(FsdpBinary(), " launch --nnodes 2 --node-rank ", node_rank,
+                  " --nproc-per-node 1 --master-port ", port, " --rdzv-timeout 60 -- ",
+                  FsdpBinary(), " train ", SourceDir(), "/configs/default.yaml --set run.dir=", dir,
+                  "/run --set training.steps=", steps,
+                  " --set training.eval_interval=0 --set model.n_layers=2 > ", dir, "/node",
+                  node_rank, ".log 2>&1");
+  };
+  CommandResult r = RunCommand(
+      {"/bin/sh", "-c",
+       StrCat(node(0, 20), " & ", node(1, 30), "; b=$?; wait $!; a=$?; echo \"exit $a $b\"")},
+      {}, std::chrono::seconds(120));
+  ASSERT_FALSE(r.timed_out) << r.Output();
+  auto read = [&](int n) {
+    std::ifstream in(StrCat(dir, "/node", n, ".log"));
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  const std::string log0 = read(0), log1 = read(1);
+  EXPECT_TRUE(r.StdoutHas("exit 2 2")) << r.Output() << log0 << log1;
+  for (const std::string& log : {log0, log1}) {
+    EXPECT_NE(log.find("this rank's configuration differs from rank 0's: training.steps: 30 "
+                       "here, 20 on rank 0 (every rank must"),
+              std::string::npos)
+        << log;
+    EXPECT_EQ(log.find("step    1/"), std::string::npos) << "a step ran:\n" << log;
+    EXPECT_EQ(log.find("terminate called"), std::string::npos) << log;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(FailSafeTest, CorruptRankFileOnResumeIsNamedFirst) {
   const std::string dir = FreshTempDir("failsafe-corrupt");
   CommandResult saved = Train(dir, 4, {"training.steps=2", "checkpoint.enabled=true"});
