@@ -612,6 +612,17 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
           "fsdp train: resumed from {} at step {} (loaded in {:.2f} s)\n", resume->dir, start_step,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
     }
+    if (start_step == t.steps) {
+      // The run is complete: no step to train, so no "final loss nan" and no second save of
+      // the step just loaded.
+      if (rank == 0) {
+        std::cout << fmt::format(
+            "fsdp train: done: the checkpoint loaded is at step {}, which is training.steps; "
+            "nothing left to train (raise training.steps to continue)\n",
+            start_step);
+      }
+      return absl::OkStatus();
+    }
   } else if (!config.model.init_from.empty()) {
     if (absl::Status s = trained->InitFromSafetensors(config.model.init_from); !s.ok()) {
       return WithFailureClass(

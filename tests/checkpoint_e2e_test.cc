@@ -450,6 +450,17 @@ TEST(CheckpointResumeTest, GoingBackSetsLaterCheckpointsAsideAndKeepsItsOwn) {
   ASSERT_TRUE(latest.result.exit.ok()) << latest.result.Output();
   EXPECT_TRUE(latest.result.StdoutHas("at step 6")) << latest.result.Output();
   EXPECT_EQ(latest.losses.size(), 8u) << latest.result.Output();  // 1-6 kept, then 7 and 8
+  // Once more: the newest checkpoint is at training.steps. The run is complete: it says so and
+  // neither trains (it printed "final loss nan") nor saves step 8 again.
+  const fs::path step8 = fs::path(root) / ckpt::StepDirName(8) / "metadata.json";
+  const auto saved_at = fs::last_write_time(step8);
+  TrainRun again = Train(dir, 2, "full_shard", {"checkpoint.enabled=true", "checkpoint.load=latest"});
+  ASSERT_TRUE(again.result.exit.ok()) << again.result.Output();
+  EXPECT_TRUE(again.result.StdoutHas("nothing left to train")) << again.result.Output();
+  EXPECT_FALSE(again.result.StdoutHas("nan")) << again.result.Output();
+  EXPECT_FALSE(again.result.StdoutHas("committed")) << again.result.Output();
+  EXPECT_EQ(fs::last_write_time(step8), saved_at);
+  EXPECT_EQ(again.losses.size(), 8u) << again.result.Output();
   fs::remove_all(dir);
 }
 
