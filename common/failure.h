@@ -30,7 +30,8 @@ namespace fsdp {
 // code):
 //   0  success
 //   1  another error (a precondition, an unsupported setup)
-//   2  configuration or command-line error (the key, file and line are named)
+//   2  configuration or command-line error (the key, file and line are named), and the data
+//      a config names (a token file that is empty, malformed or has ids past the vocabulary)
 //   3  checkpoint or load error (the folder, file or tensor is named)
 //   4  I/O error (run.dir, metrics.jsonl: the path is named)
 //   5  non-finite loss or gradient norm, or diverged training
