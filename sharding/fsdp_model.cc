@@ -318,6 +318,9 @@ void FsdpModel::PreForward(FsdpUnit& unit) {
       for (auto& u : units_) ReshardFully(*u);
     }
     forward_without_backward_ = true;
+    // See Note [zero_grad on the module]: before this forward, so that no parameter used after
+    // the root's forward returns (a head applied to its output) accumulates into a sentinel.
+    ApplyModuleZeroGrad();
     for (auto& u : units_) u->ResetIteration();
   }
   unit.BeginForward();

@@ -125,10 +125,11 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 // only P's .grad, so on its own it would leave the shards' gradients to be added to by the
 // next backward, silently. So, as FSDP2's module.zero_grad() clears the sharded gradients,
 // each backward leaves a 0-element tensor of its own (FsdpParam::grad_sentinel) as .grad of
-// every trainable P that has none, and the next backward starts (before any autograd
-// accumulation or collective: the root output's hook runs first) by looking at it: still
-// there, it is removed; gone (zero_grad() reset it) the shard's .grad is reset too; replaced
-// (zero_grad(false) zeroes a detached copy) the shard's .grad is zeroed. A P's .grad that
+// every trainable P that has none, and the root's next forward looks at it (the next backward
+// too, for a zero_grad() between forward and backward; not for a parameter used only after
+// the root's forward returns, whose accumulation autograd runs before the root output's hook):
+// still there, it is removed; gone (zero_grad() reset it) the shard's .grad is reset too;
+// replaced (zero_grad(false) zeroes a detached copy) the shard's .grad is zeroed. A P's .grad that
 // holds real gradients (set_requires_gradient_sync(false)) is never replaced. Between two
 // backwards, code that reads P's .grad sees an empty tensor where it saw none.
 class FsdpModel {

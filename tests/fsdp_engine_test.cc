@@ -748,6 +748,59 @@ TEST(FsdpEngineTest, ModuleZeroGradClearsTheShardGradients) {
   });
 }
 
+// A root parameter used only after the root's forward returns: autograd accumulates its
+// gradient before the root output's hook runs, so a zero_grad sentinel still in place then
+// (Note [zero_grad on the module]) made the second step fail with a size mismatch.
+struct HeadOutsideNetImpl : torch::nn::Module {
+  HeadOutsideNetImpl() {
+    first = register_module("first", LinearBlock(true));
+    head = register_parameter("head", torch::randn({4, 8}) * 0.1);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return UnitForward(this, x, [&](const torch::Tensor& h) { return first->forward(h); });
+  }
+  LinearBlock first{nullptr};
+  torch::Tensor head;
+};
+TORCH_MODULE(HeadOutsideNet);
+
+TEST(FsdpEngineTest, ParameterUsedAfterTheRootForward) {
+  testing::RunOnRanks(2, [](int) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist();
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, 2, 1));
+    for (bool module_zero_grad : {false, true}) {
+      torch::manual_seed(3);
+      HeadOutsideNet model;
+      torch::manual_seed(3);
+      HeadOutsideNet reference;
+      auto f = FsdpModel::Wrap(model.ptr(), mesh, {model->first.ptr()},
+                               OptionsForStrategy(Strategy::kFullShard));
+      ASSERT_TRUE(f.ok()) << f.status();
+      torch::optim::SGD sharded_sgd((*f)->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1));
+      torch::manual_seed(4);  // the same batch on both ranks
+      const torch::Tensor x = torch::randn({6, 8});
+      for (int step = 0; step < 3; ++step) {
+        torch::Tensor loss = torch::linear(model->forward(x), model->head).pow(2).mean();
+        loss.backward();
+        sharded_sgd.step();
+        if (module_zero_grad) {
+          model->zero_grad();
+        } else {
+          sharded_sgd.zero_grad();
+        }
+        torch::Tensor expected =
+            torch::linear(reference->forward(x), reference->head).pow(2).mean();
+        expected.backward();
+        reference_sgd.step();
+        reference_sgd.zero_grad();
+        EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-6)
+            << "step " << step << ", module zero_grad " << module_zero_grad;
+      }
+    }
+  });
+}
+
 // Note [Nested UnitForward of one unit]: SequentialForward over blocks whose forward goes
 // through UnitForward, as unit_forward.h's example does, used to fail with "BeginForward called
 // in training state kForward".
