@@ -565,8 +565,10 @@ void DataLoader::set_position(const DataPosition& position) {
     epoch += position.batch / batches_per_epoch();  // absurd; only keeps the arithmetic defined
   } else {
     window = position.batch * per_batch;
-    epoch += window / epoch_windows;
-    window %= epoch_windows;
+    if (position.global_batch == 0) {  // counted in this loader's own batches: may carry over
+      epoch += window / epoch_windows;
+      window %= epoch_windows;
+    }
     if (window + b > train_windows_) {
       window = 0;
       ++epoch;

@@ -713,6 +713,13 @@ TEST(DataLoaderTest, ResumesAtAnotherGlobalBatchFromTheSameWindow) {
   EXPECT_EQ(large->position().batch, 0);
   EXPECT_EQ(WindowsOf(large->Get(0).value(), 8),
             std::vector<int64_t>(epoch1.begin(), epoch1.begin() + 64));
+  // Also past this loader's last whole batch of the epoch (3 x 64 = 192) but within the epoch
+  // (195 of 200 windows): the next epoch from its start, not its window 3.
+  large->set_position({.epoch = 0, .batch = 1, .global_batch = 195});
+  EXPECT_EQ(large->position().epoch, 1);
+  EXPECT_EQ(large->position().batch, 0);
+  EXPECT_EQ(WindowsOf(large->Get(0).value(), 8),
+            std::vector<int64_t>(epoch1.begin(), epoch1.begin() + 64));
   // A position without global_batch (a checkpoint from before it was recorded) counts in the
   // loader's own: batch 3 of 10 is window 30.
   absl::StatusOr<DataLoader> legacy = DataLoader::Create(data, options(10));
