@@ -51,8 +51,13 @@ absl::Status WriteBatches(const RunConfig& config, int world_size, int steps,
   for (int step = 0; step < steps && ok; ++step) {
     for (int64_t m = 0; m < t.grad_accum_steps && ok; ++m) {
       for (DataLoader& loader : loaders) {
-        FSDP_ASSIGN_OR_RETURN(Batch b, loader.Get(static_cast<int>(m)));
-        for (const at::Tensor& part : {b.inputs, b.targets}) {
+        absl::StatusOr<Batch> b = loader.Get(static_cast<int>(m));
+        if (!b.ok()) {  // no half-written file left behind
+          std::fclose(f);
+          std::remove(tmp.c_str());
+          return b.status();
+        }
+        for (const at::Tensor& part : {b->inputs, b->targets}) {
           at::Tensor values = part.to(at::kInt).contiguous();
           ok = ok && std::fwrite(values.data_ptr(), values.nbytes(), 1, f) == 1;
         }

@@ -621,6 +621,8 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
             "nothing left to train (raise training.steps to continue)\n",
             start_step);
       }
+      // As at the end of a run: rank 0 may host the store the others' watchdogs still use.
+      ctx->world().Barrier()->wait();
       return absl::OkStatus();
     }
   } else if (!config.model.init_from.empty()) {

@@ -359,7 +359,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const bool one_shard = s == 1 && r == 1;
   const bool aliased = one_shard && cb == 4;
   const double gathered = aliased ? 0 : cb;  // bytes of a gathered parameter value
-  const double unit_grad = aliased && rb == 4 ? 0 : block * cb;
+  // Accumulating, the shard's gradient exists already and the block's new one is added to it.
+  const double unit_grad = aliased && rb == 4 && t.grad_accum_steps == 1 ? 0 : block * cb;
   mem.unsharded_units = root * (gathered + cb) + blocks_unsharded * block * gathered +
                         (num_blocks > 0 ? unit_grad + (one_shard ? 0 : block * rb) : 0);
   // model.kernels as it resolves on this hardware (a profile with CPU cores per node is a CPU

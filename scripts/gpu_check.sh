@@ -199,7 +199,8 @@ bounded() {  # bounded CMD...: CMD (and its children), stopped at the deadline (
   [ "$left" -gt 0 ] || left=1
   timeout -k 10 "$left" "$@"
   rc=$?
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  # 124 / 137 from timeout at the deadline; a 137 before it is the command's own (OOM killer).
+  if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ "$(date +%s)" -ge "$deadline" ]; then
     log "stopped at the deadline: ${current_stage:-setup} (${*:1:2})" 2>&3
     [ -n "$current_stage" ] && echo "$current_stage" >>"$out/skipped.txt"
   fi
