@@ -206,9 +206,23 @@ absl::StatusOr<std::string> FirstSlurmHost(std::string_view node_list) {
 // last: an sbatch script's environment can hold the batch step's SLURM_PROCID=0 and its
 // SLURM_NTASKS, which every process that mpirun starts inside the script inherits; read first,
 // it made all of them rank 0 (with SLURM_NTASKS=1, each a single-rank run of its own, exit 0).
-// Under srun, which starts the processes itself, the MPI variables are either absent or agree.
+// Under srun, which starts the processes itself, the MPI variables are either absent or agree
+// with SLURM's: `srun --mpi=pmi2` sets PMI_RANK and PMI_SIZE but not MPICH's local-rank
+// variables, so where SLURM_PROCID and SLURM_NTASKS agree with the MPI rank and size, SLURM's
+// variables (which know the nodes) are read.
 absl::StatusOr<LaunchEnv> ParseLaunchEnv(const EnvLookup& env) {
   if (env("RANK")) return FromTorchrun(env);
+  auto slurm_agrees = [&](const char* rank_var, const char* size_var) {
+    auto same = [&](const char* a, const char* b) {
+      std::optional<std::string> x = env(a), y = env(b);
+      return x && y && *x == *y;
+    };
+    return same("SLURM_PROCID", rank_var) && same("SLURM_NTASKS", size_var);
+  };
+  if (slurm_agrees("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE") ||
+      slurm_agrees("PMI_RANK", "PMI_SIZE")) {
+    return FromSlurm(env);
+  }
   if (env("OMPI_COMM_WORLD_RANK")) {
     return FromMpi(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");

@@ -376,6 +376,12 @@ TEST(ParseLaunchEnvTest, MpiVariablesWinOverAnEnclosingSlurmBatchStep) {
   EXPECT_THAT(Ranks(env), ElementsAre(1, 2, 1, 2, 0));
   // srun alone: SLURM's own variables.
   EXPECT_EQ(ParseOk(Slurm()).source, "slurm");
+  // srun --mpi=pmi2 sets PMI_RANK / PMI_SIZE (not MPICH's local ones) that agree with SLURM's:
+  // SLURM's, which know the nodes, are read (the MPI ones would make every rank node 0's).
+  env = ParseOk(With(Slurm(), {{"PMI_RANK", "5"}, {"PMI_SIZE", "8"}}));
+  EXPECT_EQ(env.source, "slurm");
+  EXPECT_THAT(Ranks(env), ElementsAre(5, 8, 1, 4, 1));
+  EXPECT_EQ(env.master_addr, "node01");
 }
 
 TEST(ParseLaunchEnvTest, Mpich) {
