@@ -20,7 +20,10 @@ namespace fsdp {
 // all-reduce (MAX of the hash and of its negation) tells whether all agree. Only if they do
 // not, rank 0 publishes its configuration in the store and each rank compares its own with it:
 // a rank that differs stops as a config error naming each key with both values, the others as
-// peer lost (so the launcher's headline is the rank that differs).
+// peer lost (so the launcher's headline is the rank that differs), except rank 0 when most ranks
+// differ from it: then it is the odd one, and says so. Paths that may name node-local copies
+// of one file (data.path, model.init_from, training.profile_dir) are not compared; run.dir and
+// checkpoint.dir are: every rank writes its shards into the one checkpoint folder.
 
 std::vector<std::string> ConfigKeyLines(const std::string& yaml) {
   std::vector<std::string> lines;
@@ -95,7 +98,14 @@ absl::Status CheckSameConfigOnEveryRank(const RunConfig& config, DistContext& ct
                                         c10::Device device) {
   ProcessGroup& world = ctx.world();
   if (world.size() == 1) return absl::OkStatus();
-  const std::vector<std::string> lines = ConfigKeyLines(config.ToYaml());
+  std::vector<std::string> lines;
+  for (std::string& line : ConfigKeyLines(config.ToYaml())) {
+    if (StartsWith(line, "data.path: ") || StartsWith(line, "model.init_from: ") ||
+        StartsWith(line, "training.profile_dir: ")) {
+      continue;  // may name node-local copies
+    }
+    lines.push_back(std::move(line));
+  }
   const int64_t h = Fingerprint(lines);
   at::Tensor t = at::tensor({h, -h}, at::TensorOptions().dtype(at::kLong)).to(device);
   world.AllReduce(t, c10d::ReduceOp::MAX)->wait();
@@ -127,6 +137,20 @@ absl::Status CheckSameConfigOnEveryRank(const RunConfig& config, DistContext& ct
   world.Barrier()->wait();
   const std::vector<std::string> diff =
       ctx.rank() == 0 ? std::vector<std::string>{} : ConfigDifferences(lines, theirs, 0);
+  at::Tensor differing = at::full({1}, diff.empty() ? 0 : 1, at::TensorOptions().dtype(at::kLong))
+                             .to(device);
+  world.AllReduce(differing)->wait();
+  const int64_t others = differing.cpu().item<int64_t>();
+  // With two ranks neither is the odd one: the one that differs from rank 0 names the keys.
+  if (ctx.rank() == 0 && others >= 2 && 2 * others > world.size() - 1) {
+    return WithFailureClass(
+        absl::InvalidArgumentError(StrCat(
+            config.source_file, ": rank 0's configuration differs from most ranks' (", others,
+            " of the other ", world.size() - 1, " differ from it; their errors name the keys): "
+            "every rank must run the same configuration, the same config file and --set items "
+            "on every node")),
+        FailureClass::kConfig);
+  }
   if (diff.empty()) {
     return WithFailureClass(
         absl::FailedPreconditionError(
