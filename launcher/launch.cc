@@ -179,7 +179,7 @@ std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_r
 // The launchers of a job meet in node 0's store before any rank starts: each claims its
 // --node-rank (a second launcher for a taken node rank is refused, and the running job is left
 // alone: its ranks would otherwise fail the job's rendezvous as "two processes claim RANK"),
-// publishes its --nnodes and --nproc-per-node, and waits up to --rdzv-timeout for every node;
+// publishes its --nnodes, --nproc-per-node and --max-restarts, and waits up to --rdzv-timeout for every node;
 // options that disagree are refused on both nodes, naming both, before anything starts (they
 // used to surface as a rank collision blaming an innocent rank, or as 300 s of waiting).
 // When an attempt ends badly, every node writes one report under the attempt's key (its own
@@ -207,14 +207,16 @@ void SetString(c10d::Store& store, const std::string& key, std::string_view valu
   store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
 }
 
-// What the other nodes must agree with: "<nnodes> <nproc_per_node> <host> <pid>".
+// What the other nodes must agree with: "<nnodes> <nproc_per_node> <max_restarts> <host> <pid>"
+// (nodes with other --max-restarts: one restarted its ranks while node 0 had stopped).
 std::string NodeCard(const LaunchOptions& o) {
-  return StrCat(o.nnodes, " ", o.nproc_per_node, " ", HostName(), " ", getpid());
+  return StrCat(o.nnodes, " ", o.nproc_per_node, " ", o.max_restarts, " ", HostName(), " ",
+                getpid());
 }
 std::string DescribeNode(int node, const std::string& card) {
   std::vector<std::string_view> f = Split(card, " ");
-  if (f.size() != 4) return StrCat("node ", node);
-  return StrCat("node ", node, " (pid ", f[3], " on ", f[2], ")");
+  if (f.size() != 5) return StrCat("node ", node);
+  return StrCat("node ", node, " (pid ", f[4], " on ", f[3], ")");
 }
 
 // A launcher that refused to start leaves; node 0 first gives the others (bounded) the time to
@@ -259,15 +261,17 @@ absl::Status MeetOtherNodes(c10d::Store& store, const LaunchOptions& o, int port
       }
       const std::string card = GetString(store, NodeKey("node", n));
       std::vector<std::string_view> f = Split(card, " ");
-      if (f.size() == 4 && (f[0] != StrCat(o.nnodes) || f[1] != StrCat(o.nproc_per_node))) {
+      if (f.size() == 5 && (f[0] != StrCat(o.nnodes) || f[1] != StrCat(o.nproc_per_node) ||
+                            f[2] != StrCat(o.max_restarts))) {
         store.add(claim, -1);  // a corrected launcher may take this node rank
         LeaveRefused(store, o);
         return absl::InvalidArgumentError(StrCat(
             DescribeNode(n, card), " has --nnodes ", f[0], " --nproc-per-node ", f[1],
-            ", this launcher (node ", o.node_rank, ") has --nnodes ", o.nnodes,
-            " --nproc-per-node ", o.nproc_per_node,
-            ": every node must be started with the same --nnodes and --nproc-per-node. Nothing "
-            "was started"));
+            " --max-restarts ", f[2], ", this launcher (node ", o.node_rank, ") has --nnodes ",
+            o.nnodes, " --nproc-per-node ", o.nproc_per_node, " --max-restarts ",
+            o.max_restarts,
+            ": every node must be started with the same --nnodes, --nproc-per-node and "
+            "--max-restarts. Nothing was started"));
       }
     }
     if (missing.empty()) return absl::OkStatus();

@@ -427,13 +427,25 @@ TEST(LaunchNodesTest, NodesWithOtherOptionsAreRefusedOnBothNodes) {
     EXPECT_FALSE(c.StdoutHas("started")) << c.Output();
   }
   EXPECT_TRUE(
-      r[0].StderrHas("has --nnodes 2 --nproc-per-node 1, this launcher (node 0) has "
-                     "--nnodes 2 --nproc-per-node 2: every node must be started with the "
-                     "same --nnodes and --nproc-per-node"))
+      r[0].StderrHas("has --nnodes 2 --nproc-per-node 1 --max-restarts 0, this launcher "
+                     "(node 0) has --nnodes 2 --nproc-per-node 2 --max-restarts 0: every node "
+                     "must be started with the same --nnodes, --nproc-per-node and "
+                     "--max-restarts"))
       << r[0].Output();
   EXPECT_TRUE(
-      r[1].StderrHas("has --nnodes 2 --nproc-per-node 2, this launcher (node 1) has "
-                     "--nnodes 2 --nproc-per-node 1"))
+      r[1].StderrHas("has --nnodes 2 --nproc-per-node 2 --max-restarts 0, this launcher "
+                     "(node 1) has --nnodes 2 --nproc-per-node 1 --max-restarts 0"))
+      << r[1].Output();
+  // Other --max-restarts: one node would restart its ranks while the other had stopped.
+  const int port2 = testing::FreePort();
+  r = RunTogether({NodeLauncher(port2, 0, 1, "echo started", {"--max-restarts", "1"}),
+                   NodeLauncher(port2, 1, 1, "echo started")});
+  for (const CommandResult& c : r) {
+    EXPECT_EQ(c.exit.code, 2) << c.Output();
+    EXPECT_FALSE(c.StdoutHas("started")) << c.Output();
+  }
+  EXPECT_TRUE(r[1].StderrHas("--max-restarts 1, this launcher (node 1) has --nnodes 2 "
+                             "--nproc-per-node 1 --max-restarts 0"))
       << r[1].Output();
 }
 
