@@ -488,11 +488,17 @@ absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
             (data.is_object() ? data[key] : data).dump()));
       }
     }
-    point.data.epoch = extra_meta["data"].value("epoch", int64_t{0});
-    point.data.batch = extra_meta["data"].value("batch", int64_t{0});
-    point.data.global_batch = extra_meta["data"].value("global_batch", int64_t{0});
-    point.data.train_windows = extra_meta["data"].value("train_windows", int64_t{0});
-    point.data.seed = extra_meta["data"].value("seed", uint64_t{0});
+    point.data.epoch = data.value("epoch", int64_t{0});
+    point.data.batch = data.value("batch", int64_t{0});
+    point.data.global_batch = data.value("global_batch", int64_t{0});
+    point.data.train_windows = data.value("train_windows", int64_t{0});
+    point.data.seed = data.value("seed", uint64_t{0});
+    const DataPosition& d = point.data;
+    if (d.epoch < 0 || d.batch < 0 || d.global_batch < 0) {
+      return absl::DataLossError(StrCat(dir, ": the data position in metadata.json (epoch ",
+                                        d.epoch, ", batch ", d.batch, ", global_batch ",
+                                        d.global_batch, ") must be >= 0"));
+    }
   }
   return std::optional<ResumePoint>(point);
 }

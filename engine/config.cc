@@ -26,6 +26,7 @@
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/mesh_shape.h"
+#include "engine/data.h"
 #include "engine/hf_llama.h"
 #include "sharding/options.h"
 
@@ -736,9 +737,7 @@ absl::Status ValidateData(const DataSection& d, const Validator& v) {
                                {"data.source"}));
   FSDP_RETURN_IF_ERROR(v.Fraction("data.val_fraction", d.val_fraction));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("data.synthetic_tokens", d.synthetic_tokens, 1024));
-  // Generated in memory at start (engine/data.cc): 2^63 failed inside std::vector as an
-  // internal error, and 2^40 would take the host's memory.
-  constexpr int64_t kMaxSyntheticTokens = int64_t{1} << 32;
+  // kMaxSyntheticTokens (engine/data.h): 2^63 failed inside std::vector as an internal error.
   return v.Check(d.synthetic_tokens <= kMaxSyntheticTokens, "data.synthetic_tokens",
                  StrCat("must be <= 2^32 = ", kMaxSyntheticTokens,
                         " (the synthetic stream is generated in memory at start, 4 bytes a "

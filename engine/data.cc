@@ -83,9 +83,6 @@ double UniformUnit(SplitMix64& rng) { return static_cast<double>(rng() >> 11) * 
 // context per token keeps it learnable in a few hundred steps by a tiny model (an order-2
 // chain has vocab^2 contexts, too many to see in a short run).
 constexpr int kSuccessors = 4;
-// The stream is generated in memory at start-up, 4 bytes a token (16 GiB and minutes at the
-// bound); a larger value failed deep in std::vector, or took the host's memory.
-constexpr int64_t kMaxSyntheticTokens = int64_t{1} << 32;
 constexpr const char* kSyntheticTokensNote =
     "the synthetic stream is generated in memory at start, 4 bytes a token; use data.source "
     "tokens for more";

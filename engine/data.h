@@ -59,6 +59,11 @@ class TokenDataset {
   virtual absl::Status CheckUnchanged() const { return absl::OkStatus(); }
 };
 
+// data.synthetic_tokens at most: the stream is generated in memory at start-up, 4 bytes a
+// token (16 GiB and minutes at the bound); a larger value failed deep in std::vector, or took
+// the host's memory. The config's validation and OpenDataset both hold it.
+inline constexpr int64_t kMaxSyntheticTokens = int64_t{1} << 32;
+
 // kNotFound for a missing file, kInvalidArgument for a bad source/dtype or a synthetic_tokens
 // too large to generate in memory, kDataLoss for a file whose size is not a multiple of the
 // token size, an llm.c header with a wrong magic, version or token count, or an id >= vocab

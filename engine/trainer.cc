@@ -213,17 +213,9 @@ void WarnAboutOtherData(const DataPosition& saved, const DataLoader& loader) {
 }
 
 // A checkpoint's step past training.steps ran no step and saved the checkpoint's state again
-// as step training.steps, exit 0; a data position that cannot be one failed as an internal
-// error.
+// as step training.steps, exit 0. (A data position that cannot be one is refused where
+// metadata.json is read, Checkpointer::Load.)
 absl::Status CheckResumePoint(const RunConfig& config, const ResumePoint& resume) {
-  const DataPosition& d = resume.data;
-  if (d.epoch < 0 || d.batch < 0 || d.global_batch < 0) {
-    return WithFailureClass(
-        absl::DataLossError(StrCat(resume.dir, ": the data position in metadata.json (epoch ",
-                                   d.epoch, ", batch ", d.batch, ", global_batch ", d.global_batch,
-                                   ") must be >= 0")),
-        FailureClass::kCheckpoint);
-  }
   if (resume.step > config.training.steps) {
     return AtKey(
         config, "training.steps",
