@@ -485,7 +485,12 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
 }
 
 void FsdpModel::CopyShardsToDevice() {
-  if (ctx_.offload) ctx_.offload->PushShards(*ctx_.streams);
+  if (!ctx_.offload) return;
+  ctx_.offload->PushShards(*ctx_.streams);
+  // The copies run on the copy-in stream; whatever the caller issues next on its stream (a
+  // read of the device shards, the next forward) must follow them. A wait queued on the
+  // device: the host does not block.
+  ctx_.offload->WaitForShardsOnCurrentStream();
 }
 
 ModelStateBytes FsdpModel::model_state_bytes() const {

@@ -180,6 +180,9 @@ class FsdpModel {
   // Offload (Note [CPU offload] in offload.h): copies the host masters (the optimizer's
   // tensors) into the device shards. Call after the optimizer step and after writing the
   // masters otherwise (checkpoint load); a no-op without offload or with offloaded parameters.
+  // On CUDA the copies are asynchronous: work issued afterwards on the current stream sees the
+  // new shards, and the host must not write the masters again before that work has run (the
+  // next backward's end waits for it; otherwise synchronise the device first).
   void CopyShardsToDevice();
   // Bytes of parameter shards and gradient shards on the device and (offload) in host memory.
   ModelStateBytes model_state_bytes() const;
