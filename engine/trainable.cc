@@ -26,6 +26,12 @@ class FsdpTrainable final : public TrainableModel {
     if (model_->context().replicate_group != nullptr && model_->context().num_shards > 1) {
       model_->set_requires_all_reduce(last);
     }
+    // Offload optimizer: the micro-batches' gradient shards are summed on the device, where the
+    // fp32 shards already are, and copied to the host once (Note [CPU offload], "Accumulating
+    // on the device"); offload params keeps the device free of them.
+    if (model_->context().options.offload == Offload::kOptimizer) {
+      model_->set_offload_accumulate_on_device(!last);
+    }
   }
   at::Tensor ClipGradNorm(double max_norm) override { return model_->ClipGradNorm(max_norm); }
   void AfterStep() override {

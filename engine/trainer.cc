@@ -96,12 +96,16 @@ absl::StatusOr<double> Evaluate(Model& model, const DataLoader& loader, int64_t 
 // parallelism.offload moves; on a CPU both are host RAM, the split says which would be on a
 // GPU), and the collectives it
 // issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
-// token and the device (its name and peak FLOP/s) behind the MFU figures. Rank 0's metrics.jsonl
+// token and the device (its name and peak FLOP/s) behind the MFU figures. With offload,
+// "offload" holds the host's share of the steps (docs/offload.md): optimizer_step_s, the
+// optimizer step's wall time (on the host there), and HostOffload::Stats (copies' bytes, host
+// waits and additions, evaluations included), each also per step. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
 void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps, int64_t peak_rss,
                     int64_t peak_tensor, int64_t state_bytes, const ModelStateBytes& model_state,
                     Offload offload, const CommStats& comm, double flops_per_token,
-                    double peak_flops, const std::string& device) {
+                    double peak_flops, const std::string& device,
+                    const nlohmann::json& offload_stats) {
   nlohmann::json stats = {{"rank", rank},
                           {"steps", steps},
                           {"peak_rss_bytes", peak_rss},
@@ -116,6 +120,7 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
                           {"device", device}};
   const HostHeapStats heap = GetHostHeapStats();
   stats["host_heap"] = {{"held_bytes", heap.held_bytes}, {"free_bytes", heap.free_bytes}};
+  if (!offload_stats.is_null()) stats["offload"] = offload_stats;
   double wait = 0;
   int64_t bytes = 0;
   for (int k = 0; k < kNumCommKinds; ++k) {
@@ -325,6 +330,7 @@ at::Tensor BatchToDevice(const at::Tensor& host, c10::Device device) {
 struct StepOutput {
   at::Tensor loss, grad_norm, nonfinite;
   bool skipped = false;
+  double optimizer_s = 0;  // the host's wall time in optimizer.step() (offload: the whole step)
 };
 
 absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
@@ -364,7 +370,10 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
   }
   {
     RECORD_FUNCTION("fsdp::optimizer_step", std::vector<c10::IValue>());
+    const auto start = std::chrono::steady_clock::now();
     optimizer.step();
+    out.optimizer_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     trained.AfterStep();
     optimizer.zero_grad();
   }
@@ -706,6 +715,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   constexpr int kMaxConsecutiveSkips = 10;
   int consecutive_skips = 0;
   bool epoch_noted = false;  // the first wrap to another epoch is noted, once
+  double optimizer_s = 0;    // StepOutput::optimizer_s summed (rank_stats' "offload")
   StepProfiler profiler(t.profile,
                         t.profile_dir.empty() ? run_dir / "profile" : std::filesystem::path(t.profile_dir),
                         device, rank);
@@ -720,6 +730,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     metrics.BeginStep();
     const int64_t epoch = loader.position().epoch;
     FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t, device));
+    optimizer_s += out.optimizer_s;
     if (rank == 0 && loader.position().epoch > epoch && !epoch_noted) {
       std::cout << fmt::format(
           "fsdp train: step {} finished epoch {} of the training data ({} steps of {} windows); "
@@ -777,10 +788,29 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
   const ModelStateBytes model_state =
       ModelStateOf(*trained, *optimizer, config.parallelism.offload);
+  nlohmann::json offload_stats;
+  if (trained->fsdp() != nullptr && trained->fsdp()->context().offload != nullptr) {
+    const HostOffload::Stats& o = trained->fsdp()->context().offload->stats();
+    const double steps = std::max<int64_t>(1, t.steps - start_step);
+    offload_stats = {{"optimizer_step_s", optimizer_s},
+                     {"to_host_bytes", o.to_host_bytes},
+                     {"to_device_bytes", o.to_device_bytes},
+                     {"host_adds", o.host_adds},
+                     {"wait_s", o.wait_s},
+                     {"add_s", o.add_s},
+                     {"push_s", o.push_s}};
+    offload_stats["per_step"] = {{"optimizer_step_ms", 1e3 * optimizer_s / steps},
+                                 {"to_host_bytes", o.to_host_bytes / steps},
+                                 {"to_device_bytes", o.to_device_bytes / steps},
+                                 {"wait_ms", 1e3 * o.wait_s / steps},
+                                 {"add_ms", 1e3 * o.add_s / steps},
+                                 {"push_ms", 1e3 * o.push_s / steps}};
+  }
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,
                  trained->comm_stats(), model->FlopsPerToken(), metrics.peak_flops(),
-                 device.is_cuda() ? CudaDeviceDescription(device.index()) : "cpu");
+                 device.is_cuda() ? CudaDeviceDescription(device.index()) : "cpu",
+                 offload_stats);
   if (rank == 0 && trained->fsdp() != nullptr && !options.quiet) {
     std::cout << fmt::format(
         "fsdp train: model state on rank 0 (parameters, gradients, optimizer): {:.2f} MiB on the "

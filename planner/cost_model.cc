@@ -25,6 +25,10 @@ constexpr double kOptimizerBytesPerParam = 64;
 // parameter, gradient and both moments and writes three of them back (28 bytes), clipping
 // reads the gradient (4).
 constexpr double kHostOptimizerBytesPerParam = 32;
+// Bytes per parameter of each extra micro-batch's gradient accumulated on the host (offload
+// params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
+// writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
+constexpr double kHostAccumulateBytesPerParam = 16;
 // Bytes a recomputed activation byte moves (written again, its inputs read again).
 constexpr double kRecomputeTrafficPasses = 2;
 // Usable share of host memory for pinned offload buffers: the OS, the page cache and the
@@ -231,13 +235,17 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // parallelism.offload (sharding/options.h), per rank with S the shard degree:
 //   optimizer: the optimizer state, an fp32 master copy and its gradient live in pinned host
 //     memory (16 P / S with AdamW); the device keeps the fp32 parameter shard (the all-gathers'
-//     source) and a transient gradient shard: each reduced shard is copied to the host after
-//     its reduce-scatter (every micro-batch: the host accumulates; HSDP after the replicate
-//     all-reduce of the last one), the step runs on the host, and each updated shard is copied
-//     back before the unit's next all-gather;
+//     source) and, accumulating, the sum of the micro-batches' gradient shards (4 P / S, the
+//     trainer's set_offload_accumulate_on_device: Note [CPU offload] in sharding/offload.h),
+//     copied to the host once per step, shard by shard after the last micro-batch's
+//     reduce-scatters (HSDP: after the replicate all-reduce; grad_sync last: the last
+//     micro-batch's only); with one micro-batch a transient gradient shard. The step runs on
+//     the host, and each updated shard is copied back before the unit's next all-gather;
 //   params: the shards live only on the host too; each unit's shard is copied to the device
 //     just before each of its all-gathers (one unit ahead, as the gathers are prefetched) and
-//     freed after it, so the device holds the shards of the units in flight only.
+//     freed after it, so the device holds the shards of the units in flight only. Gradient
+//     shards go to the host every micro-batch that reduces, and the host adds them
+//     (kHostAccumulateBytesPerParam).
 // Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
@@ -331,7 +339,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // Gradient shards live on the device across micro-batches unless offload copies each one
   // to the host after its reduce-scatter; HSDP's partial sums wait for the last micro-batch's
   // replicate all-reduce either way (Note [Offload]).
-  const bool grads_on_device = offload == Offload::kNone;
+  // Offload optimizer sums the micro-batches' gradient shards on the device (Note [Offload]).
+  const bool sums_on_device =
+      offload == Offload::kOptimizer && accum > 1 && !hybrid && !no_sync;
+  const bool grads_on_device = offload == Offload::kNone || sums_on_device;
   switch (offload) {
     case Offload::kNone:
       mem.params = real / n * 4;
@@ -342,7 +353,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     case Offload::kOptimizer:
       mem.params = real / n * 4;
       mem.padding = (padded_total - real) / n * 4;
-      mem.grads = largest_unit / n * 4;  // one unit's shard on its way to the host
+      // The micro-batches' sums, or one unit's shard on its way to the host.
+      mem.grads = sums_on_device ? real / n * 4 : largest_unit / n * 4;
       mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
       break;
     case Offload::kParams:
@@ -438,9 +450,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   if (offload == Offload::kNone) {
     time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
   } else {
-    // The step, plus one read and one write per parameter for each extra micro-batch's
-    // gradient accumulated on the host (HSDP accumulates on the device).
-    const double accumulate = hybrid || no_sync ? 0 : (accum - 1) * 8;
+    // The step, plus each extra micro-batch's gradient accumulated on the host (HSDP and
+    // offload optimizer accumulate on the device).
+    const double accumulate =
+        hybrid || no_sync || sums_on_device ? 0 : (accum - 1) * kHostAccumulateBytesPerParam;
     time.optimizer_s = host_bw > 0 ? real / n * (kHostOptimizerBytesPerParam + accumulate) / host_bw
                                    : 0;
   }
@@ -513,10 +526,11 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     const double h2d_block = block / n * 4 / link;
     const double h2d_passes = params && !keep ? accum : 1;
     const double h2d_blocks = params ? gathers_per_block : 1;
-    // Device to host, the reduced gradient shards: every micro-batch (HSDP: the last one).
+    // Device to host, the reduced gradient shards: every micro-batch (HSDP, grad_sync last and
+    // offload optimizer: the last one).
     const double d2h_root = counts.unit_params[0] / n * rb / link;
     const double d2h_block = num_blocks > 0 ? counts.unit_params[1] / n * rb / link : 0;
-    const double d2h_passes = hybrid || no_sync ? 1 : accum;
+    const double d2h_passes = hybrid || no_sync || sums_on_device ? 1 : accum;
     time.host_copy_s = h2d_passes * (h2d_root + num_blocks * h2d_blocks * h2d_block) +
                        d2h_passes * (d2h_root + num_blocks * d2h_block);
     auto beyond = [](double copy, double behind) { return std::max(0.0, copy - behind); };

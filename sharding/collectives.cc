@@ -128,7 +128,7 @@ namespace {
 // view cannot be an optimizer's .grad: zero_grad detaches it in place), else a copy.
 void AccumulateShardGrad(FsdpParam& p, const at::Tensor& g, bool owned, HostOffload* offload) {
   if (offload != nullptr) {
-    offload->AccumulateGrad(p, g);  // See Note [CPU offload]
+    offload->AccumulateGrad(p, g, owned);  // See Note [CPU offload]
     return;
   }
   at::Tensor& dst = p.sharded.mutable_grad();
@@ -255,14 +255,17 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
   for (int index : grad_params) {
     FsdpParam& p = params[index];
     at::Tensor& grad = p.param.mutable_grad();
-    at::Tensor& dst = p.sharded.mutable_grad();
-    if (offload == nullptr && grad.defined() && dst.defined() &&
+    // With offload the sum to add into is the one kept on the device, if any (Note [CPU
+    // offload]: "Accumulating on the device").
+    at::Tensor* dst = offload != nullptr ? offload->DeviceGrad(p) : &p.sharded.mutable_grad();
+    if (dst != nullptr && grad.defined() && dst->defined() &&
         (reduce_dtype == grad.scalar_type() || reduce_dtype == p.sharded.scalar_type())) {
       // Accumulation (the second micro-batch on): the rounding to reduce_dtype is exact or
       // none, so adding the gradient in place, promoted as it is read, gives the values of
       // the casts below without their temporary (a full-size fp32 copy per micro-batch).
-      dst.add_(grad.reshape(dst.sizes()));
+      dst->add_(grad.reshape(dst->sizes()));
       grad.reset();
+      if (offload != nullptr) offload->DeviceGradUpdated(p);
       continue;
     }
     at::Tensor g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())

@@ -174,6 +174,13 @@ class FsdpModel {
   // micro-batch; true (default): the step's last backward reshards them (FSDP2's
   // set_reshard_after_backward). See Note [Keeping parameters across micro-batches].
   void set_reshard_after_backward(bool reshard) { ctx_.reshard_after_backward = reshard; }
+  // Offload: true keeps the next backwards' gradient shards summed on the device (fp32, 4 bytes
+  // per parameter of shard) and sends the sum to the host in the next backward with false (the
+  // default), once: fewer copies and no host additions under gradient accumulation. A no-op
+  // without offload. See Note [CPU offload] in offload.h, "Accumulating on the device".
+  void set_offload_accumulate_on_device(bool on_device) {
+    if (ctx_.offload) ctx_.offload->set_accumulate_on_device(on_device);
+  }
   // Unshard() calls (all-gathers, or casts with one shard) on units with parameters so far.
   int64_t unshards() const { return ctx_.unshards; }
 

@@ -33,6 +33,8 @@ struct FsdpParam {
                             // (offload: host_shard's real rows, Note [CPU offload])
   at::Tensor host_shard;    // offload only: padded_shard's layout in host memory
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
+  at::Tensor device_grad;   // offload, between backwards that accumulate on the device:
+                            // sharded's shape and dtype, on the device (Note [CPU offload])
   bool requires_grad = false;
   c10::ScalarType compute_dtype = c10::kFloat;
   // Trainable only: 0 elements; P's .grad from the end of a backward that left P without one

@@ -1,9 +1,11 @@
 #include "sharding/offload.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/strides.h>
@@ -30,6 +32,20 @@ at::Tensor Carve(const at::Tensor& arena, int64_t offset, at::IntArrayRef sizes)
 }
 
 double GiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// Adds the wall time of its scope to `seconds` (HostOffload::Stats).
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(double& seconds)
+      : seconds_(seconds), start_(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() {
+    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double& seconds_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 // 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
 absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool pinned) {
@@ -138,9 +154,14 @@ void HostOffload::PushShards(DeviceStreams& streams) {
   // The copy-in stream waits for the compute stream first: with one rank the unsharded
   // parameters alias the device shards, which a backward still queued there may read.
   streams.BeginCopyIn();
+  RECORD_FUNCTION("fsdp::offload_push", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.push_s);
   std::optional<c10::StreamGuard> on_copy_in;
   if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
-  for (FsdpParam* p : params_) p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
+  for (FsdpParam* p : params_) {
+    p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
+    stats_.to_device_bytes += p->padded_shard.nbytes();
+  }
   RecordHostToDevice();
 }
 
@@ -153,6 +174,7 @@ void HostOffload::LoadShards(std::vector<FsdpParam>& params) {
     p.padded_shard = at::empty(p.host_shard.sizes(), p.host_shard.options().device(device_));
     p.padded_shard.copy_(p.host_shard, /*non_blocking=*/true);
     loaded_bytes_ += p.padded_shard.nbytes();
+    stats_.to_device_bytes += p.padded_shard.nbytes();
     issued = true;
   }
   peak_loaded_bytes_ = std::max(peak_loaded_bytes_, loaded_bytes_);
@@ -188,13 +210,44 @@ void HostOffload::ReapFinished() {
   in_flight_ = std::move(still);
 }
 
-void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g) {
+at::Tensor* HostOffload::DeviceGrad(FsdpParam& p) {
+  return accumulate_on_device_ || p.device_grad.defined() ? &p.device_grad : nullptr;
+}
+
+void HostOffload::DeviceGradUpdated(FsdpParam& p) {
+  if (accumulate_on_device_) return;
+  SendToHost(p, p.device_grad);  // kept alive by the copy in flight (CUDA)
+  p.device_grad.reset();
+}
+
+void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g, bool owned) {
+  at::NoGradGuard no_grad;
+  if (at::Tensor* sum = DeviceGrad(p)) {
+    // The additions of the run without offload (collectives.cc), on the same device.
+    if (sum->defined()) {
+      sum->add_(g);
+    } else if (owned && g.is_contiguous() && !g.is_view()) {
+      *sum = g;
+    } else {
+      *sum = g.clone(at::MemoryFormat::Contiguous);
+    }
+    DeviceGradUpdated(p);
+    return;
+  }
+  SendToHost(p, g);
+}
+
+void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   at::NoGradGuard no_grad;
   at::Tensor& grad = p.sharded.mutable_grad();
+  stats_.to_host_bytes += g.nbytes();
   if (!device_.is_cuda()) {
     // Synchronous copies; the same additions as without offload (collectives.cc).
     if (grad.defined()) {
+      RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
+      PhaseTimer timer(stats_.add_s);
       grad.add_(g);
+      ++stats_.host_adds;
     } else {
       p.host_grad.copy_(g);
       grad = p.host_grad;
@@ -236,11 +289,19 @@ void HostOffload::WaitForCopies(DeviceStreams& streams) {
 }
 
 void HostOffload::Drain() {
-  for (InFlight& f : in_flight_) f.done.synchronize();
-  in_flight_.clear();
-  if (to_device_done_) to_device_done_->synchronize();
+  {
+    RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
+    PhaseTimer timer(stats_.wait_s);
+    for (InFlight& f : in_flight_) f.done.synchronize();
+    in_flight_.clear();
+    if (to_device_done_) to_device_done_->synchronize();
+  }
+  if (pending_adds_.empty()) return;
+  RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.add_s);
   at::NoGradGuard no_grad;
   for (FsdpParam* p : pending_adds_) p->sharded.mutable_grad().add_(staging_.at(p));
+  stats_.host_adds += static_cast<int64_t>(pending_adds_.size());
   pending_adds_.clear();
 }
 
@@ -248,7 +309,7 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   auto size = [](const at::Tensor& t) {
     return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
   };
-  bytes.device += size(p.padded_shard);
+  bytes.device += size(p.padded_shard) + size(p.device_grad);
   if (p.host_shard.defined()) {
     bytes.host += size(p.host_shard) + size(p.host_grad);
   } else {

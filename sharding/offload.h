@@ -19,7 +19,8 @@
 //   optimizer  The device keeps the fp32 padded shard (padded_shard: the all-gather's source).
 //              Once a unit's gradient shard is final (FsdpUnit::FinishGradients, or at once
 //              with one rank) it is copied into host_grad, which becomes sharded.grad (added
-//              into it when a .grad is already there: gradient accumulation). After the
+//              into it when a .grad is already there: gradient accumulation; the trainer
+//              keeps the sum on the device instead, see "Accumulating on the device"). After the
 //              optimizer step the masters are copied into the device shards:
 //              FsdpModel::CopyShardsToDevice (TrainableModel::AfterStep, after a checkpoint
 //              load or a safetensors init; a caller that writes the masters itself must call
@@ -30,6 +31,16 @@
 //              gathers, so each copy overlaps the previous unit's compute) and freed when the
 //              unit reshards (with one rank the unsharded parameters alias it until then).
 //              Gradients go to the host as above; no copy after the step.
+// Accumulating on the device (set_accumulate_on_device; FsdpModel::
+// set_offload_accumulate_on_device): a backward run with it true adds its final gradient
+// shards into p.device_grad (the shard's shape and dtype, on the device: the additions of the
+// run without offload, on the same device) instead of sending them to the host; the next
+// backward with it false adds its own there too and sends the sum, once. Under gradient
+// accumulation this turns grad_accum_steps device->host copies and grad_accum_steps - 1 host
+// additions per step into one copy, for 4 bytes per parameter of shard on the device between
+// the micro-batches. The trainer does it with offload=optimizer (whose device holds the fp32
+// shards already) and not with offload=params (whose point is the device memory); the time it
+// saves: docs/offload.md.
 // Where the device is the CPU (tests, CI) the host buffers are distinct tensors: every copy
 // really happens and the arithmetic is the one without offload, bit for bit.
 //
@@ -103,10 +114,23 @@ class HostOffload {
   void WaitForShardsOnCurrentStream();
 
   // ---- gradients ------------------------------------------------------------------------------
-  // `g` is p's final gradient shard for this backward (device, the shard's shape and dtype):
-  // copies it into p.host_grad, which becomes p.sharded's .grad, or adds it into the .grad
-  // already there.
-  void AccumulateGrad(FsdpParam& p, const at::Tensor& g);
+  // Whether the gradients of the backwards that follow stay on the device (p.device_grad) or,
+  // false (the default), go to the host, with any sum kept on the device before them. Note [CPU
+  // offload], "Accumulating on the device".
+  void set_accumulate_on_device(bool on_device) { accumulate_on_device_ = on_device; }
+  bool accumulate_on_device() const { return accumulate_on_device_; }
+  // `g` is p's final gradient shard for this backward (device, the shard's shape and dtype).
+  // With a sum on the device, or accumulating there: adds it into p.device_grad (or it becomes
+  // that: itself when `owned` and plain, else a copy) and, unless accumulating, sends the sum to
+  // the host. Otherwise copies `g` into p.host_grad, which becomes p.sharded's .grad, or adds
+  // it into the .grad already there.
+  void AccumulateGrad(FsdpParam& p, const at::Tensor& g, bool owned);
+  // &p.device_grad when this backward's gradient of p is to be added into it (it holds an
+  // earlier backward's sum, or accumulates from now), for a caller that adds in place and then
+  // calls DeviceGradUpdated(p); nullptr when the gradient goes straight to the host.
+  at::Tensor* DeviceGrad(FsdpParam& p);
+  // After an in-place addition into *DeviceGrad(p): sends the sum unless accumulating.
+  void DeviceGradUpdated(FsdpParam& p);
   // End of backward: waits for every copy in flight, both ways, and does the additions that
   // waited for them (afterwards the host .grads are final and the masters may be written), and
   // gives back the device shards that this backward's reshards stashed in `streams`.
@@ -114,6 +138,19 @@ class HostOffload {
 
   // Most bytes of device shards loaded at once (kParams), since wrapping.
   int64_t peak_loaded_bytes() const { return peak_loaded_bytes_; }
+
+  // What the offload cost since wrapping (rank_stats' "offload": Note [Rank statistics] in
+  // engine/trainer.cc); each host phase is also a profiler range, fsdp::offload_<phase>, in
+  // training.profile traces.
+  struct Stats {
+    int64_t to_host_bytes = 0;    // gradient shards copied device->host
+    int64_t to_device_bytes = 0;  // parameter shards copied host->device
+    int64_t host_adds = 0;        // gradient shards added on the host (accumulation)
+    double wait_s = 0;            // host blocked on copies in flight (fsdp::offload_wait)
+    double add_s = 0;             // host additions of gradients (fsdp::offload_host_add)
+    double push_s = 0;            // issuing the masters' host->device copies (offload_push)
+  };
+  const Stats& stats() const { return stats_; }
 
  private:
   HostOffload(Offload mode, c10::Device device) : mode_(mode), device_(device) {}
@@ -123,6 +160,9 @@ class HostOffload {
   void ReapFinished();
   // Waits for the copies in flight and does the pending additions (WaitForCopies' first part).
   void Drain();
+  // `g` (device) into p's host .grad: copied into host_grad, or added into the .grad there. On
+  // CUDA asynchronous: `g` is kept alive and must not change until WaitForCopies.
+  void SendToHost(FsdpParam& p, const at::Tensor& g);
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
@@ -140,9 +180,12 @@ class HostOffload {
   std::vector<FsdpParam*> pending_adds_;          // CUDA only: staging_ to add after the wait
   int64_t loaded_bytes_ = 0;
   int64_t peak_loaded_bytes_ = 0;
+  bool accumulate_on_device_ = false;
+  Stats stats_;
 };
 
-// Adds p's shard and gradient bytes to `bytes` (the shards' gradients as they are now).
+// Adds p's shard and gradient bytes to `bytes` (the shards' gradients as they are now; with
+// offload, a gradient sum kept on the device counts as device bytes).
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes);
 
 }  // namespace fsdp

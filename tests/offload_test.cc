@@ -46,11 +46,14 @@ struct RunResult {
   std::map<std::string, torch::Tensor> shards;  // final masters, by name
   ModelStateBytes bytes;                        // after the last step, before zero_grad
   int64_t peak_loaded = 0;                      // offload params: device shards at once
+  HostOffload::Stats stats;                     // offload only
 };
 
 // `device`: where the model and the batches live (CUDA: the offload's copies run on streams).
+// `on_device`: the micro-batches but the last accumulate their gradients on the device
+// (FsdpModel::set_offload_accumulate_on_device, as the trainer does with offload optimizer).
 RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
-                at::Device device = at::kCPU) {
+                at::Device device = at::kCPU, bool on_device = false) {
   TinyGptConfig config;
   config.layers = 6;  // more units than the prefetch reaches
   torch::manual_seed(1234);
@@ -84,6 +87,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
       const bool last = m == kMicroBatches - 1;
       if (c.no_sync) fsdp.set_requires_gradient_sync(last);
       if (c.replicate > 1) fsdp.set_requires_all_reduce(last);
+      if (on_device) fsdp.set_offload_accumulate_on_device(!last);
       int64_t begin = (rank * kMicroBatches + m) * micro;
       torch::Tensor logits = model->forward(x.narrow(0, begin, micro));
       torch::Tensor loss =
@@ -92,6 +96,19 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
           kMicroBatches;
       loss.backward();
       loss_sum += loss.item<double>();
+      if (on_device && !last) {
+        // The sum waits on the device: nothing on the host yet, counted as device state.
+        ModelStateBytes mid = fsdp.model_state_bytes();
+        EXPECT_GT(mid.device, 0);
+        for (const auto& [name, shard] : fsdp.named_parameters()) {
+          const FsdpParam* p = fsdp.FindParam(name);
+          if (!p->requires_grad) continue;
+          EXPECT_FALSE(shard.grad().defined()) << name;
+          if (!c.no_sync && c.replicate == 1) {  // HSDP keeps its unreduced sum instead
+            EXPECT_TRUE(p->device_grad.defined()) << name;
+          }
+        }
+      }
     }
     if (offload != Offload::kNone) {
       // The gradients are the host buffers allocated at wrap time, not device tensors.
@@ -99,6 +116,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
         const FsdpParam* p = fsdp.FindParam(name);
         if (!p->requires_grad) continue;
         EXPECT_EQ(shard.grad().data_ptr(), p->host_grad.data_ptr()) << name;
+        EXPECT_FALSE(p->device_grad.defined()) << name;  // sent with the last micro-batch
       }
     }
     run.norms.push_back(fsdp.ClipGradNorm(0.5).item<double>());
@@ -121,6 +139,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
     }
   }
   if (offload == Offload::kParams) run.peak_loaded = fsdp.context().offload->peak_loaded_bytes();
+  if (offload != Offload::kNone) run.stats = fsdp.context().offload->stats();
   return run;
 }
 
@@ -162,8 +181,20 @@ void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
       RunResult base = Train(c, Offload::kNone, mesh, rank);
       RunResult opt = Train(c, Offload::kOptimizer, mesh, rank);
       RunResult params = Train(c, Offload::kParams, mesh, rank);
+      RunResult summed = Train(c, Offload::kOptimizer, mesh, rank, at::kCPU, /*on_device=*/true);
       ExpectSame(base, opt, c.Name() + " offload optimizer");
       ExpectSame(base, params, c.Name() + " offload params");
+      ExpectSame(base, summed, c.Name() + " offload optimizer, accumulating on the device");
+      // Accumulating on the device: one copy of each gradient shard per step, no host
+      // addition; on the host, a copy per micro-batch that reduces (no_sync: the last only)
+      // and an addition for each one after the first. HSDP sums its micro-batches on the
+      // device either way.
+      EXPECT_EQ(summed.stats.host_adds, 0);
+      const int reducing = c.no_sync || c.replicate > 1 ? 1 : kMicroBatches;
+      EXPECT_EQ(opt.stats.to_host_bytes, reducing * summed.stats.to_host_bytes);
+      EXPECT_EQ(opt.stats.host_adds > 0, reducing > 1);
+      EXPECT_EQ(summed.bytes.device, opt.bytes.device);  // nothing left on the device
+      EXPECT_GT(params.stats.to_device_bytes, opt.stats.to_device_bytes);
       // Model state on the device: shards and gradients; shards only; nothing between steps.
       EXPECT_EQ(base.bytes.host, 0);
       EXPECT_GT(base.bytes.device, 0);
@@ -235,7 +266,11 @@ TEST(OffloadCudaTest, EqualsTheRunWithoutOffloadOnTheGpu) {
         RunResult base = Train(c, Offload::kNone, mesh, rank, ctx->device());
         RunResult opt = Train(c, Offload::kOptimizer, mesh, rank, ctx->device());
         RunResult params = Train(c, Offload::kParams, mesh, rank, ctx->device());
+        RunResult summed = Train(c, Offload::kOptimizer, mesh, rank, ctx->device(),
+                                 /*on_device=*/true);
         const std::string name = StrCat(c.Name(), " world ", world);
+        ExpectClose(base, summed, name + " offload optimizer, accumulating on the device");
+        EXPECT_EQ(summed.stats.host_adds, 0) << name;
         ExpectClose(base, opt, name + " offload optimizer");
         ExpectClose(base, params, name + " offload params");
         EXPECT_EQ(base.bytes.host, 0) << name;
