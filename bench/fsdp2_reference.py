@@ -551,6 +551,7 @@ def train(args, spec, reference=False):
     single = mode in ONE_RANK_MODES and not reference
     t, o = spec["training"], spec["optimizer"]
     p = spec["parallelism"]
+    keep_between = not bool(p.get("reshard_between_micro_batches", True))
     cfg = Config(spec["model"])
     steps = int(t["steps"])
     ga = int(t["grad_accum_steps"])
@@ -716,6 +717,14 @@ def train(args, spec, reference=False):
         for m in range(ga):
             if hsdp:
                 model.set_requires_all_reduce(m == ga - 1)
+            if keep_between and not reference and not single:
+                # parallelism.reshard_between_micro_batches: false, as fsdp.cpp keeps them (Note
+                # [Keeping parameters across micro-batches]): no unit reshards after a forward,
+                # only the step's last backward reshards. Set before every forward: set once
+                # before the first, FSDP2's lazy initialisation left the blocks resharding after
+                # forward (seen here as two all-gathers per block and micro-batch, not one per step).
+                model.set_reshard_after_forward(False)
+                model.set_reshard_after_backward(m == ga - 1)
             x, y = (batches.get_global(step, m, device) if reference
                     else batches.get(step, m, rank, device))
             if ref_bf16:

@@ -56,4 +56,22 @@ print("test_fsdp2_reference: output schema ok")
 EOF
 
 "$python" "$script" --compare "$work/fsdp2/metrics.jsonl" "$work/reference/metrics.jsonl" --rtol "$rtol"
+
+# parallelism.reshard_between_micro_batches: false (fsdp.cpp's keep mode, mirrored with FSDP2's
+# set_reshard_after_forward / set_reshard_after_backward): the same losses, fewer bytes
+# gathered (one all-gather per unit and step instead of one per forward and backward).
+"$python" - "$work/inputs/spec.json" "$work/inputs/spec_keep.json" <<'EOF'
+import json, sys
+spec = json.load(open(sys.argv[1]))
+spec["parallelism"]["reshard_between_micro_batches"] = False
+json.dump(spec, open(sys.argv[2], "w"))
+EOF
+"${launch[@]}" "$script" --spec "$work/inputs/spec_keep.json" --out "$work/fsdp2_keep" >/dev/null
+"$python" "$script" --compare "$work/fsdp2_keep/metrics.jsonl" "$work/reference/metrics.jsonl" --rtol "$rtol"
+"$python" - "$work/fsdp2/metrics.jsonl" "$work/fsdp2_keep/metrics.jsonl" <<'EOF'
+import json, sys
+each, keep = ([json.loads(l)["comm_bytes"] for l in open(f)] for f in sys.argv[1:])
+assert all(k < e for k, e in zip(keep, each)), f"comm bytes per step: keep {keep}, each micro-batch {each}"
+print(f"test_fsdp2_reference: keeping the parameters gathers {keep[-1]} bytes per step, not {each[-1]}")
+EOF
 echo "test_fsdp2_reference: PASS"
