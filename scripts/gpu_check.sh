@@ -52,34 +52,39 @@ steps="${GPU_CHECK_STEPS:-20}"
 # (GPU_CHECK_STAGES=skipped) and its table shows both calls' runs.
 stage_order=(
   gpu_tests           # ctest -L gpu: the CUDA kernels, NCCL, parity and staging on the GPU
+  sanitizer           # compute-sanitizer memcheck on the CUDA kernels' tests
   compare_2x4         # issue 13: fsdp.cpp vs FSDP2, eager, torch.compile, unwrapped (MFU, ratios)
-  base_8x1            # issue 14's AC baseline, and issue 13's 8 x 1 row
-  ac_full_8x1         # issue 14: full AC, peak <= 45% at <= 1.38x
-  ac_selective_8x1    # issue 14: selective AC, <= 70% at <= 1.15x
+  kernels             # issue 13: each fused kernel against its composite, with its GB/s
   fsdp_2x4            # issue 14's offload baseline
   offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
-  ckpt_125m           # issue 15: the async save's blocked time, <= 100 ms
+  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
+  ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
+  offload_optimizer_2x4
+  compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
+  profile_2x4         # issue 13: the per-kernel-class profile
   keep_2x4            # issue 13: the wrapper's overhead <= 3% (against unwrapped_2x4)
   unwrapped_2x4
-  kernels             # issue 13: each fused kernel against its composite
-  profile_2x4         # issue 13: the per-kernel-class profile
-  offload_optimizer_2x4
+  base_8x1            # issue 14's AC baseline, and issue 13's 8 x 1 row
+  ac_full_8x1         # issue 14: full AC
+  ac_selective_8x1    # issue 14: selective AC
   deterministic_2x4   # issue 15: the cost of training.deterministic
   composite_2x4
   per_tensor_2x4
-  sanitizer           # compute-sanitizer memcheck on the CUDA kernels' tests
-  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
 )
+# Seconds, from the stages' times on an H200 on 2026-11-26 (20 steps each; the build took 123 s),
+# rounded up. The order: what the next GPU session most needs (stop 28 rewrote the kernels and
+# the offload path; the AC, overhead and deterministic rows were measured then).
 declare -A estimate=(
-  [gpu_tests]=90 [compare_2x4]=220 [base_8x1]=40 [ac_full_8x1]=45 [ac_selective_8x1]=45
-  [fsdp_2x4]=40 [offload_params_2x4]=60 [ckpt_125m]=60 [keep_2x4]=40 [unwrapped_2x4]=40
-  [kernels]=45 [profile_2x4]=45 [offload_optimizer_2x4]=60 [deterministic_2x4]=40
-  [composite_2x4]=40 [per_tensor_2x4]=40 [sanitizer]=60 [big_1gpu]=240
+  [gpu_tests]=90 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
+  [offload_params_2x4]=60 [big_1gpu]=240 [ckpt_125m]=35 [offload_optimizer_2x4]=50
+  [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
+  [ac_full_8x1]=25 [ac_selective_8x1]=25 [deterministic_2x4]=25 [composite_2x4]=25
+  [per_tensor_2x4]=25
 )
 case "$part" in
   all) wanted=("${stage_order[@]}") ;;
-  speed) wanted=(gpu_tests compare_2x4 base_8x1 ckpt_125m keep_2x4 unwrapped_2x4 fsdp_2x4 kernels
-                 profile_2x4 composite_2x4 per_tensor_2x4 sanitizer) ;;
+  speed) wanted=(gpu_tests sanitizer compare_2x4 kernels ckpt_125m compare_keep_2x4 profile_2x4
+                 keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 fsdp_2x4 offload_params_2x4
                  offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
@@ -235,9 +240,8 @@ fi
 
 # ---- llama_1b on one GPU ------------------------------------------------------------------------
 bin="$build/bin/fsdp"
-run() {  # run NAME ARGS...: stage NAME, one fsdp train on one rank, output in $out/NAME.log and $out/NAME/
+run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log and $out/NAME/
   local name=$1; shift
-  stage "$name" || return 0
   rm -rf "${out:?}/$name"  # a rerun replaces the earlier call's run, never appends to it
   bounded "$bin" train "$config" --quiet --set run.dir="$out/$name" --set parallelism.nproc=1 \
     --set training.steps="$steps" --set training.log_interval="$steps" \
@@ -260,27 +264,42 @@ plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"
 [ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
 
+# One function per stage after gpu_tests, run in stage_order (Note [Stages in one call]).
 # fsdp.cpp (fused kernels on CUDA), FSDP2 as users run it, eager, torch.compile and the
 # unwrapped model, same weights and batches (bench compare's reference modes).
-if stage compare_2x4; then
+stage_compare_2x4() {
   bounded "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
     --reference fsdp2,eager,compile --unwrapped --no-plot --out "$out/compare" \
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare.log" 2>&1 ||
     log "bench compare failed (see $out/compare.log)"
-fi
+}
+# Issue 13, like for like: fsdp.cpp and FSDP2 both keeping the parameters across micro-batches
+# (parallelism.reshard_between_micro_batches=false; FSDP2's set_reshard_after_forward /
+# set_reshard_after_backward), with the unwrapped model for the overhead in the same run.
+stage_compare_keep_2x4() {
+  bounded "$bin" bench compare "$config" --nproc 1 --steps "$steps" --warmup 5 --repeats 1 \
+    --reference fsdp2 --unwrapped --no-plot --out "$out/compare_keep" \
+    --set parallelism.reshard_between_micro_batches=false \
+    "${accum2x4[@]}" "${kernels[@]}" >"$out/compare_keep.log" 2>&1 ||
+    log "bench compare (keep) failed (see $out/compare_keep.log)"
+}
 # Issue 14: activation checkpointing at micro-batch 8 (its targets are against base_8x1), and
 # offload at 2 x 4 (against fsdp_2x4).
-run base_8x1 "${mb8[@]}"
-run ac_full_8x1 "${mb8[@]}" --set training.activation_checkpointing=full
-run ac_selective_8x1 "${mb8[@]}" --set training.activation_checkpointing=selective
-run fsdp_2x4 "${accum2x4[@]}"
-run offload_params_2x4 "${accum2x4[@]}" --set parallelism.offload=params
-
+stage_base_8x1() { run base_8x1 "${mb8[@]}"; }
+stage_ac_full_8x1() { run ac_full_8x1 "${mb8[@]}" --set training.activation_checkpointing=full; }
+stage_ac_selective_8x1() {
+  run ac_selective_8x1 "${mb8[@]}" --set training.activation_checkpointing=selective
+}
+stage_fsdp_2x4() { run fsdp_2x4 "${accum2x4[@]}"; }
+stage_offload_params_2x4() { run offload_params_2x4 "${accum2x4[@]}" --set parallelism.offload=params; }
+stage_offload_optimizer_2x4() {
+  run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
+}
 # ---- issue 15: the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
 # [Checkpoint staging]). Each save line says the loop's blocked ms, how much of it waited for the
 # previous save, and any staging a save allocated (the trainer reserves it at start-up, in a line
-# of its own); the target is <= 100 ms per save.
-if stage ckpt_125m; then
+# of its own); the target is <= 100 ms per save, and the commit within 2x the disk's write time.
+stage_ckpt_125m() {
   rm -rf "${out:?}/ckpt_125m"
   bounded "$bin" train "$ckpt_config" --set run.dir="$out/ckpt_125m" --set training.steps=60 \
     --set training.log_interval=10 --set training.eval_interval=0 --set metrics.progress_bar=off \
@@ -288,39 +307,64 @@ if stage ckpt_125m; then
     "${kernels[@]}" \
     >"$out/ckpt_125m.log" 2>&1 || log "ckpt_125m failed (see $out/ckpt_125m.log)"
   grep -E "^(\[rank0\]: )?checkpoint: (step|[0-9])" "$out/ckpt_125m.log" >&2  # rank 0 prefixed when several
+  # The yardstick: the same bytes written to the same disk, with one fsync at the end.
+  local last mib t0 t1
+  last=$(ls -d "$out"/ckpt_125m/checkpoints/step_* 2>/dev/null | tail -1)
+  if [ -n "$last" ]; then
+    mib=$(( $(du -sb "$last" | cut -f1) >> 20 ))
+    t0=$(date +%s.%N)
+    dd if=/dev/zero of="$out/ckpt_125m/disk_probe" bs=1M count="$mib" conv=fsync status=none
+    t1=$(date +%s.%N)
+    rm -f "$out/ckpt_125m/disk_probe"
+    echo "$mib $t0 $t1" | awk '{printf "disk: %d MiB (a checkpoint'"'"'s size) written with one fsync in %.2f s (%.0f MiB/s)\n", $1, $3 - $2, $1 / ($3 - $2)}' |
+      tee "$out/ckpt_disk.txt" >&2
+  fi
   rm -rf "$out/ckpt_125m/checkpoints"  # 1.5 GB each: the log has what was measured
-fi
+}
 # The wrapper's overhead with the parameters kept across micro-batches (issue 13's <= 3%).
-run keep_2x4 "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
-run unwrapped_2x4 "${accum2x4[@]}" --set parallelism.strategy=none
-
-# ---- each fused kernel against its composite reference at llama_1b's shapes ------------------
-if stage kernels; then
+stage_keep_2x4() {
+  run keep_2x4 "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
+}
+stage_unwrapped_2x4() { run unwrapped_2x4 "${accum2x4[@]}" --set parallelism.strategy=none; }
+# Each fused kernel against its composite reference at llama_1b's shapes.
+stage_kernels() {
   bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
     --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
-fi
-run profile_2x4 "${accum2x4[@]}" --set training.steps=8 --set training.profile=5:2
-run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
-run deterministic_2x4 "${accum2x4[@]}" --set training.deterministic=true
-run composite_2x4 "${accum2x4[@]}" --set model.kernels=composite
-run per_tensor_2x4 "${accum2x4[@]}" --set optimizer.implementation=per_tensor
+}
+stage_profile_2x4() {
+  run profile_2x4 "${accum2x4[@]}" --set training.steps=8 --set training.profile=5:2
+}
+stage_deterministic_2x4() {
+  run deterministic_2x4 "${accum2x4[@]}" --set training.deterministic=true
+}
+stage_composite_2x4() { run composite_2x4 "${accum2x4[@]}" --set model.kernels=composite; }
+stage_per_tensor_2x4() {
+  run per_tensor_2x4 "${accum2x4[@]}" --set optimizer.implementation=per_tensor
+}
 # The CUDA kernels under compute-sanitizer (out-of-bounds and race checks).
-if [ -n "${selected[sanitizer]:-}" ] && ! command -v compute-sanitizer >/dev/null; then
-  log "skipped sanitizer: no compute-sanitizer on the PATH"
-elif stage sanitizer; then
+stage_sanitizer() {
   bounded compute-sanitizer --tool memcheck --error-exitcode 9 "$build/bin/fsdp_kernels_tests" \
     --gtest_filter='*Cuda*' >"$out/sanitizer.log" 2>&1
   log "compute-sanitizer memcheck: exit $? (see $out/sanitizer.log)"
-fi
+}
 # The largest Llama 3 shape on one GPU, beside its plan: deferred init of 5.4B parameters on
 # the host and their pinning take minutes by themselves.
-if stage big_1gpu; then
+stage_big_1gpu() {
   rm -rf "${out:?}/big_1gpu"
   bounded "$bin" train "$big_config" --quiet --set run.dir="$out/big_1gpu" --set parallelism.nproc=1 \
     --set training.steps=6 --set training.log_interval=6 --set training.eval_interval=0 \
     --set metrics.progress_bar=off --set checkpoint.enabled=false "${kernels[@]}" "${big[@]}" \
     >"$out/big_1gpu.log" 2>&1 || log "big_1gpu failed (see $out/big_1gpu.log)"
-fi
+}
+for name in "${stage_order[@]}"; do
+  [ "$name" = gpu_tests ] && continue  # above: its result decides model.kernels
+  if [ "$name" = sanitizer ] && [ -n "${selected[sanitizer]:-}" ] &&
+      ! command -v compute-sanitizer >/dev/null; then
+    log "skipped sanitizer: no compute-sanitizer on the PATH"
+    continue
+  fi
+  stage "$name" && "stage_$name"
+done
 
 [ ${#kernels[@]} -gt 0 ] && log "the runs used ${kernels[*]}"
 # ---- one table --------------------------------------------------------------------------------
@@ -391,21 +435,26 @@ for name, (plan, ckpt, offload) in predicted.items():
 for name in ("fsdp_2x4", "keep_2x4"):  # the overhead target (<= 3%) is read from keep_2x4
     if name in medians and "unwrapped_2x4" in medians:
         print(f"{name} over unwrapped_2x4: {100 * (medians[name] / medians['unwrapped_2x4'] - 1):+.2f}%")
-compare = os.path.join(out, "compare", "compare.json")
-if os.path.exists(compare):
+for folder, label in (("compare", "bench"), ("compare_keep", "keep")):
+    compare = os.path.join(out, folder, "compare.json")
+    if not os.path.exists(compare):
+        continue
     c = json.load(open(compare))
     for engine, e in c.get("engines", {}).items():
-        print(f"{'bench ' + engine:<18} {1000 * e.get('median_step_s', float('nan')):>15.1f} "
+        print(f"{label + ' ' + engine:<18} {1000 * e.get('median_step_s', float('nan')):>15.1f} "
               f"{100 * (e.get('mfu') or float('nan')):>7.1f}% "
               f"{e.get('peak_memory_bytes', 0) / 2**30:>9.1f}")
     for mode, v in c.get("references", {}).items():
-        print(f"fsdp.cpp / {mode}: step time {v.get('step_time_ratio', float('nan')):.3f}x, "
+        print(f"{label}: fsdp.cpp / {mode}: step time {v.get('step_time_ratio', float('nan')):.3f}x, "
               f"memory {v.get('memory_ratio', float('nan')):.3f}x, losses {v.get('loss_check')}")
     v = c.get("vs_unwrapped", {}).get("fsdp.cpp")
     if v:
-        print(f"fsdp.cpp wrapper overhead over the unwrapped model: {100 * v['overhead']:+.2f}%")
+        print(f"{label}: fsdp.cpp wrapper overhead over the unwrapped model: {100 * v['overhead']:+.2f}%")
     for mode, v in c.get("vs_eager", {}).items():
-        print(f"{mode} wrapper overhead over eager PyTorch: {100 * v['overhead']:+.2f}%")
+        print(f"{label}: {mode} wrapper overhead over eager PyTorch: {100 * v['overhead']:+.2f}%")
+disk = os.path.join(out, "ckpt_disk.txt")
+if os.path.exists(disk):
+    print(open(disk).read().rstrip())
 kernels = os.path.join(out, "kernels.log")
 if os.path.exists(kernels):
     print(open(kernels).read().rstrip())
