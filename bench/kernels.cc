@@ -41,6 +41,10 @@ struct KernelCase {
   std::string shape;  // for the table, e.g. "4096 x 2 x 5632 bf16"
   std::function<void()> composite;
   std::function<void()> fused;
+  // The DRAM bytes the fused kernels must move, forward + backward, from the shapes: each
+  // input read once, each output written once (the weight and per-row statistics left out);
+  // 0 where the case is not bandwidth-bound (the LM head's matmuls).
+  double fused_bytes = 0;
 };
 
 void Synchronize(c10::Device device) {
@@ -139,6 +143,7 @@ std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType
                               c10::Device device) {
   auto opts = at::TensorOptions().dtype(dtype).device(device);
   const std::string dt = DtypeName(dtype);
+  const double es = at::elementSize(dtype);
   const double eps = m.norm_eps;
   std::vector<KernelCase> cases;
   if (m.norm == NormKind::kRmsNorm) {
@@ -147,7 +152,9 @@ std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType
     cases.push_back(
         {"rms_norm", fmt::format("{} x {} {}", tokens, m.dim, dt),
          FwdBwd({x, w}, [eps](const auto& v) { return Outputs{kernels::RmsNormComposite(v[0], v[1], eps)}; }),
-         FwdBwd({x, w}, [eps](const auto& v) { return Outputs{kernels::RmsNorm(v[0], v[1], eps)}; })});
+         FwdBwd({x, w}, [eps](const auto& v) { return Outputs{kernels::RmsNorm(v[0], v[1], eps)}; }),
+         // forward x -> y, backward x, dy -> dx
+         5.0 * tokens * m.dim * es});
     cases.push_back(
         {"add_rms_norm", fmt::format("{} x {} {}", tokens, m.dim, dt),
          FwdBwd({x, r, w}, [eps](const auto& v) {
@@ -157,7 +164,9 @@ std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType
          FwdBwd({x, r, w}, [eps](const auto& v) {
            auto [h, y] = kernels::AddRmsNorm(v[0], v[1], v[2], eps);
            return Outputs{h, y};
-         })});
+         }),
+         // forward x, residual -> h, y; backward h, dy, dh -> dx (also the residual's)
+         8.0 * tokens * m.dim * es});
   }
   if (HasRopeCase(m)) {
     const int64_t seq = m.seq_len, batch = tokens / seq;  // a multiple: see RunKernels
@@ -178,13 +187,17 @@ std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType
            at::Tensor q2 = v[0].clone(), k2 = v[1].clone();
            kernels::RopeInPlace(q2, k2, cos, sin);
            return Outputs{q2, k2};
-         })});
+         }),
+         // q and k read and written, forward and backward (the tables stay in L2)
+         4.0 * batch * seq * (m.n_heads + m.kv_heads()) * hd * es});
   }
   if (m.activation == Activation::kSwiglu) {
     at::Tensor gate = at::randn({tokens, m.ffn()}, opts), up = at::randn({tokens, m.ffn()}, opts);
     cases.push_back({"swiglu", fmt::format("{} x {} {}", tokens, m.ffn(), dt),
                      FwdBwd({gate, up}, [](const auto& v) { return Outputs{kernels::SwiGluComposite(v[0], v[1])}; }),
-                     FwdBwd({gate, up}, [](const auto& v) { return Outputs{kernels::SwiGlu(v[0], v[1])}; })});
+                     FwdBwd({gate, up}, [](const auto& v) { return Outputs{kernels::SwiGlu(v[0], v[1])}; }),
+                     // forward gate, up -> out; backward gate, up, dout -> dgate, dup
+                     8.0 * tokens * m.ffn() * es});
   }
   {
     at::Tensor h = at::randn({tokens, m.dim}, opts);
@@ -264,11 +277,15 @@ int RunKernels(const KernelsOptions& options) {
   }
   std::cout << fmt::format(
       "fsdp bench kernels: {} ({}), {} tokens, {} on {}; forward + backward, median of {} after "
-      "{} warm-up; MiB: the allocator's peak beyond the inputs (CUDA)\n",
+      "{} warm-up; MiB: the allocator's peak beyond the inputs (CUDA); fused GB/s: the bytes the "
+      "fused kernels must move (each input read and each output written once, forward + "
+      "backward, from the shapes) / fused ms, a lower bound on their bandwidth (the time also "
+      "holds autograd and the upstream gradients' fill)\n",
       config->run.name, m.arch, tokens, DtypeName(dtype), device.str(), options.repeats,
       options.warmup);
-  std::cout << fmt::format("{:<24} {:<40} {:>13} {:>9} {:>7} {:>15} {:>11}\n", "kernel",
-                           "shape", "composite ms", "fused ms", "ratio", "composite MiB", "fused MiB");
+  std::cout << fmt::format("{:<24} {:<40} {:>13} {:>9} {:>7} {:>15} {:>11} {:>11} {:>11}\n",
+                           "kernel", "shape", "composite ms", "fused ms", "ratio",
+                           "composite MiB", "fused MiB", "fused MB", "fused GB/s");
   nlohmann::json report = {{"config", options.config_path}, {"device", device.str()},
                            {"tokens", tokens}, {"dtype", DtypeName(dtype)},
                            {"kernels", nlohmann::json::array()}};
@@ -288,14 +305,23 @@ int RunKernels(const KernelsOptions& options) {
     auto mib = [](int64_t b) {
       return b < 0 ? std::string("n/a") : fmt::format("{:.1f}", b / 1048576.0);
     };
-    std::cout << fmt::format("{:<24} {:<40} {:>13.3f} {:>9.3f} {:>6.2f}x {:>15} {:>11}\n",
+    // GB/s = bytes / (ms * 1e6).
+    const double gbps = c.fused_bytes > 0 && fused > 0 ? c.fused_bytes / (fused * 1e6) : 0;
+    auto or_na = [](double v, const char* spec) {
+      return v > 0 ? fmt::format(fmt::runtime(spec), v) : std::string("n/a");
+    };
+    std::cout << fmt::format("{:<24} {:<40} {:>13.3f} {:>9.3f} {:>6.2f}x {:>15} {:>11} {:>11} "
+                             "{:>11}\n",
                              c.name, c.shape, composite, fused, fused / composite,
-                             mib(composite_bytes), mib(fused_bytes));
+                             mib(composite_bytes), mib(fused_bytes),
+                             or_na(c.fused_bytes / 1e6, "{:.1f}"), or_na(gbps, "{:.0f}"));
     report["kernels"].push_back({{"name", c.name}, {"shape", c.shape},
                                  {"composite_ms", composite}, {"fused_ms", fused},
                                  {"ratio", fused / composite},
                                  {"composite_peak_bytes", composite_bytes},
-                                 {"fused_peak_bytes", fused_bytes}});
+                                 {"fused_peak_bytes", fused_bytes},
+                                 {"fused_moved_bytes", c.fused_bytes},
+                                 {"fused_gbps", gbps}});
   }
   if (!options.out.empty()) {
     std::ofstream out(options.out);

@@ -5,6 +5,7 @@
 // against the CPU reference.
 #include "kernels/rms_norm.h"
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -154,31 +155,67 @@ TEST(KernelsRmsNormTest, CudaWithinOneRoundingOfBf16Composite) {
   CheckAgainstCompositeInDtype(c10::Device(c10::kCUDA, 0));
 }
 
+// A contiguous copy of `t` on `device` that starts one element past an aligned address (a view
+// into a larger buffer): the CUDA kernels must take their element-wise path for it.
+at::Tensor Misaligned(const at::Tensor& t, c10::Device device) {
+  at::Tensor buffer = at::empty({t.numel() + 1}, t.options().device(device));
+  return buffer.narrow(0, 1, t.numel()).view(t.sizes()).copy_(t);
+}
+
 // The two implementations agree closely on the same inputs, including sizes that take the
-// CUDA kernels' other paths: rows past the 65535 of a grid's y (and many rows per backward
-// block), and a row too long for the weight gradient's partial row in shared memory.
+// CUDA kernels' other paths (Note [RMSNorm kernel layout]): rows far past the number of blocks
+// (and many rows per backward block), a single row, rows of one 16-byte pack, the longest row
+// held in registers (8192 bf16) and longer ones (16-byte packs, or single elements, read
+// twice), columns that are not a multiple of the vector width, fp16, and (misaligned) operands
+// that start one element past a 16-byte boundary.
 TEST(KernelsRmsNormTest, CudaMatchesCpuReference) {
   FSDP_SKIP_WITHOUT_GPU();
   c10::Device cuda(c10::kCUDA, 0);
   std::vector<Case> cases = {{{70001, 8}, at::kFloat, at::kFloat, 1e-5, 1e-5},
                              {{17, 13000}, at::kFloat, at::kFloat, 1e-5, 1e-5},
                              {{4096, 2048}, at::kBFloat16, at::kBFloat16, 1e-2, 1e-2},
-                             {{33, 4099}, at::kBFloat16, at::kFloat, 1e-2, 1e-2}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.Name());
-    Inputs in = MakeInputs(c, c10::kCPU);
-    std::vector<at::Tensor> results;
-    for (c10::Device device : {c10::Device(c10::kCPU), cuda}) {
-      at::Tensor x = Leaf(in.x.to(device), c.dtype), r = Leaf(in.residual.to(device), c.dtype);
-      at::Tensor w = Leaf(in.weight.to(device), c.weight_dtype);
-      auto [h, y] = AddRmsNorm(x, r, w, kEps);
-      torch::autograd::backward({h, y}, {in.dh.to(device), in.dy.to(device)});
-      for (const at::Tensor& t : {h, y, x.grad(), w.grad()}) results.push_back(t.detach().cpu());
-    }
-    const char* names[] = {"h", "y", "grad of x", "grad of weight"};
-    for (int i = 0; i < 4; ++i) {
-      double atol = i == 3 ? WeightAtol(c, results[i]) : c.atol;
-      EXPECT_TRUE(AllClose(results[4 + i], results[i], c.rtol, atol, names[i]));
+                             {{33, 4099}, at::kBFloat16, at::kFloat, 1e-2, 1e-2},
+                             {{1, 2048}, at::kBFloat16, at::kFloat, 1e-2, 1e-2},
+                             {{5, 4}, at::kFloat, at::kFloat, 1e-5, 1e-5},
+                             {{300, 8}, at::kBFloat16, at::kBFloat16, 1e-2, 1e-2},
+                             {{3, 8192}, at::kBFloat16, at::kFloat, 1e-2, 1e-2},
+                             {{5, 8200}, at::kBFloat16, at::kBFloat16, 1e-2, 1e-2},
+                             {{4, 2051}, at::kHalf, at::kFloat, 1e-2, 1e-2},
+                             {{9, 2056}, at::kHalf, at::kHalf, 1e-2, 1e-2},
+                             {{65, 4096}, at::kBFloat16, at::kFloat, 1e-2, 1e-2}};
+  for (bool misaligned : {false, true}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.Name() + (misaligned ? ", misaligned" : ""));
+      Inputs in = MakeInputs(c, c10::kCPU);
+      std::vector<at::Tensor> results;
+      for (c10::Device device : {c10::Device(c10::kCPU), cuda}) {
+        auto place = [&](const at::Tensor& t, at::ScalarType dtype) {
+          at::Tensor v = t.to(dtype);  // a fresh leaf on `device` each call
+          return misaligned && device.is_cuda() ? Misaligned(v, device) : v.to(device).clone();
+        };
+        at::Tensor x = place(in.x, c.dtype).requires_grad_(true);
+        at::Tensor r = place(in.residual, c.dtype).requires_grad_(true);
+        at::Tensor w = place(in.weight, c.weight_dtype).requires_grad_(true);
+        if (misaligned && device.is_cuda()) {
+          ASSERT_NE(reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16, 0u);
+          ASSERT_TRUE(x.is_contiguous());  // so that the kernel gets this pointer
+        }
+        auto [h, y] = AddRmsNorm(x, r, w, kEps);
+        at::Tensor dh = place(in.dh, c.dtype), dy = place(in.dy, c.dtype);
+        torch::autograd::backward({h, y}, {dh, dy});
+        for (const at::Tensor& t : {h, y, x.grad(), w.grad()}) results.push_back(t.detach().cpu());
+        // RmsNorm without the residual, on the same operands.
+        at::Tensor x2 = place(in.x, c.dtype).requires_grad_(true);
+        at::Tensor y2 = RmsNorm(x2, w.detach(), kEps);
+        y2.backward(dy);
+        for (const at::Tensor& t : {y2, x2.grad()}) results.push_back(t.detach().cpu());
+      }
+      const char* names[] = {"h", "y", "grad of x", "grad of weight", "plain: y",
+                             "plain: grad of x"};
+      for (int i = 0; i < 6; ++i) {
+        double atol = i == 3 ? WeightAtol(c, results[i]) : c.atol;
+        EXPECT_TRUE(AllClose(results[6 + i], results[i], c.rtol, atol, names[i]));
+      }
     }
   }
 }

@@ -6,6 +6,8 @@
 #include "kernels/rope.h"
 
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -233,6 +235,70 @@ TEST(KernelsRopeTest, CudaStridedOperandsMatchComposite) {
     for (Form form : {Form::kInPlace, Form::kOutOfPlace}) {
       CheckStridedOperands(dtype, form, c10::Device(c10::kCUDA, 0));
     }
+  }
+}
+
+// Layouts that decide the CUDA kernel's unit (Note [RoPE kernel layout]): q and k 16-byte
+// aligned (8 bf16 or 4 fp32 elements per access), q two elements past a 16-byte boundary in
+// its projection (pair accesses), cos and sin tables one float past a 16-byte boundary (pair
+// accesses), head_dim 12 in bf16 (not a multiple of 8) and many tokens. Forward and inverse
+// (the backward), out of place, against the composite in fp32 on the same values.
+TEST(KernelsRopeTest, CudaUnitsMatchComposite) {
+  FSDP_SKIP_WITHOUT_GPU();
+  c10::Device cuda(c10::kCUDA, 0);
+  struct UnitCase {
+    int64_t batch, seq, heads, kv_heads, head_dim;
+    at::ScalarType dtype;
+    int64_t q_offset;     // elements before q in its projection row
+    bool table_offset;    // cos and sin one float past a 16-byte boundary
+  };
+  const std::vector<UnitCase> cases = {{2, 33, 16, 16, 128, at::kBFloat16, 0, false},
+                                       {2, 33, 16, 16, 128, at::kBFloat16, 2, false},
+                                       {2, 33, 16, 16, 128, at::kBFloat16, 0, true},
+                                       {1, 17, 5, 3, 12, at::kFloat, 0, false},
+                                       {1, 17, 5, 3, 12, at::kBFloat16, 0, false},
+                                       {2, 9, 32, 8, 64, at::kHalf, 0, false},
+                                       {4, 1025, 2, 1, 16, at::kBFloat16, 0, false}};
+  for (const UnitCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.dtype << " head_dim " << c.head_dim << " heads "
+                                      << c.heads << "/" << c.kv_heads << " q offset "
+                                      << c.q_offset << (c.table_offset ? " table offset" : ""));
+    torch::manual_seed(29);
+    const int64_t q_width = c.heads * c.head_dim, kv_width = c.kv_heads * c.head_dim;
+    const int64_t width = c.q_offset + q_width + kv_width;
+    auto [cos0, sin0] = Tables(c.seq, c.head_dim, cuda);
+    at::Tensor cos = cos0, sin = sin0;
+    if (c.table_offset) {
+      auto shifted = [&](const at::Tensor& t) {
+        at::Tensor buffer = at::empty({t.numel() + 1}, t.options());
+        return buffer.narrow(0, 1, t.numel()).view(t.sizes()).copy_(t);
+      };
+      cos = shifted(cos0);
+      sin = shifted(sin0);
+      ASSERT_NE(reinterpret_cast<uintptr_t>(cos.const_data_ptr()) % 16, 0u);
+    }
+    at::Tensor p0 = torch::randn({c.batch, c.seq, width}).to(cuda, c.dtype);
+    at::Tensor dq = torch::randn({c.batch, c.seq, c.heads, c.head_dim}).to(cuda, c.dtype);
+    at::Tensor dk = torch::randn({c.batch, c.seq, c.kv_heads, c.head_dim}).to(cuda, c.dtype);
+    auto views = [&](const at::Tensor& p) {
+      return std::pair{
+          p.narrow(-1, c.q_offset, q_width).view({c.batch, c.seq, c.heads, c.head_dim}),
+          p.narrow(-1, c.q_offset + q_width, kv_width)
+              .view({c.batch, c.seq, c.kv_heads, c.head_dim})};
+    };
+    at::Tensor p = p0.clone().requires_grad_(true);
+    auto [q, k] = views(p);
+    auto [q_rot, k_rot] = Rope(q, k, cos, sin);
+    torch::autograd::backward({q_rot, k_rot}, {dq, dk});
+    at::Tensor p_ref = p0.to(at::kFloat).requires_grad_(true);
+    auto [q_ref, k_ref] = views(p_ref);
+    at::Tensor q_ref_rot = RopeComposite(q_ref, cos0, sin0);
+    at::Tensor k_ref_rot = RopeComposite(k_ref, cos0, sin0);
+    torch::autograd::backward({q_ref_rot, k_ref_rot}, {dq.to(at::kFloat), dk.to(at::kFloat)});
+    const double tol = c.dtype == at::kFloat ? 1e-6 : 1e-2;
+    EXPECT_TRUE(AllClose(q_rot, q_ref_rot, tol, tol, "rotated q"));
+    EXPECT_TRUE(AllClose(k_rot, k_ref_rot, tol, tol, "rotated k"));
+    EXPECT_TRUE(AllClose(p.grad(), p_ref.grad(), tol, tol, "grad of the projection"));
   }
 }
 

@@ -2,6 +2,9 @@
 // sizes that are not multiples of any block size. CPU reference always; CUDA kernel with a GPU.
 #include "kernels/swiglu.h"
 
+#include <cstdint>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -115,6 +118,55 @@ TEST(KernelsSwiGluTest, CudaNonContiguousInputsAndGradients) {
   FSDP_SKIP_WITHOUT_GPU();
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     CheckNonContiguous(dtype, c10::Device(c10::kCUDA, 0));
+  }
+}
+
+// The CUDA kernels' other paths against the CPU reference on the same values (Note [SwiGLU
+// kernel layout]): rows past the 65535 of a grid's y (blocks stride over rows), the llama_1b
+// width (5632: 704 packs of 8, three blocks of a row), a width that is a multiple of the fp32
+// but not of the bf16 vector, and gate_up / the upstream gradient as contiguous views one
+// element past a 16-byte boundary (the element path).
+TEST(KernelsSwiGluTest, CudaMatchesCpuReferenceOnEveryPath) {
+  FSDP_SKIP_WITHOUT_GPU();
+  c10::Device cuda(c10::kCUDA, 0);
+  struct PathCase {
+    int64_t rows, cols;
+    at::ScalarType dtype;
+    bool misaligned;
+  };
+  const std::vector<PathCase> cases = {{70001, 8, at::kBFloat16, false},
+                                       {3, 5632, at::kBFloat16, false},
+                                       {2, 4100, at::kFloat, false},
+                                       {2, 4100, at::kBFloat16, false},
+                                       {5, 2056, at::kHalf, false},
+                                       {1, 8, at::kFloat, false},
+                                       {7, 5632, at::kBFloat16, true},
+                                       {7, 64, at::kFloat, true}};
+  for (const PathCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.rows << " x " << c.cols << " " << c.dtype
+                                      << (c.misaligned ? " misaligned" : ""));
+    torch::manual_seed(23);
+    at::Tensor x = (torch::randn({c.rows, 2 * c.cols}) * 3).to(c.dtype);
+    at::Tensor dy = torch::randn({c.rows, c.cols}).to(c.dtype);
+    std::vector<at::Tensor> results;
+    for (c10::Device device : {c10::Device(c10::kCPU), cuda}) {
+      auto place = [&](const at::Tensor& t) {
+        if (!(c.misaligned && device.is_cuda())) return t.to(device).clone();
+        at::Tensor buffer = at::empty({t.numel() + 1}, t.options().device(device));
+        return buffer.narrow(0, 1, t.numel()).view(t.sizes()).copy_(t);
+      };
+      at::Tensor in = place(x).requires_grad_(true);
+      if (c.misaligned && device.is_cuda()) {
+        ASSERT_NE(reinterpret_cast<uintptr_t>(in.const_data_ptr()) % 16, 0u);
+      }
+      at::Tensor y = SwiGlu(in);
+      y.backward(place(dy));
+      results.push_back(y.detach().cpu());
+      results.push_back(in.grad().cpu());
+    }
+    const double tol = c.dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_TRUE(AllClose(results[2], results[0], tol, tol, "forward"));
+    EXPECT_TRUE(AllClose(results[3], results[1], tol, tol, "grad of gate_up"));
   }
 }
 

@@ -31,6 +31,72 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
 template <>
 __device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half(x); }
 
+// Note [Vector accesses]
+// Bandwidth-bound kernels move 16 bytes per load or store (4 floats, 8 bf16/fp16) where every
+// address they touch is 16-byte aligned: the launcher checks the actual data pointers (operands
+// may be views into a fused projection at an element offset) and that each row's length and
+// stride are multiples of the vector width, and otherwise launches the same kernel with a width
+// of 1 (or 2, RoPE's pairs). Pack<T, kWidth> is one such access: kWidth elements, aligned to
+// their size. Under the CPU emulator (tests/cuda_emulation) every reinterpret_cast is checked
+// for alignment, so a wrong launcher check fails the emulated tests as a GPU would fault.
+
+// 16 bytes: 4 floats or 8 bf16/fp16.
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// kWidth consecutive elements, loaded or stored as one access (kWidth * sizeof(T) <= 16).
+template <typename T, int kWidth>
+struct alignas(kWidth * sizeof(T)) Pack {
+  static_assert(kWidth * sizeof(T) <= 16, "one access moves at most 16 bytes");
+  T v[kWidth];
+};
+
+template <int kWidth, typename T>
+__device__ __forceinline__ Pack<T, kWidth> LoadPack(const T* p) {
+  return *reinterpret_cast<const Pack<T, kWidth>*>(p);
+}
+
+template <int kWidth, typename T>
+__device__ __forceinline__ void StorePack(T* p, const Pack<T, kWidth>& pack) {
+  *reinterpret_cast<Pack<T, kWidth>*>(p) = pack;
+}
+
+// kWidth elements at p as floats, in accesses of at most 16 bytes (two for 8 floats); p must
+// be aligned to min(kWidth * sizeof(T), 16) bytes.
+template <int kWidth, typename T>
+__device__ __forceinline__ void LoadFloats(const T* p, float (&out)[kWidth]) {
+  constexpr int kChunk = kWidth < Vec16<T>::kSize ? kWidth : Vec16<T>::kSize;
+  static_assert(kWidth % kChunk == 0, "whole accesses");
+#pragma unroll
+  for (int i = 0; i < kWidth / kChunk; ++i) {
+    const Pack<T, kChunk> c = LoadPack<kChunk>(p + i * kChunk);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) out[i * kChunk + e] = ToFloat(c.v[e]);
+  }
+}
+
+// The inverse: each float rounded once to T.
+template <int kWidth, typename T>
+__device__ __forceinline__ void StoreFloats(T* p, const float (&in)[kWidth]) {
+  constexpr int kChunk = kWidth < Vec16<T>::kSize ? kWidth : Vec16<T>::kSize;
+  static_assert(kWidth % kChunk == 0, "whole accesses");
+#pragma unroll
+  for (int i = 0; i < kWidth / kChunk; ++i) {
+    Pack<T, kChunk> c;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) c.v[e] = FromFloat<T>(in[i * kChunk + e]);
+    StorePack<kChunk>(p + i * kChunk, c);
+  }
+}
+
+// Host side: whether `p` (nullptr counts as aligned: an absent operand) is on `bytes`.
+inline bool AlignedTo(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

@@ -10,12 +10,7 @@ namespace {
 
 constexpr int kThreads = 512;
 
-// 16 bytes of logits: 4 floats or 8 bf16/fp16, one load or store.
-template <typename T>
-struct alignas(16) Vec16 {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
-};
+// Vec16 (common.cuh): 16 bytes of logits, 4 floats or 8 bf16/fp16, one load or store.
 
 // Online max / sum of exp over one thread's elements. A -inf element adds nothing (and would
 // give inf - inf against a -inf running max); NaN and +inf propagate as in log_softmax.

@@ -1,117 +1,309 @@
 #include "kernels/cuda/rms_norm.h"
 
+#include <initializer_list>
+
 #include "kernels/cuda/common.cuh"
 
 namespace fsdp::kernels::cuda {
 namespace {
 
 // Note [RMSNorm kernel layout]
-// One block per row, its threads striding over the columns: thread t owns columns t, t + T,
-// t + 2T, ... of every row it visits, in both kernels. A row is read twice (the sum of squares,
-// then the output); the second read hits L1/L2 (a row of 2048 bf16 is 4 KiB), so DRAM sees one
-// read of each input and one write of each output. Blocks stride over rows (blockIdx.x,
-// + gridDim.x, ...), so every thread of a block is on the same row and the __syncthreads in
-// BlockSum is reached by all of them; rows can be any number.
+// One block per row, blocks striding over rows (blockIdx.x, + gridDim.x, ...), so every thread
+// of a block is on the same row and the __syncthreads in BlockSum is reached by all of them;
+// rows can be any number. A row is cut into packs of kWidth elements: 16 bytes (8 bf16/fp16,
+// 4 floats) when every row of every operand starts 16-byte aligned, else single elements (See
+// Note [Vector accesses]). Thread t owns packs t, t + T, t + 2T, ... (T = blockDim.x) of every
+// row it visits, so a warp's accesses are consecutive 16-byte packs (coalesced).
+//
+// Rows of up to kCachedThreads * kPacks packs (8192 bf16 / 4096 fp32 columns vectorised, 2048
+// columns element-wise) are held in registers: each thread loads its at most kPacks packs of
+// each input once, up front (all loads in flight together), the block reduces the sum of
+// squares (forward) or of grad_y * weight * xhat (backward) with warp shuffles and one
+// 32-float exchange through shared memory, and the outputs are computed from the registers.
+// DRAM sees each input read once and each output written once; the weight (one row, shared by
+// all rows) comes from L1/L2. The block is sized to the row, ceil(packs / kPacks) threads
+// rounded up to a warp (64 threads for 2048 bf16 columns), so that many rows are in flight per
+// SM. Longer rows take the *LongRow kernels: the same packs, 1024 threads at most, the row read
+// a second time after the reduction (from L2: a row of 8192 bf16 is 16 KiB).
 //
 // Note [RMSNorm weight gradient]
 // grad_weight[c] = sum over rows of grad_y[r, c] * xhat[r, c] is a reduction over rows, done in
-// fp32 in two deterministic steps (no atomics): RmsNormBackwardKernel's block b accumulates the
-// rows it visits into its own partial row, partials[b, :], then ColumnSumKernel sums the
-// partial rows per column and rounds once to the weight's dtype. Because thread t owns the same
-// columns on every row, the partial row needs no synchronisation: it lives in shared memory
-// when it fits (cols <= kSmemCols) and is copied out at the end, or is accumulated in place in
-// the global scratch row otherwise (L2-resident for any realistic size). The number of blocks,
-// RmsNormBackwardPartials, depends only on (rows, cols): at least kMinRowsPerBlock rows per
-// block, so the partial rows cost a fraction of the row traffic, and at most about 2^18 threads
-// in flight (1024 blocks of 256 for cols 2048: one wave of 8 blocks per SM on an H100).
+// fp32 in two deterministic steps (no atomics): RmsNormBackward's block b accumulates the rows
+// it visits into its own partial row, partials[b, :], then ColumnSumKernel sums the partial
+// rows per column in a fixed order and rounds once to the weight's dtype. Because thread t owns
+// the same columns on every row, the partial row needs no synchronisation: it lives in the
+// thread's registers (kPacks * kWidth floats) in the cached kernel and is written once at the
+// end, or is accumulated in place in the global scratch row (L2-resident) in the long-row
+// kernel. The number of blocks, RmsNormBackwardPartials, depends only on the sizes: at least
+// kMinRowsPerBlock rows per block, at most kMaxBackwardBlocks blocks (1024 blocks of 4 rows for
+// 4096 rows: 12 KiB of each block's row in flight per SM slot, the partial rows 8 MiB of fp32
+// at dim 2048, which stay in L2 until ColumnSumKernel reads them).
 
+constexpr int kCachedThreads = 256;  // the cached kernels' largest block (register budget)
+constexpr int kLongRowThreads = 1024;
 constexpr int kMinRowsPerBlock = 8;
-constexpr int kMaxThreadsInFlight = 1 << 18;
-constexpr int kMaxForwardBlocks = 1 << 20;  // then blocks stride over rows
-// Dynamic shared memory without an opt-in is 48 KiB: 32 floats of BlockSum scratch + the row.
-constexpr int64_t kSmemCols = 48 * 1024 / sizeof(float) - 32;
+constexpr int64_t kMaxBackwardBlocks = 1024;
+constexpr int64_t kMaxForwardBlocks = 1 << 20;  // then blocks stride over rows
 
-// About 8 columns per thread, one warp at least, 1024 threads at most; a multiple of 32.
-int Threads(int64_t cols) {
-  int64_t t = ((cols + 7) / 8 + 31) / 32 * 32;
-  return static_cast<int>(t < 32 ? 32 : (t > 1024 ? 1024 : t));
+// Packs held in registers per thread: 16-byte packs, or single elements.
+template <int kWidth>
+constexpr int CachedPacks() {
+  return kWidth == 1 ? 8 : 4;
 }
 
-template <typename T, typename W>
-__global__ void RmsNormForwardKernel(const T* __restrict__ x, const T* __restrict__ residual,
-                                     const W* __restrict__ weight, T* __restrict__ h,
-                                     T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
-                                     int64_t cols, float eps) {
+int RoundUpToWarp(int64_t threads) {
+  int64_t t = (threads + 31) / 32 * 32;
+  return static_cast<int>(t < 32 ? 32 : t);
+}
+
+// The cached kernels' block: each thread at most kPacks packs (packs <= kCachedThreads * kPacks).
+int CachedThreads(int64_t packs, int packs_per_thread) {
+  return RoundUpToWarp((packs + packs_per_thread - 1) / packs_per_thread);
+}
+
+// The long-row kernels' block: about 8 packs per thread, 1024 threads at most.
+int LongRowThreads(int64_t packs) {
+  int t = RoundUpToWarp((packs + 7) / 8);
+  return t > kLongRowThreads ? kLongRowThreads : t;
+}
+
+// See Note [RMSNorm kernel layout]. x, residual, h, y: rows x cols; residual and h nullptr
+// without the fused add. cols = packs * kWidth <= kCachedThreads * kPacks * kWidth.
+template <typename T, typename W, int kWidth, int kPacks>
+__global__ void __launch_bounds__(kCachedThreads)
+    RmsNormForwardKernel(const T* __restrict__ x, const T* __restrict__ residual,
+                         const W* __restrict__ weight, T* __restrict__ h, T* __restrict__ y,
+                         float* __restrict__ rstd, int64_t rows, int cols, float eps) {
+  using P = Pack<T, kWidth>;
   __shared__ float scratch[32];
+  const int packs = cols / kWidth;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * cols;
+    P v[kPacks];
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) v[j] = LoadPack<kWidth>(x + base + p * kWidth);
+    }
+    if (residual != nullptr) {
+      P r[kPacks];
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) {
+        const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+        if (p < packs) r[j] = LoadPack<kWidth>(residual + base + p * kWidth);
+      }
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) {
+        const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+        if (p < packs) {
+#pragma unroll
+          for (int e = 0; e < kWidth; ++e) {
+            v[j].v[e] = FromFloat<T>(ToFloat(v[j].v[e]) + ToFloat(r[j].v[e]));
+          }
+          StorePack<kWidth>(h + base + p * kWidth, v[j]);
+        }
+      }
+    }
+    float sum_sq = 0.0f;  // of v = x, or of the rounded h (what the backward reads)
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) {
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) {
+          const float f = ToFloat(v[j].v[e]);
+          sum_sq += f * f;
+        }
+      }
+    }
+    const float r = rsqrtf(BlockSum(sum_sq, scratch) / static_cast<float>(cols) + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) {
+        float w[kWidth], out[kWidth];
+        LoadFloats<kWidth>(weight + p * kWidth, w);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) out[e] = ToFloat(v[j].v[e]) * r * w[e];
+        StoreFloats<kWidth>(y + base + p * kWidth, out);
+      }
+    }
+  }
+}
+
+// Rows too long for registers: the same packs, the row (x, or h that this thread wrote itself)
+// read again after the reduction.
+template <typename T, typename W, int kWidth>
+__global__ void __launch_bounds__(kLongRowThreads)
+    RmsNormForwardLongRowKernel(const T* __restrict__ x, const T* __restrict__ residual,
+                                const W* __restrict__ weight, T* __restrict__ h,
+                                T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                                int64_t cols, float eps) {
+  using P = Pack<T, kWidth>;
+  __shared__ float scratch[32];
+  const int64_t packs = cols / kWidth;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * cols;
     float sum_sq = 0.0f;
-    if (residual != nullptr) {
-      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        T hv = FromFloat<T>(ToFloat(x[base + c]) + ToFloat(residual[base + c]));
-        h[base + c] = hv;
-        float v = ToFloat(hv);  // the rounded h: what the backward reads
-        sum_sq += v * v;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      P v = LoadPack<kWidth>(x + base + p * kWidth);
+      if (residual != nullptr) {
+        const P r = LoadPack<kWidth>(residual + base + p * kWidth);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) v.v[e] = FromFloat<T>(ToFloat(v.v[e]) + ToFloat(r.v[e]));
+        StorePack<kWidth>(h + base + p * kWidth, v);
       }
-    } else {
-      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = ToFloat(x[base + c]);
-        sum_sq += v * v;
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        const float f = ToFloat(v.v[e]);
+        sum_sq += f * f;
       }
     }
-    float r = rsqrtf(BlockSum(sum_sq, scratch) / static_cast<float>(cols) + eps);
+    const float r = rsqrtf(BlockSum(sum_sq, scratch) / static_cast<float>(cols) + eps);
     if (threadIdx.x == 0) rstd[row] = r;
-    if (residual != nullptr) {
-      // This thread rereads the h elements that it wrote itself (program order).
-      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        y[base + c] = FromFloat<T>(ToFloat(h[base + c]) * r * ToFloat(weight[c]));
-      }
-    } else {
-      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        y[base + c] = FromFloat<T>(ToFloat(x[base + c]) * r * ToFloat(weight[c]));
-      }
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      // With a residual: the h elements that this thread wrote itself (program order).
+      const P v = residual != nullptr ? LoadPack<kWidth>(h + base + p * kWidth)
+                                      : LoadPack<kWidth>(x + base + p * kWidth);
+      float w[kWidth], out[kWidth];
+      LoadFloats<kWidth>(weight + p * kWidth, w);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) out[e] = ToFloat(v.v[e]) * r * w[e];
+      StoreFloats<kWidth>(y + base + p * kWidth, out);
     }
   }
 }
 
-// See Note [RMSNorm weight gradient]. partials == nullptr: no weight gradient. Dynamic shared
-// memory: 32 floats, + cols floats when the partial row is kept there (acc_in_smem).
-template <typename T, typename W>
-__global__ void RmsNormBackwardKernel(const T* __restrict__ v, const float* __restrict__ rstd,
-                                      const W* __restrict__ weight, const T* __restrict__ grad_y,
-                                      const T* __restrict__ grad_h, T* __restrict__ grad_x,
-                                      float* __restrict__ partials, int64_t rows, int64_t cols,
-                                      bool acc_in_smem) {
-  extern __shared__ float smem[];
-  float* scratch = smem;
-  float* acc = partials == nullptr ? nullptr
-               : acc_in_smem       ? smem + 32
-                                   : partials + blockIdx.x * cols;
-  if (acc != nullptr) {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) acc[c] = 0.0f;
-  }
+// See Note [RMSNorm kernel layout] and Note [RMSNorm weight gradient]. partials == nullptr: no
+// weight gradient; else this block's partial row is partials[blockIdx.x, :].
+template <typename T, typename W, int kWidth, int kPacks>
+__global__ void __launch_bounds__(kCachedThreads)
+    RmsNormBackwardKernel(const T* __restrict__ v, const float* __restrict__ rstd,
+                          const W* __restrict__ weight, const T* __restrict__ grad_y,
+                          const T* __restrict__ grad_h, T* __restrict__ grad_x,
+                          float* __restrict__ partials, int64_t rows, int cols) {
+  using P = Pack<T, kWidth>;
+  __shared__ float scratch[32];
+  const int packs = cols / kWidth;
   const float inv_cols = 1.0f / static_cast<float>(cols);
+  float acc[kPacks][kWidth];  // this thread's columns of the partial row
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+    for (int e = 0; e < kWidth; ++e) acc[j][e] = 0.0f;
+  }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * cols;
     const float r = rstd[row];
+    P xs[kPacks], dys[kPacks], dhs[kPacks];
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) {
+        xs[j] = LoadPack<kWidth>(v + base + p * kWidth);
+        dys[j] = LoadPack<kWidth>(grad_y + base + p * kWidth);
+        if (grad_h != nullptr) dhs[j] = LoadPack<kWidth>(grad_h + base + p * kWidth);
+      }
+    }
     float dot = 0.0f;  // sum of (grad_y * weight) * xhat over the row
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      float xhat = ToFloat(v[base + c]) * r, dy = ToFloat(grad_y[base + c]);
-      dot += dy * ToFloat(weight[c]) * xhat;
-      if (acc != nullptr) acc[c] += dy * xhat;  // only this thread touches column c
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) {
+        float w[kWidth];
+        LoadFloats<kWidth>(weight + p * kWidth, w);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) {
+          const float xhat = ToFloat(xs[j].v[e]) * r, dy = ToFloat(dys[j].v[e]);
+          dot += dy * w[e] * xhat;
+          acc[j][e] += dy * xhat;
+        }
+      }
     }
     const float mean_dot = BlockSum(dot, scratch) * inv_cols;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      float xhat = ToFloat(v[base + c]) * r;
-      float g = ToFloat(grad_y[base + c]) * ToFloat(weight[c]);
-      float dx = r * (g - xhat * mean_dot);
-      if (grad_h != nullptr) dx += ToFloat(grad_h[base + c]);
-      grad_x[base + c] = FromFloat<T>(dx);
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) {
+        float w[kWidth], dx[kWidth];
+        LoadFloats<kWidth>(weight + p * kWidth, w);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) {
+          const float xhat = ToFloat(xs[j].v[e]) * r;
+          const float g = ToFloat(dys[j].v[e]) * w[e];
+          dx[e] = r * (g - xhat * mean_dot);
+          if (grad_h != nullptr) dx[e] += ToFloat(dhs[j].v[e]);
+        }
+        StoreFloats<kWidth>(grad_x + base + p * kWidth, dx);
+      }
     }
   }
-  if (acc != nullptr && acc_in_smem) {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-      partials[blockIdx.x * cols + c] = acc[c];
+  if (partials != nullptr) {
+    float* mine = partials + blockIdx.x * static_cast<int64_t>(cols);
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = static_cast<int>(threadIdx.x + j * blockDim.x);
+      if (p < packs) StoreFloats<kWidth>(mine + p * kWidth, acc[j]);
+    }
+  }
+}
+
+// Rows too long for registers: the partial row accumulated in place in global memory (each
+// thread its own columns), the row read again after the reduction.
+template <typename T, typename W, int kWidth>
+__global__ void __launch_bounds__(kLongRowThreads)
+    RmsNormBackwardLongRowKernel(const T* __restrict__ v, const float* __restrict__ rstd,
+                                 const W* __restrict__ weight, const T* __restrict__ grad_y,
+                                 const T* __restrict__ grad_h, T* __restrict__ grad_x,
+                                 float* __restrict__ partials, int64_t rows, int64_t cols) {
+  using P = Pack<T, kWidth>;
+  __shared__ float scratch[32];
+  const int64_t packs = cols / kWidth;
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  float* acc = partials == nullptr ? nullptr : partials + blockIdx.x * cols;
+  if (acc != nullptr) {
+    float zeros[kWidth];
+#pragma unroll
+    for (int e = 0; e < kWidth; ++e) zeros[e] = 0.0f;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      StoreFloats<kWidth>(acc + p * kWidth, zeros);
+    }
+  }
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * cols;
+    const float r = rstd[row];
+    float dot = 0.0f;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const P xs = LoadPack<kWidth>(v + base + p * kWidth);
+      const P dys = LoadPack<kWidth>(grad_y + base + p * kWidth);
+      float w[kWidth], a[kWidth] = {};
+      LoadFloats<kWidth>(weight + p * kWidth, w);
+      if (acc != nullptr) LoadFloats<kWidth>(acc + p * kWidth, a);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        const float xhat = ToFloat(xs.v[e]) * r, dy = ToFloat(dys.v[e]);
+        dot += dy * w[e] * xhat;
+        a[e] += dy * xhat;  // only this thread touches these columns
+      }
+      if (acc != nullptr) StoreFloats<kWidth>(acc + p * kWidth, a);
+    }
+    const float mean_dot = BlockSum(dot, scratch) * inv_cols;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const P xs = LoadPack<kWidth>(v + base + p * kWidth);
+      const P dys = LoadPack<kWidth>(grad_y + base + p * kWidth);
+      float w[kWidth], dx[kWidth], dh[kWidth] = {};
+      LoadFloats<kWidth>(weight + p * kWidth, w);
+      if (grad_h != nullptr) LoadFloats<kWidth>(grad_h + base + p * kWidth, dh);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        const float xhat = ToFloat(xs.v[e]) * r;
+        const float g = ToFloat(dys.v[e]) * w[e];
+        dx[e] = r * (g - xhat * mean_dot);
+        if (grad_h != nullptr) dx[e] += dh[e];
+      }
+      StoreFloats<kWidth>(grad_x + base + p * kWidth, dx);
+    }
   }
 }
 
@@ -136,14 +328,68 @@ __global__ void ColumnSumKernel(const float* __restrict__ partials, int64_t num_
   }
 }
 
+// The vector width for T when every operand allows 16-byte packs (Note [Vector accesses]):
+// all rows start 16-byte aligned (aligned bases, cols a multiple of the width); else 1.
+template <typename T>
+int PackWidth(int64_t cols, std::initializer_list<const void*> operands) {
+  constexpr int kVector = Vec16<T>::kSize;
+  if (cols % kVector != 0) return 1;
+  for (const void* p : operands) {
+    if (!AlignedTo(p, 16)) return 1;
+  }
+  return kVector;
+}
+
+template <typename T, typename W, int kWidth>
+LaunchStatus LaunchForwardWidth(const void* x, const void* residual, const void* weight, void* h,
+                                void* y, float* rstd, int64_t rows, int64_t cols, float eps,
+                                cudaStream_t stream) {
+  constexpr int kPacks = CachedPacks<kWidth>();
+  const int64_t packs = cols / kWidth;
+  const int blocks = static_cast<int>(rows < kMaxForwardBlocks ? rows : kMaxForwardBlocks);
+  if (packs <= int64_t{kCachedThreads} * kPacks) {
+    RmsNormForwardKernel<T, W, kWidth, kPacks><<<blocks, CachedThreads(packs, kPacks), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const W*>(weight),
+        static_cast<T*>(h), static_cast<T*>(y), rstd, rows, static_cast<int>(cols), eps);
+  } else {
+    RmsNormForwardLongRowKernel<T, W, kWidth><<<blocks, LongRowThreads(packs), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const W*>(weight),
+        static_cast<T*>(h), static_cast<T*>(y), rstd, rows, cols, eps);
+  }
+  return LastLaunchStatus();
+}
+
 template <typename T, typename W>
 LaunchStatus LaunchForward(const void* x, const void* residual, const void* weight, void* h,
                            void* y, float* rstd, int64_t rows, int64_t cols, float eps,
                            cudaStream_t stream) {
-  int blocks = static_cast<int>(rows < kMaxForwardBlocks ? rows : kMaxForwardBlocks);
-  RmsNormForwardKernel<T, W><<<blocks, Threads(cols), 0, stream>>>(
-      static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const W*>(weight),
-      static_cast<T*>(h), static_cast<T*>(y), rstd, rows, cols, eps);
+  if (PackWidth<T>(cols, {x, residual, weight, h, y}) > 1) {
+    return LaunchForwardWidth<T, W, Vec16<T>::kSize>(x, residual, weight, h, y, rstd, rows, cols,
+                                                     eps, stream);
+  }
+  return LaunchForwardWidth<T, W, 1>(x, residual, weight, h, y, rstd, rows, cols, eps, stream);
+}
+
+template <typename T, typename W, int kWidth>
+LaunchStatus LaunchBackwardWidth(const void* v, const float* rstd, const void* weight,
+                                 const void* grad_y, const void* grad_h, void* grad_x,
+                                 float* partials, int64_t rows, int64_t cols,
+                                 cudaStream_t stream) {
+  constexpr int kPacks = CachedPacks<kWidth>();
+  const int64_t packs = cols / kWidth;
+  const int blocks = static_cast<int>(RmsNormBackwardPartials(rows, cols));
+  if (packs <= int64_t{kCachedThreads} * kPacks) {
+    RmsNormBackwardKernel<T, W, kWidth, kPacks>
+        <<<blocks, CachedThreads(packs, kPacks), 0, stream>>>(
+            static_cast<const T*>(v), rstd, static_cast<const W*>(weight),
+            static_cast<const T*>(grad_y), static_cast<const T*>(grad_h), static_cast<T*>(grad_x),
+            partials, rows, static_cast<int>(cols));
+  } else {
+    RmsNormBackwardLongRowKernel<T, W, kWidth><<<blocks, LongRowThreads(packs), 0, stream>>>(
+        static_cast<const T*>(v), rstd, static_cast<const W*>(weight),
+        static_cast<const T*>(grad_y), static_cast<const T*>(grad_h), static_cast<T*>(grad_x),
+        partials, rows, cols);
+  }
   return LastLaunchStatus();
 }
 
@@ -151,27 +397,25 @@ template <typename T, typename W>
 LaunchStatus LaunchBackward(const void* v, const float* rstd, const void* weight,
                             const void* grad_y, const void* grad_h, void* grad_x, void* grad_weight,
                             float* partials, int64_t rows, int64_t cols, cudaStream_t stream) {
-  int64_t blocks = RmsNormBackwardPartials(rows, cols);
-  bool want_weight = grad_weight != nullptr;
-  bool acc_in_smem = want_weight && cols <= kSmemCols;
-  size_t smem = (32 + (acc_in_smem ? cols : 0)) * sizeof(float);
-  RmsNormBackwardKernel<T, W><<<static_cast<int>(blocks), Threads(cols), smem, stream>>>(
-      static_cast<const T*>(v), rstd, static_cast<const W*>(weight), static_cast<const T*>(grad_y),
-      static_cast<const T*>(grad_h), static_cast<T*>(grad_x), want_weight ? partials : nullptr,
-      rows, cols, acc_in_smem);
-  LaunchStatus status = LastLaunchStatus();
+  const bool want_weight = grad_weight != nullptr;
+  float* acc = want_weight ? partials : nullptr;
+  LaunchStatus status =
+      PackWidth<T>(cols, {v, weight, grad_y, grad_h, grad_x, acc}) > 1
+          ? LaunchBackwardWidth<T, W, Vec16<T>::kSize>(v, rstd, weight, grad_y, grad_h, grad_x,
+                                                       acc, rows, cols, stream)
+          : LaunchBackwardWidth<T, W, 1>(v, rstd, weight, grad_y, grad_h, grad_x, acc, rows, cols,
+                                         stream);
   if (status != 0 || !want_weight) return status;
   ColumnSumKernel<W><<<static_cast<unsigned>((cols + 31) / 32), dim3(32, 32), 0, stream>>>(
-      partials, blocks, cols, static_cast<W*>(grad_weight));
+      partials, RmsNormBackwardPartials(rows, cols), cols, static_cast<W*>(grad_weight));
   return LastLaunchStatus();
 }
 
 }  // namespace
 
-int64_t RmsNormBackwardPartials(int64_t rows, int64_t cols) {
-  int64_t by_rows = (rows + kMinRowsPerBlock - 1) / kMinRowsPerBlock;
-  int64_t by_threads = kMaxThreadsInFlight / Threads(cols);
-  int64_t blocks = by_rows < by_threads ? by_rows : by_threads;
+int64_t RmsNormBackwardPartials(int64_t rows, int64_t /*cols*/) {
+  int64_t blocks = (rows + kMinRowsPerBlock - 1) / kMinRowsPerBlock;
+  if (blocks > kMaxBackwardBlocks) blocks = kMaxBackwardBlocks;
   return blocks > 0 ? blocks : 1;
 }
 
