@@ -89,11 +89,28 @@ std::string DtypeName(at::ScalarType t) { return c10::toString(t); }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
+// Operands placed one element past a 16-byte boundary (a view into a larger buffer), so that
+// the launcher must take the element-wise path: a vector access to one of them fails the
+// emulated launch (CheckedCast), as it would fault on a GPU.
+enum Misaligned : int {
+  kNone = 0, kX = 1, kResidual = 2, kH = 4, kY = 8, kGradY = 16, kGradH = 32, kGradX = 64,
+  kWeight = 128
+};
+
 struct RmsCase {
   int64_t rows, cols;
   at::ScalarType dtype, weight_dtype;
   bool residual, weight_grad;
+  int misaligned = kNone;
 };
+
+// A rows x cols tensor (or cols when rows is 0) of `dtype`, at an odd element offset in its
+// buffer when `offset`; `fill` gives its values.
+at::Tensor Place(const at::Tensor& fill, bool offset) {
+  if (!offset) return fill.clone();
+  at::Tensor buffer = at::empty({fill.numel() + 1}, fill.options());
+  return buffer.narrow(0, 1, fill.numel()).view(fill.sizes()).copy_(fill);
+}
 
 class EmulatedRmsNormTest : public ::testing::TestWithParam<RmsCase> {};
 
@@ -101,15 +118,19 @@ TEST_P(EmulatedRmsNormTest, ForwardAndBackwardMatchTheCpuReference) {
   const RmsCase c = GetParam();
   const double eps = 1e-5;
   at::manual_seed(11);
-  at::Tensor x = at::randn({c.rows, c.cols}).to(c.dtype);
-  at::Tensor res = c.residual ? at::randn({c.rows, c.cols}).to(c.dtype) : at::Tensor();
-  at::Tensor w = (1 + 0.1 * at::randn({c.cols})).to(c.weight_dtype);
-  at::Tensor gy = at::randn({c.rows, c.cols}).to(c.dtype);
-  at::Tensor gh = c.residual ? at::randn({c.rows, c.cols}).to(c.dtype) : at::Tensor();
+  const int m = c.misaligned;
+  at::Tensor x = Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kX);
+  at::Tensor res =
+      c.residual ? Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kResidual) : at::Tensor();
+  at::Tensor w = Place((1 + 0.1 * at::randn({c.cols})).to(c.weight_dtype), m & kWeight);
+  at::Tensor gy = Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kGradY);
+  at::Tensor gh =
+      c.residual ? Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kGradH) : at::Tensor();
+  auto output = [&](bool offset) { return Place(at::zeros({c.rows, c.cols}, c.dtype), offset); };
 
   std::vector<at::Tensor> fwd = UnderEverySchedule([&] {
-    at::Tensor h = c.residual ? at::empty_like(x) : at::Tensor();
-    at::Tensor y = at::empty_like(x);
+    at::Tensor h = c.residual ? output(m & kH) : at::Tensor();
+    at::Tensor y = output(m & kY);
     at::Tensor rstd = at::empty({c.rows}, at::kFloat);
     ExpectLaunched(emulated::RmsNormForward(Ptr(x), Ptr(res), Ptr(w), Ptr(h), Ptr(y),
                                             rstd.data_ptr<float>(), c.rows, c.cols,
@@ -120,7 +141,7 @@ TEST_P(EmulatedRmsNormTest, ForwardAndBackwardMatchTheCpuReference) {
   const at::Tensor& h = fwd[0];
   const at::Tensor& rstd = fwd[2];
   std::vector<at::Tensor> bwd = UnderEverySchedule([&] {
-    at::Tensor gx = at::empty_like(x);
+    at::Tensor gx = output(m & kGradX);
     at::Tensor gw = c.weight_grad ? at::empty_like(w) : at::Tensor();
     at::Tensor partials = at::empty(
         {emulated::RmsNormBackwardPartials(c.rows, c.cols), c.cols}, at::kFloat);
@@ -170,12 +191,30 @@ INSTANTIATE_TEST_SUITE_P(
                       RmsCase{3, 13000, at::kFloat, at::kFloat, true, true},
                       // The model shapes: llama_1b (dim 2048), Llama 3 8B (dim 4096).
                       RmsCase{4, 2048, at::kBFloat16, at::kFloat, true, true},
-                      RmsCase{2, 4096, at::kBFloat16, at::kFloat, true, true}),
+                      RmsCase{2, 4096, at::kBFloat16, at::kFloat, true, true},
+                      // The largest row held in registers (256 threads x 4 packs of 8), and
+                      // longer rows: 16-byte packs, then single elements, read twice.
+                      RmsCase{2, 8192, at::kBFloat16, at::kFloat, true, true},
+                      RmsCase{2, 8200, at::kBFloat16, at::kBFloat16, true, true},
+                      RmsCase{3, 2051, at::kHalf, at::kFloat, true, true},
+                      // Blocks striding over rows: 70 rows over 9 blocks (7 or 8 rows each).
+                      RmsCase{70, 24, at::kFloat, at::kFloat, true, true},
+                      // One operand off its 16-byte boundary at a time: the element path.
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kX},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kResidual},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kH},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kY},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kGradY},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kGradH},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kGradX},
+                      RmsCase{3, 64, at::kBFloat16, at::kBFloat16, true, true, kWeight},
+                      RmsCase{3, 64, at::kFloat, at::kFloat, false, true, kX}),
     [](const ::testing::TestParamInfo<RmsCase>& info) {
       const RmsCase& c = info.param;
       return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" +
              DtypeName(c.dtype) + "_w" + DtypeName(c.weight_dtype) +
-             (c.residual ? "_residual" : "") + (c.weight_grad ? "" : "_no_weight_grad");
+             (c.residual ? "_residual" : "") + (c.weight_grad ? "" : "_no_weight_grad") +
+             (c.misaligned ? "_misaligned" + std::to_string(c.misaligned) : "");
     });
 
 // ---- SwiGLU ----------------------------------------------------------------------------------
@@ -223,6 +262,70 @@ INSTANTIATE_TEST_SUITE_P(Cases, EmulatedSwiGluTest,
                            return DtypeName(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_fused" : "_two_tensors");
                          });
+
+// The 16-byte path (cols a multiple of 8 bf16 / 4 fp32, gate and up 16-byte aligned, also as
+// the two halves of one projection) and the element path forced by one operand at an odd
+// element offset (misaligned: 0 none, 1 gate, 2 up, 3 out and grad_gate). Forward and backward.
+struct SwiGluCase {
+  int64_t rows, cols;
+  at::ScalarType dtype;
+  bool fused;
+  int misaligned;
+};
+
+class EmulatedSwiGluPathsTest : public ::testing::TestWithParam<SwiGluCase> {};
+
+TEST_P(EmulatedSwiGluPathsTest, ForwardAndBackwardMatchTheCpuReference) {
+  const SwiGluCase c = GetParam();
+  const int64_t rows = c.rows, cols = c.cols;
+  const at::ScalarType dtype = c.dtype;
+  at::manual_seed(4);
+  // [rows, 2 * cols + pad]: pad 8 keeps the row stride a multiple of the vector width; an
+  // operand starting at column 1 is off its 16-byte boundary.
+  at::Tensor buffer = at::randn({rows, 2 * cols + 8}).mul(3).to(dtype);
+  const int64_t gate_at = c.misaligned == 1 ? 1 : 0;
+  const int64_t up_at = c.fused ? cols : (c.misaligned == 2 ? cols + 1 : cols + 8);
+  at::Tensor gate = buffer.narrow(1, gate_at, cols), up = buffer.narrow(1, up_at, cols);
+  at::Tensor gout = at::randn({rows, cols}).to(dtype);
+  auto operand = [](const at::Tensor& t) {
+    return emulated::SwiGluOperand{t.data_ptr(), t.stride(0)};
+  };
+  auto fresh = [&](bool offset) {
+    return at::zeros({rows, cols + 8}, dtype).narrow(1, offset ? 1 : 0, cols);
+  };
+  std::vector<at::Tensor> out = UnderEverySchedule([&] {
+    at::Tensor y = fresh(c.misaligned == 3), g_gate = fresh(c.misaligned == 3), g_up = fresh(false);
+    ExpectLaunched(emulated::SwiGluForward(operand(gate), operand(up), operand(y), rows, cols,
+                                           Dt(dtype), nullptr));
+    ExpectLaunched(emulated::SwiGluBackward(operand(gate), operand(up), operand(gout),
+                                            operand(g_gate), operand(g_up), rows, cols,
+                                            Dt(dtype), nullptr));
+    return std::vector<at::Tensor>{y.contiguous(), g_gate.contiguous(), g_up.contiguous()};
+  });
+  at::Tensor gr = gate.detach().clone().requires_grad_(), ur = up.detach().clone().requires_grad_();
+  at::Tensor y_ref = SwiGlu(gr, ur);
+  torch::autograd::backward({y_ref}, {gout});
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+  EXPECT_TRUE(AllClose(out[0], y_ref, tol, tol, "silu(gate) * up"));
+  EXPECT_TRUE(AllClose(out[1], gr.grad(), tol, tol, "grad gate"));
+  EXPECT_TRUE(AllClose(out[2], ur.grad(), tol, tol, "grad up"));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, EmulatedSwiGluPathsTest,
+    ::testing::Values(SwiGluCase{9, 336, at::kBFloat16, true, 0},   // 42 packs of 8
+                      SwiGluCase{9, 336, at::kBFloat16, false, 0},
+                      SwiGluCase{5, 1100, at::kFloat, true, 0},     // 275 packs: 2 x-blocks
+                      SwiGluCase{3, 2064, at::kHalf, false, 0},     // 258 packs: 2 x-blocks
+                      SwiGluCase{4, 64, at::kBFloat16, false, 1},
+                      SwiGluCase{4, 64, at::kBFloat16, false, 2},
+                      SwiGluCase{4, 64, at::kFloat, false, 3}),
+    [](const ::testing::TestParamInfo<SwiGluCase>& info) {
+      const SwiGluCase& c = info.param;
+      return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" + DtypeName(c.dtype) +
+             (c.fused ? "_fused" : "") +
+             (c.misaligned ? "_misaligned" + std::to_string(c.misaligned) : "");
+    });
 
 // ---- RoPE ------------------------------------------------------------------------------------
 
@@ -297,7 +400,13 @@ INSTANTIATE_TEST_SUITE_P(
                       RopeCase{2, 4, 3, 3, 10, at::kHalf, true, false},
                       // The model shapes: llama_1b (16 heads of 128), Llama 3 8B (32 / 8 kv).
                       RopeCase{1, 3, 16, 16, 128, at::kBFloat16, false, true},
-                      RopeCase{1, 2, 32, 8, 128, at::kBFloat16, false, true}),
+                      RopeCase{1, 2, 32, 8, 128, at::kBFloat16, false, true},
+                      // head_dim not a multiple of the 16-byte width: one pair per access.
+                      RopeCase{2, 3, 4, 2, 12, at::kBFloat16, false, true},
+                      RopeCase{2, 3, 3, 1, 10, at::kFloat, false, false},
+                      // 16-byte units in fp32 (2 pairs) and fp16, odd head counts.
+                      RopeCase{2, 3, 5, 3, 12, at::kFloat, false, true},
+                      RopeCase{1, 4, 3, 1, 32, at::kHalf, false, false}),
     [](const ::testing::TestParamInfo<RopeCase>& info) {
       const RopeCase& c = info.param;
       return "h" + std::to_string(c.q_heads) + "kv" + std::to_string(c.k_heads) + "d" +
