@@ -117,6 +117,14 @@ int RunTrainCommand(const TrainCommand& command, int argc, char** argv) {
   }
   if (!status.ok()) {
     const FailureClass failure = ClassifyFailure(status);
+    if (failure == FailureClass::kOutOfMemory) {
+      status = absl::Status(
+          status.code(),
+          StrCat(std::string(status.message()), " (`fsdp plan ", command.config_path,
+                 "` with the same --set options predicts each rank's peak: lower "
+                 "training.micro_batch_size, turn on training.activation_checkpointing or "
+                 "parallelism.offload, or use more ranks)"));
+    }
     std::cout.flush();
     // _Exit: no exit-time destructors racing a thread left blocked (Note [Rendezvous deadline]).
     FailAndExit(env->rank, failure, StrCat(FailureClassName(failure), ": ", std::string(status.message())));

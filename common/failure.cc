@@ -59,6 +59,8 @@ int ExitCodeFor(FailureClass c) {
       return 70;
     case FailureClass::kPreempted:
       return 128 + 15;  // SIGTERM
+    case FailureClass::kOutOfMemory:
+      return 8;
   }
   return 1;
 }
@@ -83,6 +85,8 @@ std::string_view FailureClassName(FailureClass c) {
       return "internal";
     case FailureClass::kPreempted:
       return "preempted";
+    case FailureClass::kOutOfMemory:
+      return "out of memory";
   }
   return "error";
 }
@@ -91,7 +95,7 @@ FailureClass FailureClassOfExitCode(int code) {
   for (FailureClass c : {FailureClass::kConfig, FailureClass::kCheckpoint, FailureClass::kIo,
                          FailureClass::kNonFinite, FailureClass::kCollectiveTimeout,
                          FailureClass::kPeerLost, FailureClass::kInternal,
-                         FailureClass::kPreempted}) {
+                         FailureClass::kPreempted, FailureClass::kOutOfMemory}) {
     if (ExitCodeFor(c) == code) return c;
   }
   return FailureClass::kError;

@@ -38,6 +38,8 @@ namespace fsdp {
 //   6  collective timeout: a collective did not complete (the collective, unit, step and the
 //      ranks that did not arrive are named); also a rendezvous deadline
 //   7  a peer was lost or failed first: this rank stopped because another one did
+//   8  out of memory: an allocation on the device or the host failed, or a tensor's size
+//      overflowed (the allocator's message, and `fsdp plan` as the way to size the run)
 //   70 internal error (an uncaught exception; a bug)
 //  143 stopped by SIGTERM before training.steps (preempted), after saving the step when
 //      checkpointing is on: what a rank killed by SIGTERM would report, so that a scheduler
@@ -53,11 +55,12 @@ enum class FailureClass {
   kPeerLost,
   kInternal,
   kPreempted,
+  kOutOfMemory,
 };
 
 int ExitCodeFor(FailureClass c);
 // "config", "checkpoint", "io", "non-finite", "timeout", "peer lost", "internal", "preempted",
-// "error".
+// "out of memory", "error".
 std::string_view FailureClassName(FailureClass c);
 // The class of an exit code (kError for codes not in Note [Exit codes]).
 FailureClass FailureClassOfExitCode(int code);

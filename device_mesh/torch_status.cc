@@ -1,4 +1,5 @@
 #include "device_mesh/torch_status.h"
+#include "common/failure.h"
 #include "common/strings.h"
 
 #include <string>
@@ -21,6 +22,14 @@ absl::Status StatusFromException(std::string_view what, const std::exception& e)
   }
   while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
   std::string text = StrCat(what, ": ", message);
+  // An allocation that failed (CUDA's caching allocator, the CPU allocator) or a tensor too large
+  // to size: the run does not fit, not a bug (Note [Exit codes]: 8).
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr ||
+      ContainsIgnoreCase(message, "out of memory") ||
+      ContainsIgnoreCase(message, "can't allocate memory") ||
+      ContainsIgnoreCase(message, "Storage size calculation overflowed")) {
+    return WithFailureClass(absl::ResourceExhaustedError(text), FailureClass::kOutOfMemory);
+  }
   if (ContainsIgnoreCase(message, "timed out") ||
       ContainsIgnoreCase(message, "timeout")) {
     return absl::DeadlineExceededError(text);

@@ -3,7 +3,8 @@
 //
 //   absl::Status s = CallTorch("connecting to the store at host:29500", [&] { ... });
 //   // kDeadlineExceeded for timeouts, kUnavailable for network errors and a peer that closed
-//   // its connection (it ended), else kInternal;
+//   // its connection (it ended), kResourceExhausted of FailureClass::kOutOfMemory for a failed
+//   // allocation (device or host) or a tensor too large to size, else kInternal;
 //   // the message is "<what>: <libtorch's first line>".
 #pragma once
 

@@ -323,7 +323,8 @@ TEST(FailureTest, ExitCodesAreDistinctPerClass) {
   for (FailureClass c : {FailureClass::kError, FailureClass::kConfig, FailureClass::kCheckpoint,
                          FailureClass::kIo, FailureClass::kNonFinite,
                          FailureClass::kCollectiveTimeout, FailureClass::kPeerLost,
-                         FailureClass::kInternal}) {
+                         FailureClass::kInternal, FailureClass::kPreempted,
+                         FailureClass::kOutOfMemory}) {
     EXPECT_TRUE(codes.insert(ExitCodeFor(c)).second) << FailureClassName(c);
     EXPECT_EQ(FailureClassOfExitCode(ExitCodeFor(c)), c) << FailureClassName(c);
   }

@@ -61,6 +61,27 @@ std::string Headline(const CommandResult& r) {
 // on one) trained two runs at once; with other training.steps the longer one's ranks hung in a
 // collective after the shorter ones left. Now the rank that differs from rank 0 names the key
 // with both values at start, on both nodes (each launcher prints the job's first failure).
+// A run too large to allocate is out of memory (exit 8) with the allocator's message and the
+// planner named, not an internal error: a sequence length whose position table overflows the
+// tensor size computation (found by red-teaming: "internal: ... Storage size calculation
+// overflowed"; a host allocation of 51 GB failed the same way).
+TEST(FailSafeTest, ARunTooLargeToAllocateIsOutOfMemoryNamingThePlanner) {
+  const std::string dir = FreshTempDir("oom");
+  CommandResult r = RunCommand(
+      {FsdpBinary(), "train", SourceDir() + "/configs/default.yaml", "--set",
+       "run.dir=" + dir + "/run", "--set", "parallelism.nproc=1", "--set",
+       "model.seq_len=4611686018427387904"},
+      {}, std::chrono::seconds(120));
+  ASSERT_FALSE(r.timed_out) << r.Output();
+  EXPECT_EQ(r.exit.code, 8) << r.Output();
+  EXPECT_TRUE(r.StderrHas("out of memory: ")) << r.Output();
+  EXPECT_TRUE(r.StderrHas("configs/default.yaml` with the same --set options predicts each "
+                          "rank's peak"))
+      << r.Output();
+  EXPECT_FALSE(r.StderrHas("internal")) << r.Output();
+  fs::remove_all(dir);
+}
+
 TEST(FailSafeTest, NodesWithDifferentConfigsAreRefusedNamingTheKey) {
   const std::string dir = FreshTempDir("same-config");
   const int port = testing::FreePort();
