@@ -99,7 +99,8 @@ absl::StatusOr<double> Evaluate(Model& model, const DataLoader& loader, int64_t 
 // token and the device (its name and peak FLOP/s) behind the MFU figures. With offload,
 // "offload" holds the host's share of the steps (docs/offload.md): optimizer_step_s, the
 // optimizer step's wall time (on the host there), and HostOffload::Stats (copies' bytes, host
-// waits and additions, evaluations included), each also per step. Rank 0's metrics.jsonl
+// waits and additions, offload params' cast of the masters after the step: refresh, evaluations
+// included), each also per step. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
 void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps, int64_t peak_rss,
                     int64_t peak_tensor, int64_t state_bytes, const ModelStateBytes& model_state,
@@ -798,13 +799,15 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"host_adds", o.host_adds},
                      {"wait_s", o.wait_s},
                      {"add_s", o.add_s},
-                     {"push_s", o.push_s}};
+                     {"push_s", o.push_s},
+                     {"refresh_s", o.refresh_s}};
     offload_stats["per_step"] = {{"optimizer_step_ms", 1e3 * optimizer_s / steps},
                                  {"to_host_bytes", o.to_host_bytes / steps},
                                  {"to_device_bytes", o.to_device_bytes / steps},
                                  {"wait_ms", 1e3 * o.wait_s / steps},
                                  {"add_ms", 1e3 * o.add_s / steps},
-                                 {"push_ms", 1e3 * o.push_s / steps}};
+                                 {"push_ms", 1e3 * o.push_s / steps},
+                                 {"refresh_ms", 1e3 * o.refresh_s / steps}};
   }
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,

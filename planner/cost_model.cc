@@ -243,9 +243,12 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     the host, and each updated shard is copied back before the unit's next all-gather;
 //   params: the shards live only on the host too; each unit's shard is copied to the device
 //     just before each of its all-gathers (one unit ahead, as the gathers are prefetched) and
-//     freed after it, so the device holds the shards of the units in flight only. Gradient
-//     shards go to the host every micro-batch that reduces, and the host adds them
-//     (kHostAccumulateBytesPerParam).
+//     freed after it, so the device holds the shards of the units in flight only. With a
+//     compute dtype narrower than fp32 (bf16) the host also keeps each shard cast to it
+//     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
+//     bytes of host memory traffic), and that copy is what moves and what the device holds:
+//     cb bytes per parameter instead of 4. Gradient shards go to the host every micro-batch
+//     that reduces, and the host adds them (kHostAccumulateBytesPerParam).
 // Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
@@ -297,6 +300,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const ModelCounts& counts = counted.counts;
   const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
   const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
+  // Offload params: bytes per parameter of each shard loaded to the device (Note [Offload]).
+  const double loaded_bytes = std::min(4.0, cb);
   const double n = s;
   // parallelism.reshard_between_micro_batches false (Note [Keeping parameters across
   // micro-batches] in sharding/fsdp_model.h): every unit gathered once per step and kept
@@ -359,10 +364,13 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       break;
     case Offload::kParams:
       // The shards of the units being gathered: the root's at the start of forward (it stays
-      // unsharded), the prefetched blocks' in backward.
-      mem.params = keep ? padded_total / n * 4 : std::max(root, blocks_unsharded * block) / n * 4;
+      // unsharded), the prefetched blocks' in backward; loaded in the compute dtype when it is
+      // narrower (Note [Offload]), whose copies the host keeps as well.
+      mem.params = keep ? padded_total / n * loaded_bytes
+                        : std::max(root, blocks_unsharded * block) / n * loaded_bytes;
       mem.grads = largest_unit / n * 4;
-      mem.host = padded_total / n * 4 + real / n * (4 + state_bytes);
+      mem.host = padded_total / n * 4 + real / n * (4 + state_bytes) +
+                 (loaded_bytes < 4 ? padded_total / n * loaded_bytes : 0);
       break;
   }
   // Note [One shard] (sharding/collectives.h): one rank in all gathers and reduces nothing; fp32
@@ -454,8 +462,14 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // offload optimizer accumulate on the device).
     const double accumulate =
         hybrid || no_sync || sums_on_device ? 0 : (accum - 1) * kHostAccumulateBytesPerParam;
-    time.optimizer_s = host_bw > 0 ? real / n * (kHostOptimizerBytesPerParam + accumulate) / host_bw
-                                   : 0;
+    // Offload params with a narrower compute dtype: the cast of the shards after the step.
+    const double refresh = offload == Offload::kParams && loaded_bytes < 4
+                               ? padded_total / n * (4 + loaded_bytes)
+                               : 0;
+    time.optimizer_s =
+        host_bw > 0
+            ? (real / n * (kHostOptimizerBytesPerParam + accumulate) + refresh) / host_bw
+            : 0;
   }
 
   // Block compute, forward one third of the step's FLOPs and backward two thirds (plus the
@@ -520,10 +534,12 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     if (link <= 0) link = 1;  // a profile without a host link: offload is hopeless, not free
     const double later_blocks = std::max(0, num_blocks - 1);
     const bool params = offload == Offload::kParams;
-    // Host to device, fp32 shards: offload params before each of a unit's gathers (every
-    // micro-batch), offload optimizer each updated shard once per step.
-    const double h2d_root = root / n * 4 / link;
-    const double h2d_block = block / n * 4 / link;
+    // Host to device: offload params the shards in the compute dtype (fp32 at most) before
+    // each of a unit's gathers (every micro-batch), offload optimizer each updated fp32 shard
+    // once per step.
+    const double h2d_width = params ? loaded_bytes : 4;
+    const double h2d_root = root / n * h2d_width / link;
+    const double h2d_block = block / n * h2d_width / link;
     const double h2d_passes = params && !keep ? accum : 1;
     const double h2d_blocks = params ? gathers_per_block : 1;
     // Device to host, the reduced gradient shards: every micro-batch (HSDP, grad_sync last and

@@ -28,10 +28,13 @@ struct FsdpParam {
   at::Tensor param;                // P: the module's tensor; full shape, compute dtype
   ParamSharding sharding;
   at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero;
-                            // offload params: allocated only around the unit's all-gather
+                            // offload params: allocated only around the unit's all-gather,
+                            // in host_compute_shard's dtype when there is one
   at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
                             // (offload: host_shard's real rows, Note [CPU offload])
   at::Tensor host_shard;    // offload only: padded_shard's layout in host memory
+  at::Tensor host_compute_shard;  // offload params, compute dtype narrower than the shard's:
+                                  // host_shard cast to it, what is loaded (Note [CPU offload])
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
   at::Tensor device_grad;   // offload, between backwards that accumulate on the device:
                             // sharded's shape and dtype, on the device (Note [CPU offload])

@@ -97,7 +97,7 @@ void FsdpUnit::Unshard() {
       // frees the device shards that earlier reshards stashed (with kParams, every unit's
       // would otherwise stay allocated until the end of backward); a no-op on CPU.
       ctx_->streams->BeginCopyIn();
-      LoadDeviceShards();  // See Note [CPU offload]
+      LoadDeviceShards();  // See Note [CPU offload]: in the compute dtype, aliased as is
       ctx_->offload->WaitForShardsOnCurrentStream();
     }
     UnshardOneShard(params_, compute_dtype_);
@@ -117,7 +117,8 @@ void FsdpUnit::Unshard() {
     gather_ = GatherFlat(std::move(post_forward_shard_), *ctx_->reshard_group, ctx_->stats);
     post_forward_shard_.reset();
   } else {
-    // See Note [CPU offload]: with offloaded shards their copy precedes the gather here.
+    // See Note [CPU offload]: with offloaded shards their copy precedes the gather here (in
+    // the compute dtype when the host keeps a copy in it: then the gather's input as is).
     if (ctx_->offload) ctx_->offload->LoadShards(params_);
     if (shard_group.SupportsPieces(ctx_->device)) {
       // See Note [Gathering into the parameters].

@@ -74,23 +74,28 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
   std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
   at::NoGradGuard no_grad;
-  // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer.
+  // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
+  // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena.
   struct Slot {
-    int64_t shard = 0, grad = -1;
+    int64_t shard = 0, grad = -1, compute = -1;
   };
   std::map<c10::ScalarType, int64_t> numel;
   std::vector<Slot> slots;
+  auto place = [&](c10::ScalarType dtype, int64_t n) {
+    const int64_t align = std::max<int64_t>(1, kAlignBytes / c10::elementSize(dtype));
+    int64_t offset = RoundUp(numel[dtype], align);
+    numel[dtype] = offset + n;
+    return offset;
+  };
   for (FsdpParam* p : params) {
     const c10::ScalarType dtype = p->padded_shard.scalar_type();
-    const int64_t align = std::max<int64_t>(1, kAlignBytes / c10::elementSize(dtype));
-    auto place = [&](int64_t n) {
-      int64_t offset = RoundUp(numel[dtype], align);
-      numel[dtype] = offset + n;
-      return offset;
-    };
     Slot slot;
-    slot.shard = place(p->padded_shard.numel());
-    if (p->requires_grad) slot.grad = place(p->sharded.numel());
+    slot.shard = place(dtype, p->padded_shard.numel());
+    if (p->requires_grad) slot.grad = place(dtype, p->sharded.numel());
+    if (mode == Offload::kParams &&
+        c10::elementSize(p->compute_dtype) < c10::elementSize(dtype)) {
+      slot.compute = place(p->compute_dtype, p->padded_shard.numel());
+    }
     slots.push_back(slot);
   }
   // Pinned on a GPU: non_blocking copies from and to it are DMA transfers that overlap compute.
@@ -117,9 +122,14 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     master.set_requires_grad(p.requires_grad);
     p.sharded = master;
     if (p.requires_grad) p.host_grad = Carve(arena, slots[i].grad, p.sharded.sizes());
+    if (slots[i].compute >= 0) {
+      p.host_compute_shard =
+          Carve(offload->arenas_.at(p.compute_dtype), slots[i].compute, p.padded_shard.sizes());
+    }
     if (mode == Offload::kParams) p.padded_shard.reset();  // loaded before each all-gather
   }
   offload->params_ = std::move(params);
+  offload->RefreshComputeShards();
   if (device.is_cuda()) {
     const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
     offload->to_host_ = impl->getStreamFromGlobalPool(device);
@@ -149,6 +159,7 @@ void HostOffload::RecordHostToDevice() {
 }
 
 void HostOffload::PushShards(DeviceStreams& streams) {
+  if (mode_ == Offload::kParams) RefreshComputeShards();
   if (mode_ != Offload::kOptimizer) return;
   at::NoGradGuard no_grad;
   // The copy-in stream waits for the compute stream first: with one rank the unsharded
@@ -165,14 +176,32 @@ void HostOffload::PushShards(DeviceStreams& streams) {
   RecordHostToDevice();
 }
 
+void HostOffload::RefreshComputeShards() {
+  const bool any = std::any_of(params_.begin(), params_.end(),
+                               [](const FsdpParam* p) { return p->host_compute_shard.defined(); });
+  if (!any) return;
+  // A host->device copy still in flight may read the buffers about to be written (a load for
+  // an all-gather that never came, an evaluation forward's last units).
+  if (to_device_done_) to_device_done_->synchronize();
+  RECORD_FUNCTION("fsdp::offload_refresh", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.refresh_s);
+  at::NoGradGuard no_grad;
+  // The cast the device does without offload (round to nearest even; Note [CPU offload]).
+  for (FsdpParam* p : params_) {
+    if (p->host_compute_shard.defined()) p->host_compute_shard.copy_(p->host_shard);
+  }
+}
+
 void HostOffload::LoadShards(std::vector<FsdpParam>& params) {
   if (mode_ != Offload::kParams) return;
   at::NoGradGuard no_grad;
   bool issued = false;
   for (FsdpParam& p : params) {
     if (p.padded_shard.defined()) continue;  // loaded ahead (prefetch)
-    p.padded_shard = at::empty(p.host_shard.sizes(), p.host_shard.options().device(device_));
-    p.padded_shard.copy_(p.host_shard, /*non_blocking=*/true);
+    // See Note [CPU offload]: the compute-dtype copy when there is one.
+    const at::Tensor& source = p.host_compute_shard.defined() ? p.host_compute_shard : p.host_shard;
+    p.padded_shard = at::empty(source.sizes(), source.options().device(device_));
+    p.padded_shard.copy_(source, /*non_blocking=*/true);
     loaded_bytes_ += p.padded_shard.nbytes();
     stats_.to_device_bytes += p.padded_shard.nbytes();
     issued = true;
@@ -311,7 +340,7 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   };
   bytes.device += size(p.padded_shard) + size(p.device_grad);
   if (p.host_shard.defined()) {
-    bytes.host += size(p.host_shard) + size(p.host_grad);
+    bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_grad);
   } else {
     bytes.device += size(p.sharded.grad());
   }

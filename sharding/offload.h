@@ -26,11 +26,26 @@
 //              load or a safetensors init; a caller that writes the masters itself must call
 //              it before the next forward).
 //   params     The device keeps nothing between iterations: padded_shard is allocated and
-//              filled from host_shard just before the unit's all-gather (FsdpUnit::Unshard, or
+//              filled from the host just before the unit's all-gather (FsdpUnit::Unshard, or
 //              ahead of it: FsdpModel's prefetch starts the copy of the unit after the one it
 //              gathers, so each copy overlaps the previous unit's compute) and freed when the
 //              unit reshards (with one rank the unsharded parameters alias it until then).
-//              Gradients go to the host as above; no copy after the step.
+//              Gradients go to the host as above.
+//              When the compute dtype is narrower than the shard's (mixed precision: fp32
+//              shards, bf16 compute) the host also keeps host_compute_shard, the padded shard
+//              cast to the compute dtype (in the compute dtype's arena: pinned on CUDA, 2 bytes
+//              per parameter of shard with bf16), and that is what is loaded: the copy moves 2
+//              bytes per parameter instead of 4, and padded_shard arrives in the compute dtype,
+//              so the unshard needs no cast on the device (one rank: the parameters alias it;
+//              several: it is the all-gather's input as is; the collectives, their order and
+//              bytes are those of the run without offload, which casts into its all-gather
+//              input). The cast is the one the device would do (round to nearest even, also
+//              ATen's on the CPU), so values are bit for bit the same. It is refreshed from the
+//              masters at wrap time and by FsdpModel::CopyShardsToDevice (PushShards: after the
+//              step, a checkpoint load, a safetensors init; a caller that writes the masters
+//              itself must call it before the next forward, as with kOptimizer): one ATen
+//              copy_ per shard, with ATen's intra-op threads, 6 bytes per parameter of host
+//              memory traffic (HostOffload::Stats::refresh_s).
 // Accumulating on the device (set_accumulate_on_device; FsdpModel::
 // set_offload_accumulate_on_device): a backward run with it true adds its final gradient
 // shards into p.device_grad (the shard's shape and dtype, on the device: the additions of the
@@ -84,7 +99,8 @@ namespace fsdp {
 // optimizer's state is its owner's to count (it lives with the parameters it steps).
 struct ModelStateBytes {
   int64_t device = 0;  // padded shards and gradient shards resident on the device
-  int64_t host = 0;    // offload: host shards and gradient buffers
+  int64_t host = 0;    // offload: host shards (with their compute-dtype copies) and
+                       // gradient buffers
 };
 
 class HostOffload {
@@ -101,10 +117,15 @@ class HostOffload {
 
   // ---- parameters -----------------------------------------------------------------------------
   // kOptimizer: every master into its device shard (copy-in stream, after it waited for the
-  // compute stream). Nothing with kParams.
+  // compute stream). kParams: RefreshComputeShards.
   void PushShards(DeviceStreams& streams);
+  // kParams: every host_compute_shard cast afresh from its master (host_shard), after waiting
+  // for the host->device copies still reading them. Synchronous, on the calling thread (ATen's
+  // copy_ uses its intra-op threads).
+  void RefreshComputeShards();
   // kParams: allocates the device shards of `params` that are not loaded and issues their copy
-  // from the host on the current stream (the caller makes it the copy-in stream).
+  // from the host (host_compute_shard when there is one, else host_shard) on the current
+  // stream (the caller makes it the copy-in stream).
   void LoadShards(std::vector<FsdpParam>& params);
   // kParams: frees the device shards of `params` (through `streams`' stash: Note [Copy-in
   // stream]).
@@ -149,6 +170,8 @@ class HostOffload {
     double wait_s = 0;            // host blocked on copies in flight (fsdp::offload_wait)
     double add_s = 0;             // host additions of gradients (fsdp::offload_host_add)
     double push_s = 0;            // issuing the masters' host->device copies (offload_push)
+    double refresh_s = 0;         // kParams: casting the masters into host_compute_shard
+                                  // (fsdp::offload_refresh)
   };
   const Stats& stats() const { return stats_; }
 
@@ -172,7 +195,8 @@ class HostOffload {
   Offload mode_;
   c10::Device device_;
   std::vector<FsdpParam*> params_;
-  std::map<c10::ScalarType, at::Tensor> arenas_;  // 1-D each: shards and gradient buffers
+  std::map<c10::ScalarType, at::Tensor> arenas_;  // 1-D each: shards (host and compute
+                                                  // copies) and gradient buffers
   std::optional<c10::Stream> to_host_;            // CUDA only: device->host copies
   std::optional<c10::Event> to_device_done_;      // CUDA only: the last host->device copies
   std::vector<InFlight> in_flight_;               // CUDA only

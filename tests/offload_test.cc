@@ -47,6 +47,8 @@ struct RunResult {
   ModelStateBytes bytes;                        // after the last step, before zero_grad
   int64_t peak_loaded = 0;                      // offload params: device shards at once
   HostOffload::Stats stats;                     // offload only
+  int64_t host_shard_bytes = 0;                 // offload: the fp32 padded shards on the host
+  int64_t host_compute_bytes = 0;               // offload params: their compute-dtype copies
 };
 
 // `device`: where the model and the batches live (CUDA: the offload's copies run on streams).
@@ -136,6 +138,17 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
     }
     if (offload == Offload::kParams) {
       EXPECT_FALSE(p->padded_shard.defined()) << name;
+      // Note [CPU offload]: with bf16 compute the host keeps each shard cast to bf16, refreshed
+      // after every step: the cast of the current master.
+      EXPECT_EQ(p->host_compute_shard.defined(), c.bf16) << name;
+      if (c.bf16) {
+        EXPECT_EQ(p->host_compute_shard.scalar_type(), at::kBFloat16) << name;
+        EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
+        run.host_compute_bytes += static_cast<int64_t>(p->host_compute_shard.nbytes());
+      }
+    }
+    if (offload != Offload::kNone) {
+      run.host_shard_bytes += static_cast<int64_t>(p->host_shard.nbytes());
     }
   }
   if (offload == Offload::kParams) run.peak_loaded = fsdp.context().offload->peak_loaded_bytes();
@@ -201,7 +214,10 @@ void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
       EXPECT_LT(opt.bytes.device, base.bytes.device);
       EXPECT_GT(opt.bytes.host, opt.bytes.device);
       EXPECT_EQ(params.bytes.device, 0);
-      EXPECT_EQ(params.bytes.host, opt.bytes.host);
+      // Offload params with bf16 compute also keeps the shards in bf16 on the host: 2 bytes
+      // per parameter of shard more than offload optimizer.
+      EXPECT_EQ(params.bytes.host, opt.bytes.host + params.host_compute_bytes);
+      EXPECT_EQ(2 * params.host_compute_bytes, c.bf16 ? params.host_shard_bytes : 0);
       EXPECT_GT(params.peak_loaded, 0);
       EXPECT_LE(params.peak_loaded, opt.bytes.device);
       if (c.strategy == "full_shard" && c.reshard_group == 0) {
@@ -233,6 +249,32 @@ INSTANTIATE_TEST_SUITE_P(Worlds, OffloadParityTest, ::testing::Values(1, 2, 4),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return StrCat("w", info.param);
                          });
+
+// Note [CPU offload]: with bf16 compute offload params loads the host's bf16 copy of each
+// shard, so the same schedule of loads moves half the bytes of the fp32 run (the run itself
+// equals the run without offload bit for bit: OffloadParityTest's bf16 cases). One rank (the
+// loaded shard is the parameters' storage) and two (it is the all-gather's input), with
+// resharding after forward (two loads per unit and micro-batch) and without.
+TEST(OffloadParamsBytesTest, Bf16ComputeLoadsHalfTheBytes) {
+  for (int world : {1, 2}) {
+    testing::RunOnRanks(world, [&](int rank) {
+      std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
+      for (const char* strategy : {"full_shard", "shard_grad_op"}) {
+        DeviceMesh mesh =
+            *DeviceMesh::Create(ctx, *MeshShapeForStrategy(*ParseStrategy(strategy), world, 1));
+        RunResult fp32 = Train(Case{strategy}, Offload::kParams, mesh, rank);
+        RunResult bf16 = Train(Case{strategy, 1, true}, Offload::kParams, mesh, rank);
+        const std::string name = StrCat(strategy, " world ", world);
+        EXPECT_GT(fp32.stats.to_device_bytes, 0) << name;
+        EXPECT_EQ(2 * bf16.stats.to_device_bytes, fp32.stats.to_device_bytes) << name;
+        // What is loaded at once halves too.
+        EXPECT_EQ(2 * bf16.peak_loaded, fp32.peak_loaded) << name;
+        EXPECT_GT(bf16.stats.refresh_s, 0) << name;
+        EXPECT_EQ(fp32.stats.refresh_s, 0) << name;
+      }
+    });
+  }
+}
 
 // On a GPU the offload's copies run on their own streams (Note [CPU offload]): world size 1
 // on NCCL (one shard: no all-gather, the copies alone feed the unit) and 2 on Gloo with CUDA
@@ -359,6 +401,40 @@ TEST(OffloadTrainTest, TrainsCheckpointsAndResumesAcrossModes) {
   }
   fs::remove_all(none_dir);
   fs::remove_all(dir);
+}
+
+// bf16 compute through the trainer (TrainableModel::AfterStep refreshes the host's bf16 copies
+// after each step, Note [CPU offload]): offload params trains exactly as offload optimizer (the
+// same host AdamW; the same casts, on the host instead of the device), and its rank statistics
+// count half the host->device bytes per step of the fp32 run.
+TEST(OffloadTrainTest, Bf16ParamsLoadHalfTheBytesPerStep) {
+  std::string fp32_dir = FreshTempDir("off-params-fp32"), bf16_dir = FreshTempDir("off-params-bf16"),
+              opt_dir = FreshTempDir("off-opt-bf16");
+  TrainRun fp32 = FsdpTrain(fp32_dir, {"parallelism.offload=params"});
+  ASSERT_TRUE(fp32.result.exit.ok()) << fp32.result.Output();
+  TrainRun bf16 =
+      FsdpTrain(bf16_dir, {"parallelism.offload=params", "training.mixed_precision=bf16"});
+  ASSERT_TRUE(bf16.result.exit.ok()) << bf16.result.Output();
+  TrainRun opt =
+      FsdpTrain(opt_dir, {"parallelism.offload=optimizer", "training.mixed_precision=bf16"});
+  ASSERT_TRUE(opt.result.exit.ok()) << opt.result.Output();
+  ASSERT_EQ(bf16.losses.size(), 6u) << bf16.result.Output();
+  EXPECT_EQ(bf16.losses, opt.losses);
+  const nlohmann::json& per_step_fp32 = fp32.rank0_stats["offload"]["per_step"];
+  const nlohmann::json& per_step_bf16 = bf16.rank0_stats["offload"]["per_step"];
+  EXPECT_GT(per_step_fp32["to_device_bytes"].get<int64_t>(), 0) << per_step_fp32.dump();
+  EXPECT_EQ(2 * per_step_bf16["to_device_bytes"].get<int64_t>(),
+            per_step_fp32["to_device_bytes"].get<int64_t>())
+      << per_step_bf16.dump() << " vs " << per_step_fp32.dump();
+  EXPECT_GT(per_step_bf16["refresh_ms"].get<double>(), 0) << per_step_bf16.dump();
+  // The host holds the bf16 copies too: 2 bytes per parameter of shard beyond the fp32 run's.
+  const int64_t host_fp32 = fp32.rank0_stats["model_state"]["host_bytes"].get<int64_t>();
+  const int64_t host_bf16 = bf16.rank0_stats["model_state"]["host_bytes"].get<int64_t>();
+  EXPECT_GT(host_bf16, host_fp32);
+  EXPECT_LT(host_bf16, host_fp32 * 3 / 2);
+  fs::remove_all(fp32_dir);
+  fs::remove_all(bf16_dir);
+  fs::remove_all(opt_dir);
 }
 
 TEST(OffloadTrainTest, RefusedWithoutTheFsdpWrapper) {

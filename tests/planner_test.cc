@@ -380,9 +380,10 @@ TEST(OffloadTest, DeviceModelStateMovesToTheHost) {
   EXPECT_LT(device_state(*Predict(WithModes(single, "none", "optimizer"), layout)),
             0.4 * device_state(*Predict(single, layout)));  // one unit's gradient in flight
   EXPECT_LT(device_state(params), 0.1 * device_state(none));  // the units in flight
-  // The host holds AdamW's states, the fp32 shards (or master copy) and their gradients.
-  EXPECT_NEAR(params.memory.host, 16 * p / 8, 0.01 * 16 * p / 8);
-  EXPECT_DOUBLE_EQ(optimizer.memory.host, params.memory.host);
+  // The host holds AdamW's states, the fp32 shards (or master copy) and their gradients;
+  // offload params with bf16 compute (llama_1b) also each shard cast to bf16, the copy it loads.
+  EXPECT_NEAR(optimizer.memory.host, 16 * p / 8, 0.01 * 16 * p / 8);
+  EXPECT_NEAR(params.memory.host, 18 * p / 8, 0.01 * 18 * p / 8);
   EXPECT_LT(params.memory.total, optimizer.memory.total);
   EXPECT_LT(optimizer.memory.total, none.memory.total);
   // Copies and the host step cost time; activations and collectives are untouched.
@@ -398,6 +399,27 @@ TEST(OffloadTest, DeviceModelStateMovesToTheHost) {
   Prediction alone_params =
       *Predict(WithModes(one, "none", "params"), {Strategy::kFullShard, 1, 1});
   EXPECT_LT(device_state(alone_params), 0.15 * device_state(alone));
+}
+
+// Note [Offload]: with bf16 compute offload params loads bf16 shards: half the host->device
+// bytes and half the loaded shards on the device of an fp32 run, for 2 bytes per parameter of
+// pinned host memory and a cast on the host after each step.
+TEST(OffloadTest, Bf16ParamsOffloadLoadsHalfTheBytes) {
+  const Layout layout{Strategy::kFullShard, 1, 8};
+  PlanRequest bf16 = WithModes(Request("llama_1b", 8, 8, "h100"), "none", "params");
+  PlanRequest fp32 = WithModes(Request("llama_1b", 8, 8, "h100", {"training.mixed_precision=fp32"}),
+                               "none", "params");
+  Prediction b = *Predict(bf16, layout);
+  Prediction f = *Predict(fp32, layout);
+  const double p = static_cast<double>(CountModel(bf16.config.model).params);
+  EXPECT_DOUBLE_EQ(2 * b.memory.params, f.memory.params);
+  EXPECT_NEAR(b.memory.host - f.memory.host, 2 * p / 8, 0.01 * 2 * p / 8);
+  // The gradients' device->host copies (fp32 reduce either way) are the same; the host->device
+  // ones take half the time.
+  EXPECT_GT(b.time.host_copy_s, 0);
+  EXPECT_LT(b.time.host_copy_s, f.time.host_copy_s);
+  EXPECT_LE(b.time.exposed_copy_s, f.time.exposed_copy_s);
+  EXPECT_GT(b.time.optimizer_s, f.time.optimizer_s);  // the host's cast after the step
 }
 
 TEST(OffloadTest, ACpuProfileHasOnePoolAndTheHostMustFit) {
