@@ -271,6 +271,15 @@ TEST(OffloadParamsBytesTest, Bf16ComputeLoadsHalfTheBytes) {
         EXPECT_EQ(2 * bf16.peak_loaded, fp32.peak_loaded) << name;
         EXPECT_GT(bf16.stats.refresh_s, 0) << name;
         EXPECT_EQ(fp32.stats.refresh_s, 0) << name;
+        // Without resharding after forward a unit's shard stays loaded from its forward to its
+        // backward: each is loaded once per micro-batch (with it, twice but for the root).
+        const int64_t once = int64_t{kSteps} * kMicroBatches * bf16.host_compute_bytes;
+        if (std::string(strategy) == "shard_grad_op") {
+          EXPECT_EQ(bf16.stats.to_device_bytes, once) << name;
+        } else {
+          EXPECT_GT(bf16.stats.to_device_bytes, once) << name;
+          EXPECT_LT(bf16.stats.to_device_bytes, 2 * once) << name;
+        }
       }
     });
   }
