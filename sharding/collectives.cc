@@ -268,6 +268,14 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
       if (offload != nullptr) offload->DeviceGradUpdated(p);
       continue;
     }
+    // Offload params: the gradient goes to the host in its own dtype when the rounding below
+    // is exact (Note [CPU offload], "params").
+    if (offload != nullptr && grad.defined() &&
+        (reduce_dtype == grad.scalar_type() || reduce_dtype == p.sharded.scalar_type()) &&
+        offload->SendComputeGrad(p, grad)) {
+      grad.reset();
+      continue;
+    }
     at::Tensor g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())
                                   : at::zeros_like(p.sharded);
     grad.reset();

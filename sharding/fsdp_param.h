@@ -36,6 +36,9 @@ struct FsdpParam {
   at::Tensor host_compute_shard;  // offload params, compute dtype narrower than the shard's:
                                   // host_shard cast to it, what is loaded (Note [CPU offload])
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
+  at::Tensor host_compute_grad;  // offload params, one shard, trainable, compute dtype narrower:
+                                 // sharded's shape in the compute dtype, host; where each
+                                 // backward's gradient lands before host_grad (Note [CPU offload])
   at::Tensor device_grad;   // offload, between backwards that accumulate on the device:
                             // sharded's shape and dtype, on the device (Note [CPU offload])
   bool requires_grad = false;

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
@@ -67,17 +68,39 @@ absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool 
   return arena;
 }
 
+// dst (fp32, host) += src (a narrower float dtype, same numel), each element dst + float(src)
+// rounded once: what dst.add_(src.to(dst's dtype)) gives, without ATen's mixed-dtype add_ (not
+// vectorised, ~9x slower per byte: docs/offload.md) or a full-size temporary. A chunk at a time
+// is converted into a cache-sized scratch and added, both with ATen's vectorised kernels.
+void AddConverted(const at::Tensor& dst, const at::Tensor& src) {
+  constexpr int64_t kChunk = int64_t{1} << 19;  // 2 MiB of fp32 scratch; ATen splits each op
+  at::Tensor d = dst.view(-1);
+  at::Tensor s = src.view(-1);
+  TORCH_INTERNAL_ASSERT(d.numel() == s.numel());
+  at::parallel_for(0, d.numel(), kChunk, [&](int64_t begin, int64_t end) {
+    at::Tensor scratch = at::empty({std::min(kChunk, end - begin)}, d.options());
+    for (int64_t i = begin; i < end; i += kChunk) {
+      const int64_t n = std::min(kChunk, end - i);
+      at::Tensor part = scratch.narrow(0, 0, n);
+      part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
+      d.narrow(0, i, n).add_(part);
+    }
+  });
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c10::Device device,
-                                                                 std::vector<FsdpParam*> params) {
+                                                                 std::vector<FsdpParam*> params,
+                                                                 bool one_shard) {
   TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
   std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
-  // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena.
+  // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
+  // and, with one shard, its gradient's landing buffer there.
   struct Slot {
-    int64_t shard = 0, grad = -1, compute = -1;
+    int64_t shard = 0, grad = -1, compute = -1, compute_grad = -1;
   };
   std::map<c10::ScalarType, int64_t> numel;
   std::vector<Slot> slots;
@@ -95,6 +118,9 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     if (mode == Offload::kParams &&
         c10::elementSize(p->compute_dtype) < c10::elementSize(dtype)) {
       slot.compute = place(p->compute_dtype, p->padded_shard.numel());
+      if (one_shard && p->requires_grad) {
+        slot.compute_grad = place(p->compute_dtype, p->sharded.numel());
+      }
     }
     slots.push_back(slot);
   }
@@ -125,6 +151,10 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     if (slots[i].compute >= 0) {
       p.host_compute_shard =
           Carve(offload->arenas_.at(p.compute_dtype), slots[i].compute, p.padded_shard.sizes());
+    }
+    if (slots[i].compute_grad >= 0) {
+      p.host_compute_grad =
+          Carve(offload->arenas_.at(p.compute_dtype), slots[i].compute_grad, p.sharded.sizes());
     }
     if (mode == Offload::kParams) p.padded_shard.reset();  // loaded before each all-gather
   }
@@ -266,12 +296,32 @@ void HostOffload::AccumulateGrad(FsdpParam& p, const at::Tensor& g, bool owned) 
   SendToHost(p, g);
 }
 
+bool HostOffload::SendComputeGrad(FsdpParam& p, const at::Tensor& grad) {
+  if (!p.host_compute_grad.defined() || accumulate_on_device_ || p.device_grad.defined() ||
+      grad.scalar_type() != p.host_compute_grad.scalar_type() ||
+      grad.numel() != p.host_compute_grad.numel()) {
+    return false;
+  }
+  SendToHost(p, grad.reshape(p.sharded.sizes()));
+  return true;
+}
+
 void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   at::NoGradGuard no_grad;
   at::Tensor& grad = p.sharded.mutable_grad();
   stats_.to_host_bytes += g.nbytes();
+  // Note [CPU offload], "params": the compute dtype's gradient lands in host_compute_grad.
+  const bool narrow = g.scalar_type() != p.sharded.scalar_type();
+  TORCH_INTERNAL_ASSERT(!narrow || p.host_compute_grad.defined());
   if (!device_.is_cuda()) {
     // Synchronous copies; the same additions as without offload (collectives.cc).
+    if (narrow) {
+      p.host_compute_grad.copy_(g);
+      const bool add = grad.defined();
+      if (!add) grad = p.host_grad;
+      FinishOnHost({&p, /*narrow=*/true, add});
+      return;
+    }
     if (grad.defined()) {
       RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.add_s);
@@ -285,21 +335,28 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   }
   // Its staging buffer is still to be added: drain first. (Drain clears pending_adds_, so it
   // must not run inside a loop over that vector.)
-  if (std::find(pending_adds_.begin(), pending_adds_.end(), &p) != pending_adds_.end()) Drain();
+  if (std::any_of(pending_adds_.begin(), pending_adds_.end(),
+                  [&](const PendingAdd& a) { return a.param == &p; })) {
+    Drain();
+  }
   ReapFinished();
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
   c10::Event produced(device_.type());
   produced.record(impl->getStream(device_));  // the compute stream made `g`
   produced.block(*to_host_);
   c10::StreamGuard on_to_host(*to_host_);
-  if (grad.defined()) {
+  if (narrow) {
+    p.host_compute_grad.copy_(g, /*non_blocking=*/true);
+    pending_adds_.push_back({&p, /*narrow=*/true, /*add=*/grad.defined()});
+    if (!grad.defined()) grad = p.host_grad;  // not to be read before WaitForCopies
+  } else if (grad.defined()) {
     at::Tensor& staging = staging_[&p];
     if (!staging.defined()) {
       staging = at::empty(p.sharded.sizes(),
                           p.sharded.options().requires_grad(false).pinned_memory(true));
     }
     staging.copy_(g, /*non_blocking=*/true);
-    pending_adds_.push_back(&p);
+    pending_adds_.push_back({&p, /*narrow=*/false, /*add=*/true});
   } else {
     p.host_grad.copy_(g, /*non_blocking=*/true);
     grad = p.host_grad;  // not to be read before WaitForCopies
@@ -325,13 +382,23 @@ void HostOffload::Drain() {
     in_flight_.clear();
     if (to_device_done_) to_device_done_->synchronize();
   }
-  if (pending_adds_.empty()) return;
+  for (const PendingAdd& pending : pending_adds_) FinishOnHost(pending);
+  pending_adds_.clear();
+}
+
+void HostOffload::FinishOnHost(const PendingAdd& pending) {
   RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.add_s);
   at::NoGradGuard no_grad;
-  for (FsdpParam* p : pending_adds_) p->sharded.mutable_grad().add_(staging_.at(p));
-  stats_.host_adds += static_cast<int64_t>(pending_adds_.size());
-  pending_adds_.clear();
+  FsdpParam& p = *pending.param;
+  if (!pending.narrow) {
+    p.sharded.mutable_grad().add_(staging_.at(&p));
+  } else if (pending.add) {
+    AddConverted(p.sharded.mutable_grad(), p.host_compute_grad);
+  } else {
+    p.host_grad.copy_(p.host_compute_grad);  // exact
+  }
+  if (pending.add) ++stats_.host_adds;
 }
 
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
@@ -340,7 +407,8 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   };
   bytes.device += size(p.padded_shard) + size(p.device_grad);
   if (p.host_shard.defined()) {
-    bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_grad);
+    bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_grad) +
+                  size(p.host_compute_grad);
   } else {
     bytes.device += size(p.sharded.grad());
   }

@@ -30,7 +30,17 @@
 //              ahead of it: FsdpModel's prefetch starts the copy of the unit after the one it
 //              gathers, so each copy overlaps the previous unit's compute) and freed when the
 //              unit reshards (with one rank the unsharded parameters alias it until then).
-//              Gradients go to the host as above.
+//              Gradients go to the host as above, but with one shard (no reduction: the
+//              unsharded gradient is the shard's) in the compute dtype when that is narrower
+//              and the rounding to the reduce dtype is exact (reduce dtype = the gradient's or
+//              the shard's: with bf16 compute and fp32 reduce the cast is exact): the copy
+//              moves 2 bytes per parameter instead of 4 into host_compute_grad, and the host
+//              converts it into host_grad (ATen's copy_) or adds it there, converted a chunk at
+//              a time (AddConverted: bf16 -> fp32 into a cache-sized scratch, then fp32 add_,
+//              each vectorised with ATen's intra-op threads; ATen's mixed-dtype add_ is ~9x
+//              slower, docs/offload.md). Either way each element is a + float(b) rounded once,
+//              the sum of the fp32 path and of the run without offload, bit for bit. With
+//              several shards the reduce-scatter's output is in the reduce dtype already.
 //              When the compute dtype is narrower than the shard's (mixed precision: fp32
 //              shards, bf16 compute) the host also keeps host_compute_shard, the padded shard
 //              cast to the compute dtype (in the compute dtype's arena: pinned on CUDA, 2 bytes
@@ -109,8 +119,11 @@ class HostOffload {
   // kParams): allocates the host arenas (pinned on CUDA), copies the shards in, points each
   // `sharded` at its master and, with kParams, frees the device shards. kResourceExhausted
   // naming parallelism.offload when the host memory cannot be allocated.
+  // `one_shard`: gradients reach AccumulateGrad/SendComputeGrad unreduced (one shard, no
+  // replicas), so kParams allocates host_compute_grad for them.
   static absl::StatusOr<std::unique_ptr<HostOffload>> Create(Offload mode, c10::Device device,
-                                                             std::vector<FsdpParam*> params);
+                                                             std::vector<FsdpParam*> params,
+                                                             bool one_shard);
   ~HostOffload();
 
   Offload mode() const { return mode_; }
@@ -152,6 +165,11 @@ class HostOffload {
   at::Tensor* DeviceGrad(FsdpParam& p);
   // After an in-place addition into *DeviceGrad(p): sends the sum unless accumulating.
   void DeviceGradUpdated(FsdpParam& p);
+  // One shard: `grad` is p's unsharded gradient (device, the compute dtype), whose rounding to
+  // the reduce dtype the caller checked to be exact. Sends it to the host as is and returns
+  // true when p has a host_compute_grad and no sum waits on the device (Note [CPU offload],
+  // "params"); else false, and the caller casts it and calls AccumulateGrad.
+  bool SendComputeGrad(FsdpParam& p, const at::Tensor& grad);
   // End of backward: waits for every copy in flight, both ways, and does the additions that
   // waited for them (afterwards the host .grads are final and the masters may be written), and
   // gives back the device shards that this backward's reshards stashed in `streams`.
@@ -168,7 +186,8 @@ class HostOffload {
     int64_t to_device_bytes = 0;  // parameter shards copied host->device
     int64_t host_adds = 0;        // gradient shards added on the host (accumulation)
     double wait_s = 0;            // host blocked on copies in flight (fsdp::offload_wait)
-    double add_s = 0;             // host additions of gradients (fsdp::offload_host_add)
+    double add_s = 0;             // host additions of gradients, and conversions of compute-
+                                  // dtype ones into host_grad (fsdp::offload_host_add)
     double push_s = 0;            // issuing the masters' host->device copies (offload_push)
     double refresh_s = 0;         // kParams: casting the masters into host_compute_shard
                                   // (fsdp::offload_refresh)
@@ -183,9 +202,17 @@ class HostOffload {
   void ReapFinished();
   // Waits for the copies in flight and does the pending additions (WaitForCopies' first part).
   void Drain();
-  // `g` (device) into p's host .grad: copied into host_grad, or added into the .grad there. On
-  // CUDA asynchronous: `g` is kept alive and must not change until WaitForCopies.
+  // `g` (device) into p's host .grad: copied into host_grad, or added into the .grad there;
+  // in p's compute dtype through host_compute_grad (SendComputeGrad). On CUDA asynchronous:
+  // `g` is kept alive and must not change until WaitForCopies.
   void SendToHost(FsdpParam& p, const at::Tensor& g);
+  // The host's part of a copy that landed in a buffer (CUDA: after the wait): adds or converts.
+  struct PendingAdd {
+    FsdpParam* param;
+    bool narrow;  // in host_compute_grad, else in staging_
+    bool add;     // into the .grad, else (narrow only) converted into host_grad
+  };
+  void FinishOnHost(const PendingAdd& pending);
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
@@ -201,7 +228,7 @@ class HostOffload {
   std::optional<c10::Event> to_device_done_;      // CUDA only: the last host->device copies
   std::vector<InFlight> in_flight_;               // CUDA only
   std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
-  std::vector<FsdpParam*> pending_adds_;          // CUDA only: staging_ to add after the wait
+  std::vector<PendingAdd> pending_adds_;          // CUDA only: to finish after the wait
   int64_t loaded_bytes_ = 0;
   int64_t peak_loaded_bytes_ = 0;
   bool accumulate_on_device_ = false;

@@ -370,7 +370,8 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     }
     absl::StatusOr<std::unique_ptr<HostOffload>> offload;
     FSDP_RETURN_IF_ERROR(CallTorch("offloading the shards", [&] {
-      offload = HostOffload::Create(options.offload, ctx.device, std::move(params));
+      offload = HostOffload::Create(options.offload, ctx.device, std::move(params),
+                                    /*one_shard=*/ctx.num_shards == 1 && !ctx.replicate_group);
     }));
     FSDP_ASSIGN_OR_RETURN(ctx.offload, std::move(offload));
   }

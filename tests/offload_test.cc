@@ -49,6 +49,7 @@ struct RunResult {
   HostOffload::Stats stats;                     // offload only
   int64_t host_shard_bytes = 0;                 // offload: the fp32 padded shards on the host
   int64_t host_compute_bytes = 0;               // offload params: their compute-dtype copies
+  int64_t host_compute_grad_bytes = 0;          // offload params, one shard: gradients' landing
 };
 
 // `device`: where the model and the batches live (CUDA: the offload's copies run on streams).
@@ -146,6 +147,10 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
         EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
         run.host_compute_bytes += static_cast<int64_t>(p->host_compute_shard.nbytes());
       }
+      if (p->host_compute_grad.defined()) {
+        EXPECT_EQ(p->host_compute_grad.scalar_type(), at::kBFloat16) << name;
+        run.host_compute_grad_bytes += static_cast<int64_t>(p->host_compute_grad.nbytes());
+      }
     }
     if (offload != Offload::kNone) {
       run.host_shard_bytes += static_cast<int64_t>(p->host_shard.nbytes());
@@ -215,8 +220,11 @@ void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
       EXPECT_GT(opt.bytes.host, opt.bytes.device);
       EXPECT_EQ(params.bytes.device, 0);
       // Offload params with bf16 compute also keeps the shards in bf16 on the host: 2 bytes
-      // per parameter of shard more than offload optimizer.
-      EXPECT_EQ(params.bytes.host, opt.bytes.host + params.host_compute_bytes);
+      // per parameter of shard more than offload optimizer (and with one shard 2 per trainable
+      // one for the gradients that land in bf16).
+      EXPECT_EQ(params.bytes.host,
+                opt.bytes.host + params.host_compute_bytes + params.host_compute_grad_bytes);
+      EXPECT_EQ(params.host_compute_grad_bytes > 0, c.bf16 && world == 1);
       EXPECT_EQ(2 * params.host_compute_bytes, c.bf16 ? params.host_shard_bytes : 0);
       EXPECT_GT(params.peak_loaded, 0);
       EXPECT_LE(params.peak_loaded, opt.bytes.device);
@@ -280,6 +288,35 @@ TEST(OffloadParamsBytesTest, Bf16ComputeLoadsHalfTheBytes) {
           EXPECT_GT(bf16.stats.to_device_bytes, once) << name;
           EXPECT_LT(bf16.stats.to_device_bytes, 2 * once) << name;
         }
+      }
+    });
+  }
+}
+
+// Note [CPU offload], "params": with one shard and bf16 compute each micro-batch's gradient goes
+// to the host in bf16 (its cast to the fp32 reduce dtype is exact) and is converted or added
+// into the fp32 .grad there, so the device->host bytes halve, with the same host additions
+// (the run itself equals the run without offload bit for bit: OffloadParityTest's bf16 cases).
+// With two shards the reduce-scatter's fp32 output is what is sent, as before.
+TEST(OffloadParamsBytesTest, Bf16ComputeOneShardSendsHalfTheGradientBytes) {
+  for (int world : {1, 2}) {
+    testing::RunOnRanks(world, [&](int rank) {
+      std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
+      for (const char* strategy : {"full_shard", "shard_grad_op"}) {
+        DeviceMesh mesh =
+            *DeviceMesh::Create(ctx, *MeshShapeForStrategy(*ParseStrategy(strategy), world, 1));
+        RunResult fp32 = Train(Case{strategy}, Offload::kParams, mesh, rank);
+        RunResult bf16 = Train(Case{strategy, 1, true}, Offload::kParams, mesh, rank);
+        RunResult again = Train(Case{strategy, 1, true}, Offload::kParams, mesh, rank);
+        const std::string name = StrCat(strategy, " world ", world);
+        EXPECT_GT(fp32.stats.to_host_bytes, 0) << name;
+        EXPECT_EQ((world == 1 ? 2 : 1) * bf16.stats.to_host_bytes, fp32.stats.to_host_bytes)
+            << name;
+        // One addition per trainable shard and micro-batch after the first, as in fp32.
+        EXPECT_GT(bf16.stats.host_adds, 0) << name;
+        EXPECT_EQ(bf16.stats.host_adds, fp32.stats.host_adds) << name;
+        EXPECT_GT(bf16.stats.add_s, 0) << name;
+        ExpectSame(bf16, again, name + " bf16 twice");
       }
     });
   }
