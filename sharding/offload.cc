@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -168,9 +169,19 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
 }
 
 HostOffload::~HostOffload() {
+  // The adder stops after its current task; what is still queued is dropped (a run that
+  // stopped mid-backward: the gradients are not read any more).
+  if (adder_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    adder_.join();
+  }
   // Copies may still read or write the host buffers (a run that stopped mid-backward).
   try {
-    for (InFlight& f : in_flight_) f.done.synchronize();
+    for (InFlight& f : in_flight_) f.done->synchronize();
     if (to_device_done_) to_device_done_->synchronize();
   } catch (const std::exception& e) {
     // A sticky CUDA error: the device runs nothing more, so no copy still touches the buffers.
@@ -264,7 +275,7 @@ void HostOffload::WaitForShardsOnCurrentStream() {
 void HostOffload::ReapFinished() {
   std::vector<InFlight> still;
   for (InFlight& f : in_flight_) {
-    if (!f.done.query()) still.push_back(std::move(f));
+    if (!f.done->query()) still.push_back(std::move(f));
   }
   in_flight_ = std::move(still);
 }
@@ -313,31 +324,25 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   // Note [CPU offload], "params": the compute dtype's gradient lands in host_compute_grad.
   const bool narrow = g.scalar_type() != p.sharded.scalar_type();
   TORCH_INTERNAL_ASSERT(!narrow || p.host_compute_grad.defined());
+  const bool add = grad.defined();
+  // p's landing buffer is written again only after the adder's last task for it is done.
+  if (auto last = last_task_.find(&p); last != last_task_.end()) {
+    RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
+    PhaseTimer timer(stats_.wait_s);
+    WaitForTask(last->second);
+  }
   if (!device_.is_cuda()) {
-    // Synchronous copies; the same additions as without offload (collectives.cc).
+    // Synchronous copies; the adder does the same additions as without offload (collectives.cc).
     if (narrow) {
       p.host_compute_grad.copy_(g);
-      const bool add = grad.defined();
-      if (!add) grad = p.host_grad;
-      FinishOnHost({&p, /*narrow=*/true, add});
-      return;
-    }
-    if (grad.defined()) {
-      RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
-      PhaseTimer timer(stats_.add_s);
-      grad.add_(g);
-      ++stats_.host_adds;
+      Enqueue(p, {add ? grad : p.host_grad, p.host_compute_grad, add, nullptr});
+    } else if (add) {
+      Enqueue(p, {grad, g, /*add=*/true, nullptr});  // g is not written again: kept by the task
     } else {
       p.host_grad.copy_(g);
-      grad = p.host_grad;
     }
+    if (!add) grad = p.host_grad;
     return;
-  }
-  // Its staging buffer is still to be added: drain first. (Drain clears pending_adds_, so it
-  // must not run inside a loop over that vector.)
-  if (std::any_of(pending_adds_.begin(), pending_adds_.end(),
-                  [&](const PendingAdd& a) { return a.param == &p; })) {
-    Drain();
   }
   ReapFinished();
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
@@ -345,25 +350,85 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   produced.record(impl->getStream(device_));  // the compute stream made `g`
   produced.block(*to_host_);
   c10::StreamGuard on_to_host(*to_host_);
+  at::Tensor target;
   if (narrow) {
-    p.host_compute_grad.copy_(g, /*non_blocking=*/true);
-    pending_adds_.push_back({&p, /*narrow=*/true, /*add=*/grad.defined()});
-    if (!grad.defined()) grad = p.host_grad;  // not to be read before WaitForCopies
-  } else if (grad.defined()) {
+    target = p.host_compute_grad;
+  } else if (add) {
     at::Tensor& staging = staging_[&p];
     if (!staging.defined()) {
       staging = at::empty(p.sharded.sizes(),
                           p.sharded.options().requires_grad(false).pinned_memory(true));
     }
-    staging.copy_(g, /*non_blocking=*/true);
-    pending_adds_.push_back({&p, /*narrow=*/false, /*add=*/true});
+    target = staging;
   } else {
-    p.host_grad.copy_(g, /*non_blocking=*/true);
-    grad = p.host_grad;  // not to be read before WaitForCopies
+    target = p.host_grad;
   }
-  InFlight f{g, c10::Event(device_.type())};
-  f.done.record(*to_host_);
-  in_flight_.push_back(std::move(f));
+  target.copy_(g, /*non_blocking=*/true);
+  auto copied = std::make_shared<c10::Event>(device_.type());
+  copied->record(*to_host_);
+  in_flight_.push_back(InFlight{g, copied});
+  if (narrow || add) Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied)});
+  if (!add) grad = p.host_grad;  // not to be read before WaitForCopies
+}
+
+// ---- the adder (Note [CPU offload], "Host additions") -----------------------------------------
+
+void HostOffload::Enqueue(FsdpParam& p, HostTask task) {
+  if (!adder_.joinable()) adder_ = std::thread([this] { RunAdder(); });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    last_task_[&p] = ++queued_;
+  }
+  changed_.notify_all();
+}
+
+void HostOffload::WaitForTask(uint64_t seq) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [&] { return finished_ >= seq; });
+  if (adder_error_) std::rethrow_exception(std::exchange(adder_error_, nullptr));
+}
+
+void HostOffload::RunAdder() {
+  at::init_num_threads();  // ATen's intra-op threads, as on the training thread
+  at::NoGradGuard no_grad;
+  while (true) {
+    HostTask task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      FinishOnHost(task);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    task = HostTask{};  // the buffers' references go before the training thread reuses them
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (error && !adder_error_) adder_error_ = error;
+      ++finished_;
+    }
+    changed_.notify_all();
+  }
+}
+
+void HostOffload::FinishOnHost(const HostTask& task) {
+  if (task.copied) task.copied->synchronize();
+  RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.add_s);
+  if (!task.add) {
+    task.dst.copy_(task.src);  // exact: a wider float dtype
+  } else if (task.src.scalar_type() == task.dst.scalar_type()) {
+    task.dst.add_(task.src);
+  } else {
+    AddConverted(task.dst, task.src);
+  }
+  if (task.add) ++stats_.host_adds;
 }
 
 void HostOffload::WaitForCopies(DeviceStreams& streams) {
@@ -375,30 +440,18 @@ void HostOffload::WaitForCopies(DeviceStreams& streams) {
 }
 
 void HostOffload::Drain() {
+  RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.wait_s);
+  for (InFlight& f : in_flight_) f.done->synchronize();
+  in_flight_.clear();
+  if (to_device_done_) to_device_done_->synchronize();
+  uint64_t queued = 0;
   {
-    RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
-    PhaseTimer timer(stats_.wait_s);
-    for (InFlight& f : in_flight_) f.done.synchronize();
-    in_flight_.clear();
-    if (to_device_done_) to_device_done_->synchronize();
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued = queued_;
   }
-  for (const PendingAdd& pending : pending_adds_) FinishOnHost(pending);
-  pending_adds_.clear();
-}
-
-void HostOffload::FinishOnHost(const PendingAdd& pending) {
-  RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
-  PhaseTimer timer(stats_.add_s);
-  at::NoGradGuard no_grad;
-  FsdpParam& p = *pending.param;
-  if (!pending.narrow) {
-    p.sharded.mutable_grad().add_(staging_.at(&p));
-  } else if (pending.add) {
-    AddConverted(p.sharded.mutable_grad(), p.host_compute_grad);
-  } else {
-    p.host_grad.copy_(p.host_compute_grad);  // exact
-  }
-  if (pending.add) ++stats_.host_adds;
+  last_task_.clear();
+  WaitForTask(queued);
 }
 
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {

@@ -73,8 +73,16 @@
 // so each all-gather, issued from that stream, follows its shard's copy; with one rank (no
 // all-gather) the compute stream waits for the copies' event instead. Device->host copies of
 // gradient shards run on a stream of their own after an event on the compute stream, into the
-// pinned buffers, non_blocking; the device gradient is kept alive until its copy is done. The
-// host waits only at the end of backward (FsdpModel's final callback: WaitForCopies), where
+// pinned buffers, non_blocking; the device gradient is kept alive until its copy is done.
+// Host additions: what the host does with a gradient once it landed (an addition into the .grad,
+// or a conversion into host_grad) runs on a thread of HostOffload's own (the adder), in the
+// order the gradients were sent, as soon as its copy is done (on CUDA the adder waits for the
+// copy's event), so it overlaps the rest of the backward and the next micro-batch's forward
+// instead of stalling the training thread; a parameter's additions keep their order (micro-
+// batch by micro-batch, one thread), so the sums are those of the run without offload, bit for
+// bit. A parameter's landing buffer is written again only after its last addition finished
+// (the training thread waits for it, counted in wait_s). The host waits only at the end of
+// backward (FsdpModel's final callback: WaitForCopies: the copies and the adder's queue), where
 // it must anyway before it clips and steps, and which also guarantees that no copy still reads
 // a master the host optimizer is about to write. Nothing pinned is allocated after wrapping,
 // except each parameter's staging buffer, once, the first time accumulation needs it on CUDA.
@@ -87,10 +95,15 @@
 //   sharded->ClipGradNorm(1.0); opt.step(); sharded->CopyShardsToDevice(); opt.zero_grad();
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -170,9 +183,10 @@ class HostOffload {
   // true when p has a host_compute_grad and no sum waits on the device (Note [CPU offload],
   // "params"); else false, and the caller casts it and calls AccumulateGrad.
   bool SendComputeGrad(FsdpParam& p, const at::Tensor& grad);
-  // End of backward: waits for every copy in flight, both ways, and does the additions that
-  // waited for them (afterwards the host .grads are final and the masters may be written), and
-  // gives back the device shards that this backward's reshards stashed in `streams`.
+  // End of backward: waits for every copy in flight, both ways, and for the adder's additions
+  // (afterwards the host .grads are final and the masters may be written; an error of the
+  // adder is rethrown here), and gives back the device shards that this backward's reshards
+  // stashed in `streams`.
   void WaitForCopies(DeviceStreams& streams);
 
   // Most bytes of device shards loaded at once (kParams), since wrapping.
@@ -185,9 +199,11 @@ class HostOffload {
     int64_t to_host_bytes = 0;    // gradient shards copied device->host
     int64_t to_device_bytes = 0;  // parameter shards copied host->device
     int64_t host_adds = 0;        // gradient shards added on the host (accumulation)
-    double wait_s = 0;            // host blocked on copies in flight (fsdp::offload_wait)
-    double add_s = 0;             // host additions of gradients, and conversions of compute-
-                                  // dtype ones into host_grad (fsdp::offload_host_add)
+    double wait_s = 0;            // training thread blocked on copies in flight and on the
+                                  // adder (fsdp::offload_wait)
+    double add_s = 0;             // the adder's additions of gradients, and conversions of
+                                  // compute-dtype ones into host_grad (fsdp::offload_host_add;
+                                  // off the training thread)
     double push_s = 0;            // issuing the masters' host->device copies (offload_push)
     double refresh_s = 0;         // kParams: casting the masters into host_compute_shard
                                   // (fsdp::offload_refresh)
@@ -200,23 +216,31 @@ class HostOffload {
   void RecordHostToDevice();
   // Forgets device->host copies that have finished (their device tensors are freed).
   void ReapFinished();
-  // Waits for the copies in flight and does the pending additions (WaitForCopies' first part).
+  // Waits for the copies in flight and the adder's queue (WaitForCopies' first part).
   void Drain();
   // `g` (device) into p's host .grad: copied into host_grad, or added into the .grad there;
   // in p's compute dtype through host_compute_grad (SendComputeGrad). On CUDA asynchronous:
   // `g` is kept alive and must not change until WaitForCopies.
   void SendToHost(FsdpParam& p, const at::Tensor& g);
-  // The host's part of a copy that landed in a buffer (CUDA: after the wait): adds or converts.
-  struct PendingAdd {
-    FsdpParam* param;
-    bool narrow;  // in host_compute_grad, else in staging_
-    bool add;     // into the .grad, else (narrow only) converted into host_grad
+  // The host's part of a gradient sent to it, run by the adder: see "Host additions" above.
+  struct HostTask {
+    at::Tensor dst;  // the fp32 .grad (host_grad)
+    at::Tensor src;  // where the gradient landed: staging_ or host_compute_grad (CPU device:
+                     // the device gradient itself for an fp32 addition)
+    bool add = true;                      // dst += src (converted when narrower), else dst = src
+    std::shared_ptr<c10::Event> copied;  // CUDA: the copy into src; null on a CPU device
   };
-  void FinishOnHost(const PendingAdd& pending);
+  // Queues `task` for p (starting the adder the first time).
+  void Enqueue(FsdpParam& p, HostTask task);
+  // Blocks until the adder finished the `seq`-th task queued (1-based); rethrows its error.
+  void WaitForTask(uint64_t seq);
+  // The adder's loop; FinishOnHost runs one task on it.
+  void RunAdder();
+  void FinishOnHost(const HostTask& task);
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
-    c10::Event done;
+    std::shared_ptr<c10::Event> done;
   };
 
   Offload mode_;
@@ -228,7 +252,16 @@ class HostOffload {
   std::optional<c10::Event> to_device_done_;      // CUDA only: the last host->device copies
   std::vector<InFlight> in_flight_;               // CUDA only
   std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
-  std::vector<PendingAdd> pending_adds_;          // CUDA only: to finish after the wait
+  std::map<FsdpParam*, uint64_t> last_task_;      // p's last task queued, until WaitForCopies
+  // The adder (see "Host additions" above); mutex_ guards what follows it.
+  std::thread adder_;
+  std::mutex mutex_;
+  std::condition_variable changed_;  // a task queued or finished, or stop_
+  std::deque<HostTask> tasks_;
+  uint64_t queued_ = 0;
+  uint64_t finished_ = 0;
+  bool stop_ = false;
+  std::exception_ptr adder_error_;
   int64_t loaded_bytes_ = 0;
   int64_t peak_loaded_bytes_ = 0;
   bool accumulate_on_device_ = false;
