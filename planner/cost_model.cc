@@ -29,6 +29,12 @@ constexpr double kHostOptimizerBytesPerParam = 32;
 // params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
 // writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
 constexpr double kHostAccumulateBytesPerParam = 16;
+// The same when the gradient lands in a 2-byte compute dtype (offload params, one shard: Note
+// [CPU offload] in sharding/offload.h): the copy writes 2, the conversion-and-addition reads 2
+// and 4 and writes 4 (its fp32 scratch stays in cache); the first micro-batch's conversion into
+// the .grad: 2 + 2 + 4.
+constexpr double kHostAccumulateNarrowBytesPerParam = 12;
+constexpr double kHostConvertNarrowBytesPerParam = 8;
 // Bytes a recomputed activation byte moves (written again, its inputs read again).
 constexpr double kRecomputeTrafficPasses = 2;
 // Usable share of host memory for pinned offload buffers: the OS, the page cache and the
@@ -248,7 +254,10 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
 //     bytes of host memory traffic), and that copy is what moves and what the device holds:
 //     cb bytes per parameter instead of 4. Gradient shards go to the host every micro-batch
-//     that reduces, and the host adds them (kHostAccumulateBytesPerParam).
+//     that reduces (fp32; with one shard and an exact cast to the reduce dtype, in the compute
+//     dtype: cb bytes, landing in cb more bytes per parameter of pinned host memory), and a
+//     host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
+//     computes: only what the additions take beyond that compute is exposed.
 // Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
@@ -347,6 +356,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // Offload optimizer sums the micro-batches' gradient shards on the device (Note [Offload]).
   const bool sums_on_device =
       offload == Offload::kOptimizer && accum > 1 && !hybrid && !no_sync;
+  // Offload params, one shard: gradients go to the host in the compute dtype when narrower and
+  // their cast to the reduce dtype is exact (Note [Offload]).
+  const bool narrow_grads_to_host =
+      offload == Offload::kParams && s == 1 && r == 1 && cb < 4 && (rb == cb || rb == 4);
   const bool grads_on_device = offload == Offload::kNone || sums_on_device;
   switch (offload) {
     case Offload::kNone:
@@ -370,7 +383,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
                         : std::max(root, blocks_unsharded * block) / n * loaded_bytes;
       mem.grads = largest_unit / n * 4;
       mem.host = padded_total / n * 4 + real / n * (4 + state_bytes) +
-                 (loaded_bytes < 4 ? padded_total / n * loaded_bytes : 0);
+                 (loaded_bytes < 4 ? padded_total / n * loaded_bytes : 0) +
+                 (narrow_grads_to_host ? real / n * cb : 0);
       break;
   }
   // Note [One shard] (sharding/collectives.h): one rank in all gathers and reduces nothing; fp32
@@ -459,17 +473,21 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
   } else {
     // The step, plus each extra micro-batch's gradient accumulated on the host (HSDP and
-    // offload optimizer accumulate on the device).
+    // offload optimizer accumulate on the device), on a host thread behind the following
+    // micro-batches' compute: only what it takes beyond that is exposed (Note [Offload]).
+    const double adds = hybrid || no_sync || sums_on_device ? 0 : accum - 1;
     const double accumulate =
-        hybrid || no_sync || sums_on_device ? 0 : (accum - 1) * kHostAccumulateBytesPerParam;
+        narrow_grads_to_host
+            ? adds * kHostAccumulateNarrowBytesPerParam + kHostConvertNarrowBytesPerParam
+            : adds * kHostAccumulateBytesPerParam;
+    const double accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
     // Offload params with a narrower compute dtype: the cast of the shards after the step.
     const double refresh = offload == Offload::kParams && loaded_bytes < 4
                                ? padded_total / n * (4 + loaded_bytes)
                                : 0;
     time.optimizer_s =
-        host_bw > 0
-            ? (real / n * (kHostOptimizerBytesPerParam + accumulate) + refresh) / host_bw
-            : 0;
+        (host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0) +
+        std::max(0.0, accumulate_s - adds * compute_micro);
   }
 
   // Block compute, forward one third of the step's FLOPs and backward two thirds (plus the
@@ -543,9 +561,11 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     const double h2d_passes = params && !keep ? accum : 1;
     const double h2d_blocks = params ? gathers_per_block : 1;
     // Device to host, the reduced gradient shards: every micro-batch (HSDP, grad_sync last and
-    // offload optimizer: the last one).
-    const double d2h_root = counts.unit_params[0] / n * rb / link;
-    const double d2h_block = num_blocks > 0 ? counts.unit_params[1] / n * rb / link : 0;
+    // offload optimizer: the last one), in fp32 (the shards' dtype) or, offload params with
+    // one shard, in the compute dtype (Note [Offload]).
+    const double d2h_width = narrow_grads_to_host ? cb : 4;
+    const double d2h_root = counts.unit_params[0] / n * d2h_width / link;
+    const double d2h_block = num_blocks > 0 ? counts.unit_params[1] / n * d2h_width / link : 0;
     const double d2h_passes = hybrid || no_sync || sums_on_device ? 1 : accum;
     time.host_copy_s = h2d_passes * (h2d_root + num_blocks * h2d_blocks * h2d_block) +
                        d2h_passes * (d2h_root + num_blocks * d2h_block);

@@ -323,6 +323,7 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   stats_.to_host_bytes += g.nbytes();
   // Note [CPU offload], "params": the compute dtype's gradient lands in host_compute_grad.
   const bool narrow = g.scalar_type() != p.sharded.scalar_type();
+  if (narrow) stats_.to_host_compute_bytes += g.nbytes();
   TORCH_INTERNAL_ASSERT(!narrow || p.host_compute_grad.defined());
   const bool add = grad.defined();
   // p's landing buffer is written again only after the adder's last task for it is done.
@@ -442,6 +443,10 @@ void HostOffload::WaitForCopies(DeviceStreams& streams) {
 void HostOffload::Drain() {
   RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.wait_s);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.late_adds += static_cast<int64_t>(queued_ - finished_);
+  }
   for (InFlight& f : in_flight_) f.done->synchronize();
   in_flight_.clear();
   if (to_device_done_) to_device_done_->synchronize();

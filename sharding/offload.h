@@ -81,7 +81,9 @@
 // instead of stalling the training thread; a parameter's additions keep their order (micro-
 // batch by micro-batch, one thread), so the sums are those of the run without offload, bit for
 // bit. A parameter's landing buffer is written again only after its last addition finished
-// (the training thread waits for it, counted in wait_s). The host waits only at the end of
+// (the training thread waits for it, counted in wait_s). Stats: add_s is the adder's time,
+// late_adds what was not done when the end of backward began to wait (not hidden), and
+// to_host_compute_bytes the bytes sent in the compute dtype. The host waits only at the end of
 // backward (FsdpModel's final callback: WaitForCopies: the copies and the adder's queue), where
 // it must anyway before it clips and steps, and which also guarantees that no copy still reads
 // a master the host optimizer is about to write. Nothing pinned is allocated after wrapping,
@@ -197,8 +199,11 @@ class HostOffload {
   // training.profile traces.
   struct Stats {
     int64_t to_host_bytes = 0;    // gradient shards copied device->host
+    int64_t to_host_compute_bytes = 0;  // of which in the compute dtype (kParams, one shard)
     int64_t to_device_bytes = 0;  // parameter shards copied host->device
     int64_t host_adds = 0;        // gradient shards added on the host (accumulation)
+    int64_t late_adds = 0;        // host additions and conversions not done yet when the end of
+                                  // backward began to wait for them (not hidden behind compute)
     double wait_s = 0;            // training thread blocked on copies in flight and on the
                                   // adder (fsdp::offload_wait)
     double add_s = 0;             // the adder's additions of gradients, and conversions of
@@ -224,10 +229,10 @@ class HostOffload {
   void SendToHost(FsdpParam& p, const at::Tensor& g);
   // The host's part of a gradient sent to it, run by the adder: see "Host additions" above.
   struct HostTask {
-    at::Tensor dst;  // the fp32 .grad (host_grad)
-    at::Tensor src;  // where the gradient landed: staging_ or host_compute_grad (CPU device:
-                     // the device gradient itself for an fp32 addition)
-    bool add = true;                      // dst += src (converted when narrower), else dst = src
+    at::Tensor dst;   // the fp32 .grad (host_grad)
+    at::Tensor src;   // where the gradient landed: staging_ or host_compute_grad (CPU device:
+                      // the device gradient itself for an fp32 addition)
+    bool add = true;  // dst += src (converted when narrower), else dst = src
     std::shared_ptr<c10::Event> copied;  // CUDA: the copy into src; null on a CPU device
   };
   // Queues `task` for p (starting the adder the first time).

@@ -312,6 +312,9 @@ TEST(OffloadParamsBytesTest, Bf16ComputeOneShardSendsHalfTheGradientBytes) {
         EXPECT_GT(fp32.stats.to_host_bytes, 0) << name;
         EXPECT_EQ((world == 1 ? 2 : 1) * bf16.stats.to_host_bytes, fp32.stats.to_host_bytes)
             << name;
+        EXPECT_EQ(bf16.stats.to_host_compute_bytes, world == 1 ? bf16.stats.to_host_bytes : 0)
+            << name;
+        EXPECT_EQ(fp32.stats.to_host_compute_bytes, 0) << name;
         // One addition per trainable shard and micro-batch after the first, as in fp32.
         EXPECT_GT(bf16.stats.host_adds, 0) << name;
         EXPECT_EQ(bf16.stats.host_adds, fp32.stats.host_adds) << name;
@@ -473,6 +476,13 @@ TEST(OffloadTrainTest, Bf16ParamsLoadHalfTheBytesPerStep) {
             per_step_fp32["to_device_bytes"].get<int64_t>())
       << per_step_bf16.dump() << " vs " << per_step_fp32.dump();
   EXPECT_GT(per_step_bf16["refresh_ms"].get<double>(), 0) << per_step_bf16.dump();
+  // Two shards: the gradients go as the reduce-scatter's fp32 output, added on the host
+  // (Note [CPU offload], "Host additions"): one addition per trainable shard per step here.
+  EXPECT_EQ(per_step_bf16["to_host_bytes"], per_step_fp32["to_host_bytes"]) << per_step_bf16.dump();
+  EXPECT_EQ(per_step_bf16["to_host_compute_bytes"], 0) << per_step_bf16.dump();
+  EXPECT_GT(per_step_bf16["host_adds"].get<int64_t>(), 0) << per_step_bf16.dump();
+  EXPECT_LE(per_step_bf16["late_adds"].get<int64_t>(), per_step_bf16["host_adds"].get<int64_t>())
+      << per_step_bf16.dump();
   // The host holds the bf16 copies too: 2 bytes per parameter of shard beyond the fp32 run's.
   const int64_t host_fp32 = fp32.rank0_stats["model_state"]["host_bytes"].get<int64_t>();
   const int64_t host_bf16 = bf16.rank0_stats["model_state"]["host_bytes"].get<int64_t>();

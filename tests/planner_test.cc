@@ -422,6 +422,25 @@ TEST(OffloadTest, Bf16ParamsOffloadLoadsHalfTheBytes) {
   EXPECT_GT(b.time.optimizer_s, f.time.optimizer_s);  // the host's cast after the step
 }
 
+// Note [Offload]: with one shard and bf16 compute, offload params sends each micro-batch's
+// gradient to the host in bf16 (its cast to the reduce dtype is exact), into 2 bytes per
+// parameter more of pinned host memory: every copy, both ways, moves half the bytes of the fp32
+// run (with several shards the gradients stay fp32: Bf16ParamsOffloadLoadsHalfTheBytes).
+TEST(OffloadTest, OneShardBf16ParamsOffloadSendsBf16Gradients) {
+  const Layout layout{Strategy::kFullShard, 1, 1};
+  PlanRequest bf16 = WithModes(Request("llama_1b", 1, 1, "h100"), "none", "params");
+  PlanRequest fp32 = WithModes(Request("llama_1b", 1, 1, "h100", {"training.mixed_precision=fp32"}),
+                               "none", "params");
+  Prediction b = *Predict(bf16, layout);
+  Prediction f = *Predict(fp32, layout);
+  const double p = static_cast<double>(CountModel(bf16.config.model).params);
+  ASSERT_GT(bf16.config.training.grad_accum_steps, 1);
+  // The bf16 copy of each shard and the bf16 landing buffer of each gradient.
+  EXPECT_NEAR(b.memory.host - f.memory.host, 4 * p, 0.01 * 4 * p);
+  EXPECT_GT(b.time.host_copy_s, 0);
+  EXPECT_NEAR(2 * b.time.host_copy_s, f.time.host_copy_s, 1e-9 * f.time.host_copy_s);
+}
+
 TEST(OffloadTest, ACpuProfileHasOnePoolAndTheHostMustFit) {
   // On a CPU profile the "host" is the same memory: offload saves nothing there.
   PlanRequest r = Request("default", 2, 2, "cpu");
