@@ -330,15 +330,19 @@ TEST(OffloadParamsBytesTest, Bf16ComputeOneShardSendsHalfTheGradientBytes) {
 // tensors (the copy-in stream before each all-gather). The run without offload steps AdamW on
 // the GPU and the offloaded ones on the host, and the gradient norm is summed in other orders,
 // so the results agree to rounding, not bitwise; the memory split is as on the CPU.
-void ExpectClose(const RunResult& base, const RunResult& run, const std::string& what) {
+// On CUDA the runs agree to rounding, not bitwise (atomics in some backward kernels); in bf16
+// a cast that rounds the other way after a step moves a weight by 2^-8, so bf16's tolerances.
+void ExpectClose(const RunResult& base, const RunResult& run, const std::string& what,
+                 bool bf16 = false) {
   SCOPED_TRACE(what);
+  const double rel = bf16 ? 1e-2 : 1e-5, rtol = bf16 ? 5e-2 : 1e-4, atol = bf16 ? 1e-3 : 1e-6;
   ASSERT_EQ(run.losses.size(), base.losses.size());
   for (size_t i = 0; i < base.losses.size(); ++i) {
-    EXPECT_NEAR(run.losses[i], base.losses[i], 1e-5 * std::abs(base.losses[i])) << "step " << i;
-    EXPECT_NEAR(run.norms[i], base.norms[i], 1e-5 * std::abs(base.norms[i])) << "step " << i;
+    EXPECT_NEAR(run.losses[i], base.losses[i], rel * std::abs(base.losses[i])) << "step " << i;
+    EXPECT_NEAR(run.norms[i], base.norms[i], rel * std::abs(base.norms[i])) << "step " << i;
   }
   for (const auto& [name, shard] : base.shards) {
-    EXPECT_TRUE(torch::allclose(run.shards.at(name), shard, /*rtol=*/1e-4, /*atol=*/1e-6)) << name;
+    EXPECT_TRUE(torch::allclose(run.shards.at(name), shard, rtol, atol)) << name;
   }
 }
 
@@ -351,7 +355,10 @@ TEST(OffloadCudaTest, EqualsTheRunWithoutOffloadOnTheGpu) {
       options.cuda_backend = world == 1 ? "nccl" : "gloo";  // NCCL: one rank per GPU
       std::shared_ptr<DistContext> ctx = testing::InitDist(options);
       ASSERT_TRUE(ctx->device().is_cuda());
-      for (const Case& c : {Case{"full_shard"}, Case{"shard_grad_op"}}) {
+      // bf16: params offload loads the bf16 host copies and, with one shard, sends bf16
+      // gradients that the host converts and adds on its adder thread (Note [CPU offload]).
+      for (const Case& c : {Case{"full_shard"}, Case{"shard_grad_op"},
+                            Case{"full_shard", 1, /*bf16=*/true}}) {
         DeviceMesh mesh = *DeviceMesh::Create(
             ctx, *MeshShapeForStrategy(*ParseStrategy(c.strategy), world, 1));
         RunResult base = Train(c, Offload::kNone, mesh, rank, ctx->device());
@@ -360,10 +367,10 @@ TEST(OffloadCudaTest, EqualsTheRunWithoutOffloadOnTheGpu) {
         RunResult summed = Train(c, Offload::kOptimizer, mesh, rank, ctx->device(),
                                  /*on_device=*/true);
         const std::string name = StrCat(c.Name(), " world ", world);
-        ExpectClose(base, summed, name + " offload optimizer, accumulating on the device");
+        ExpectClose(base, summed, name + " offload optimizer, accumulating on the device", c.bf16);
         EXPECT_EQ(summed.stats.host_adds, 0) << name;
-        ExpectClose(base, opt, name + " offload optimizer");
-        ExpectClose(base, params, name + " offload params");
+        ExpectClose(base, opt, name + " offload optimizer", c.bf16);
+        ExpectClose(base, params, name + " offload params", c.bf16);
         EXPECT_EQ(base.bytes.host, 0) << name;
         EXPECT_LT(opt.bytes.device, base.bytes.device) << name;
         EXPECT_EQ(params.bytes.device, 0) << name;
