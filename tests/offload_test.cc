@@ -329,9 +329,9 @@ TEST(OffloadParamsBytesTest, Bf16ComputeOneShardSendsHalfTheGradientBytes) {
 // on NCCL (one shard: no all-gather, the copies alone feed the unit) and 2 on Gloo with CUDA
 // tensors (the copy-in stream before each all-gather). The run without offload steps AdamW on
 // the GPU and the offloaded ones on the host, and the gradient norm is summed in other orders,
-// so the results agree to rounding, not bitwise; the memory split is as on the CPU.
-// On CUDA the runs agree to rounding, not bitwise (atomics in some backward kernels); in bf16
+// so the results agree to rounding, not bitwise (atomics in some backward kernels too); in bf16
 // a cast that rounds the other way after a step moves a weight by 2^-8, so bf16's tolerances.
+// The memory split is as on the CPU.
 void ExpectClose(const RunResult& base, const RunResult& run, const std::string& what,
                  bool bf16 = false) {
   SCOPED_TRACE(what);
