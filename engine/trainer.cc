@@ -803,16 +803,14 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"add_s", o.add_s},
                      {"push_s", o.push_s},
                      {"refresh_s", o.refresh_s}};
-    offload_stats["per_step"] = {{"optimizer_step_ms", 1e3 * optimizer_s / steps},
-                                 {"to_host_bytes", o.to_host_bytes / steps},
-                                 {"to_host_compute_bytes", o.to_host_compute_bytes / steps},
-                                 {"to_device_bytes", o.to_device_bytes / steps},
-                                 {"host_adds", o.host_adds / steps},
-                                 {"late_adds", o.late_adds / steps},
-                                 {"wait_ms", 1e3 * o.wait_s / steps},
-                                 {"add_ms", 1e3 * o.add_s / steps},
-                                 {"push_ms", 1e3 * o.push_s / steps},
-                                 {"refresh_ms", 1e3 * o.refresh_s / steps}};
+    // Each total per step; seconds as milliseconds (x_s -> x_ms).
+    nlohmann::json& per_step = offload_stats["per_step"];
+    for (const auto& [key, value] : offload_stats.items()) {
+      if (key == "per_step") continue;
+      const bool seconds = key.size() > 2 && key.compare(key.size() - 2, 2, "_s") == 0;
+      per_step[seconds ? key.substr(0, key.size() - 2) + "_ms" : key] =
+          (seconds ? 1e3 : 1.0) * value.get<double>() / steps;
+    }
   }
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,
