@@ -1,11 +1,14 @@
 #include "sharding/collectives.h"
 
 #include <chrono>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
 #include "kernels/accumulate.h"
+#include "kernels/cast.h"
 
 namespace fsdp {
 
@@ -31,9 +34,20 @@ int64_t Gather::BufferBytes() const {
 at::Tensor CopyInShards(const std::vector<FsdpParam>& params, const UnitLayout& layout,
                         const at::TensorOptions& opts) {
   at::Tensor input = at::empty({layout.chunk_numel}, opts);
+  // On CUDA the pieces that change dtype are cast in one multi-tensor launch (kernels/cast.h,
+  // bit for bit copy_), not one ATen copy kernel per parameter; the CPU copies as before.
+  std::vector<at::Tensor> pieces, shards;
   for (size_t i = 0; i < params.size(); ++i) {
-    input.narrow(0, layout.offsets[i], layout.pieces[i]).copy_(params[i].padded_shard.view(-1));
+    at::Tensor piece = input.narrow(0, layout.offsets[i], layout.pieces[i]);
+    const at::Tensor& shard = params[i].padded_shard;
+    if (input.is_cuda() && shard.scalar_type() != input.scalar_type()) {
+      pieces.push_back(std::move(piece));
+      shards.push_back(shard.view(-1));
+    } else {
+      piece.copy_(shard.view(-1));
+    }
   }
+  kernels::CastInto(pieces, shards);
   return input;
 }
 
@@ -99,14 +113,23 @@ void FinishGather(Gather& gather, std::vector<FsdpParam>& params, const UnitLayo
 
 // See Note [One shard].
 void UnshardOneShard(std::vector<FsdpParam>& params, c10::ScalarType compute_dtype) {
+  // On CUDA the unit's casts run as one multi-tensor launch (kernels/cast.h, bit for bit
+  // copy_), not one ATen copy kernel per parameter; the CPU copies as before.
+  std::vector<at::Tensor> flats, shards;
   for (FsdpParam& p : params) {
     if (p.padded_shard.scalar_type() == compute_dtype) {
       p.AliasShard();
     } else {
       p.AllocateUnsharded();
-      p.UnshardedFlat().copy_(p.padded_shard.view(-1));
+      if (p.padded_shard.is_cuda()) {
+        flats.push_back(p.UnshardedFlat());
+        shards.push_back(p.padded_shard.view(-1));
+      } else {
+        p.UnshardedFlat().copy_(p.padded_shard.view(-1));
+      }
     }
   }
+  kernels::CastInto(flats, shards);
 }
 
 // See Note [Reshard to a sub-group].
@@ -255,9 +278,13 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
                     c10::ScalarType reduce_dtype, HostOffload* offload) {
   // On CUDA the in-place additions below wait for the end of the loop and run as one
   // multi-tensor launch (kernels/accumulate.h), bit for bit the same: ATen adds a bf16
-  // gradient into an fp32 sum with one unvectorised kernel per parameter.
+  // gradient into an fp32 sum with one unvectorised kernel per parameter. So do the exact
+  // conversions of gradients that have no sum yet (kernels/cast.h: ATen converts each with one
+  // unvectorised copy kernel); the .grads they become follow the launch, in order.
   std::vector<at::Tensor> sums, grads;
   std::vector<FsdpParam*> summed;
+  std::vector<at::Tensor> converted, to_convert;
+  std::vector<std::pair<FsdpParam*, at::Tensor>> after_cast;  // AccumulateShardGrad's arguments
   // Moved rather than copied when nothing needs converting.
   for (int index : grad_params) {
     FsdpParam& p = params[index];
@@ -265,8 +292,10 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
     // With offload the sum to add into is the one kept on the device, if any (Note [CPU
     // offload]: "Accumulating on the device").
     at::Tensor* dst = offload != nullptr ? offload->DeviceGrad(p) : &p.sharded.mutable_grad();
-    if (dst != nullptr && grad.defined() && dst->defined() &&
-        (reduce_dtype == grad.scalar_type() || reduce_dtype == p.sharded.scalar_type())) {
+    // The rounding to reduce_dtype below is exact or none.
+    const bool exact = grad.defined() && (reduce_dtype == grad.scalar_type() ||
+                                          reduce_dtype == p.sharded.scalar_type());
+    if (dst != nullptr && exact && dst->defined()) {
       // Accumulation (the second micro-batch on): the rounding to reduce_dtype is exact or
       // none, so adding the gradient in place, promoted as it is read, gives the values of
       // the casts below without their temporary (a full-size fp32 copy per micro-batch).
@@ -283,17 +312,33 @@ void ReduceOneShard(std::vector<FsdpParam>& params, const std::vector<int>& grad
     }
     // Offload params: the gradient goes to the host in its own dtype when the rounding below
     // is exact (Note [CPU offload], "params").
-    if (offload != nullptr && grad.defined() &&
-        (reduce_dtype == grad.scalar_type() || reduce_dtype == p.sharded.scalar_type()) &&
-        offload->SendComputeGrad(p, grad)) {
+    if (offload != nullptr && exact && offload->SendComputeGrad(p, grad)) {
       grad.reset();
       continue;
     }
-    at::Tensor g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())
-                                  : at::zeros_like(p.sharded);
+    at::Tensor g;
+    if (exact && grad.is_cuda() && grad.scalar_type() != p.sharded.scalar_type()) {
+      // The first micro-batch's conversion, after the loop (with offload the shard is on the
+      // host: g stays on the gradient's device, as grad.to(dtype) would).
+      g = at::empty(p.sharded.sizes(), grad.options().dtype(p.sharded.scalar_type()));
+      converted.push_back(g);
+      to_convert.push_back(grad);
+    } else {
+      g = grad.defined() ? grad.to(reduce_dtype).to(p.sharded.scalar_type())
+                         : at::zeros_like(p.sharded);
+      if (g.sizes() != p.sharded.sizes()) g = g.reshape(p.sharded.sizes());  // e.g. a 0-dim P
+    }
     grad.reset();
-    if (g.sizes() != p.sharded.sizes()) g = g.reshape(p.sharded.sizes());  // e.g. a 0-dim P
-    AccumulateShardGrad(p, g, /*owned=*/true, offload);
+    if (converted.empty()) {
+      AccumulateShardGrad(p, g, /*owned=*/true, offload);
+    } else {
+      after_cast.emplace_back(&p, std::move(g));  // the same order, after the cast
+    }
+  }
+  if (!converted.empty()) {
+    kernels::CastInto(converted, to_convert);
+    to_convert.clear();  // the compute-dtype gradients go back to the allocator
+    for (auto& [p, g] : after_cast) AccumulateShardGrad(*p, g, /*owned=*/true, offload);
   }
   if (sums.empty()) return;
   kernels::AccumulateInto(sums, grads);
