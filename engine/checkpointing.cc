@@ -194,6 +194,7 @@ int64_t Checkpointer::ReserveStaging() {
 absl::Status Checkpointer::Save(int64_t step, const DataPosition& data) {
   auto start = Clock::now();
   FSDP_RETURN_IF_ERROR(Finish());  // one save in flight at a time
+  model_.FinishHostStep();  // the masters and optimizer state, stepped (Note [Overlapped host step])
   last_waiting_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
   if (saved_step_ == step) {
     last_blocking_seconds_ = std::chrono::duration<double>(Clock::now() - start).count();
@@ -330,6 +331,7 @@ absl::Status Checkpointer::WriteAndCommit(const Pending& pending) {
 }
 
 absl::StatusOr<std::optional<ResumePoint>> Checkpointer::Load() {
+  model_.FinishHostStep();  // about to write the masters (Note [Overlapped host step])
   std::string dir = config_.checkpoint.load;
   if (dir.empty()) return std::optional<ResumePoint>();
   if (dir == "latest") {

@@ -392,6 +392,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
         {"offload", Enum(&c.parallelism.offload, OffloadNames())},
+        {"offload_overlap_step", &c.parallelism.offload_overlap_step},
         {"collective_timeout_s", &c.parallelism.collective_timeout_s}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
@@ -1119,6 +1120,7 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   options.max_unsharded_units = static_cast<int>(config.parallelism.max_unsharded_units);
   options.activation_checkpointing = config.training.activation_checkpointing;
   options.offload = config.parallelism.offload;
+  options.offload_overlap_step = config.parallelism.offload_overlap_step;
   options.reshard_between_micro_batches = config.parallelism.reshard_between_micro_batches;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {

@@ -164,6 +164,9 @@ struct ParallelismSection {
   CpuCollectives cpu_collectives = CpuCollectives::kP2p;
   // none | optimizer | params: what lives in host memory (sharding/options.h: Offload).
   Offload offload = Offload::kNone;
+  // With offload: the host optimizer step overlaps the next forward, a unit at a time
+  // (FsdpOptions::offload_overlap_step); false: it runs before the next forward.
+  bool offload_overlap_step = true;
   // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
   // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.
   int64_t collective_timeout_s = 600;

@@ -1,5 +1,6 @@
 #include "engine/optimizer.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <unordered_map>
@@ -135,6 +136,14 @@ class MultiTensorAdam final : public Base {
       at::AutoGradMode enable_grad(true);
       loss = closure();
     }
+    for (auto& [batch, options] : Prepare()) RunBatch(batch, options, fused_);
+    return loss;
+  }
+
+  // Everything step() does but the arithmetic (Note [Prepared steps]): the states of parameters
+  // stepped for the first time, their counters advanced, the hyper-parameters copied.
+  std::vector<std::pair<Batch, Options>> Prepare() {
+    std::vector<std::pair<Batch, Options>> prepared;
     for (auto& group : this->param_groups()) {
       const auto& o = static_cast<const Options&>(group.options());
       TORCH_CHECK(!o.amsgrad(), "fsdp: the fused and foreach Adam steps do not implement amsgrad");
@@ -157,41 +166,45 @@ class MultiTensorAdam final : public Base {
         if (fused_) b.steps.push_back(StepTensor(p, state.step()));
         state.step(state.step() + 1);
         b.step_values.push_back(state.step());
+        // The step tensor holds this count once the batch ran (its _foreach_add_ below).
+        if (fused_) step_cache_[p.unsafeGetTensorImpl()].value = state.step();
       }
-      for (Batch& b : batches) {
-        if (!fused_) {
-          ForeachAdamStep<kDecoupledDecay>(b, o);
-          continue;
-        }
-        at::_foreach_add_(b.steps, 1.0);
-        const auto [beta1, beta2] = o.betas();
-        auto fused = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList steps) {
-          if constexpr (kDecoupledDecay) {
-            at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1,
-                              beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
-                              /*maximize=*/false);
-          } else {
-            at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1,
-                             beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
-                             /*maximize=*/false);
-          }
-        };
-        if (b.device.is_cpu()) {
-          ForEachCpuTensor(b, [&](size_t i) {
-            fused(One(b.params, i), One(b.grads, i), One(b.exp_avgs, i), One(b.exp_avg_sqs, i),
-                  One(b.steps, i));
-          });
-        } else {
-          fused(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps);
-        }
-        for (size_t i = 0; i < b.params.size(); ++i) {
-          step_cache_[b.params[i].unsafeGetTensorImpl()].value = b.step_values[i];
-        }
-      }
+      for (Batch& b : batches) prepared.emplace_back(std::move(b), o);
     }
-    return loss;
+    return prepared;
   }
+
+  // The arithmetic of one prepared batch (any subset of one, in its order: each tensor's
+  // update depends on its own tensors only).
+  static void RunBatch(Batch& b, const Options& o, bool fused_step) {
+    at::NoGradGuard no_grad;
+    if (!fused_step) {
+      ForeachAdamStep<kDecoupledDecay>(b, o);
+      return;
+    }
+    at::_foreach_add_(b.steps, 1.0);
+    const auto [beta1, beta2] = o.betas();
+    auto fused = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList steps) {
+      if constexpr (kDecoupledDecay) {
+        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
+                          o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+      } else {
+        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
+                         o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+      }
+    };
+    if (b.device.is_cpu()) {
+      ForEachCpuTensor(b, [&](size_t i) {
+        fused(One(b.params, i), One(b.grads, i), One(b.exp_avgs, i), One(b.exp_avg_sqs, i),
+              One(b.steps, i));
+      });
+    } else {
+      fused(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps);
+    }
+  }
+
+  bool fused() const { return fused_; }
 
  private:
   struct CachedStep {
@@ -218,6 +231,64 @@ using FastAdamW = MultiTensorAdam<torch::optim::AdamW, torch::optim::AdamWParamS
                                   torch::optim::AdamWOptions, true>;
 using FastAdam = MultiTensorAdam<torch::optim::Adam, torch::optim::AdamParamState,
                                  torch::optim::AdamOptions, false>;
+
+// A step of FastAdamW / FastAdam prepared on the training thread, run later a unit at a time
+// (Note [Prepared steps]).
+template <typename Optimizer, typename Options>
+class PreparedAdamStep final : public PreparedStep {
+ public:
+  PreparedAdamStep(std::vector<std::pair<Batch, Options>> batches, bool fused)
+      : batches_(std::move(batches)), fused_(fused) {
+    for (size_t b = 0; b < batches_.size(); ++b) {
+      const std::vector<at::Tensor>& params = batches_[b].first.params;
+      for (size_t i = 0; i < params.size(); ++i) {
+        params_.push_back(params[i]);
+        where_.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(b, i));
+      }
+    }
+  }
+
+  const std::vector<at::Tensor>& params() const override { return params_; }
+
+  void Run(at::TensorList params) override {
+    std::vector<std::vector<size_t>> picked(batches_.size());
+    for (const at::Tensor& p : params) {
+      auto it = where_.find(p.unsafeGetTensorImpl());
+      if (it == where_.end()) continue;  // not stepped, or stepped already
+      picked[it->second.first].push_back(it->second.second);
+      where_.erase(it);
+    }
+    for (size_t b = 0; b < batches_.size(); ++b) {
+      if (picked[b].empty()) continue;
+      std::sort(picked[b].begin(), picked[b].end());  // the batch's order
+      const Batch& all = batches_[b].first;
+      Batch sub(all.device, all.dtype);
+      for (size_t i : picked[b]) {
+        sub.params.push_back(all.params[i]);
+        sub.grads.push_back(all.grads[i]);
+        sub.exp_avgs.push_back(all.exp_avgs[i]);
+        sub.exp_avg_sqs.push_back(all.exp_avg_sqs[i]);
+        if (!all.steps.empty()) sub.steps.push_back(all.steps[i]);
+        sub.step_values.push_back(all.step_values[i]);
+      }
+      Optimizer::RunBatch(sub, batches_[b].second, fused_);
+    }
+  }
+
+  size_t remaining() const override { return where_.size(); }
+
+ private:
+  std::vector<std::pair<Batch, Options>> batches_;
+  bool fused_;
+  std::vector<at::Tensor> params_;
+  std::unordered_map<c10::TensorImpl*, std::pair<size_t, size_t>> where_;  // (batch, index)
+};
+
+template <typename Optimizer, typename Options>
+std::unique_ptr<PreparedStep> Prepare(Optimizer& optimizer) {
+  return std::make_unique<PreparedAdamStep<Optimizer, Options>>(optimizer.Prepare(),
+                                                                optimizer.fused());
+}
 
 // SGD with momentum, weight decay and dampening stepped by ATen's fused or foreach kernels
 // (Note [Fused optimizer steps]); nesterov as libtorch.
@@ -391,6 +462,17 @@ std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& 
 
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+std::unique_ptr<PreparedStep> PrepareStep(torch::optim::Optimizer& optimizer) {
+  at::NoGradGuard no_grad;
+  if (auto* adamw = dynamic_cast<FastAdamW*>(&optimizer)) {
+    return Prepare<FastAdamW, torch::optim::AdamWOptions>(*adamw);
+  }
+  if (auto* adam = dynamic_cast<FastAdam*>(&optimizer)) {
+    return Prepare<FastAdam, torch::optim::AdamOptions>(*adam);
+  }
+  return nullptr;
 }
 
 std::optional<OptimizerKind> KindOf(const torch::optim::Optimizer& optimizer) {

@@ -66,6 +66,32 @@ std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& 
 // Sets the learning rate of every parameter group.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);
 
+// Note [Prepared steps]
+// A step split in two: PrepareStep does, on the calling thread, everything optimizer.step()
+// does but the arithmetic (the states of parameters stepped for the first time, the step
+// counters advanced, the hyper-parameters and the gradients' tensors taken), and Run does the
+// arithmetic later, on any thread, a subset of the parameters at a time: the offloaded host
+// step that overlaps the next forward (Note [Overlapped host step] in engine/trainable.cc).
+// Each tensor's update reads only its own tensors, so any split gives the values of step(),
+// bit for bit. After PrepareStep the optimizer may be changed (a new learning rate, zero_grad:
+// .grad reset, not the gradient tensors) without changing what Run computes; its state
+// tensors must not be read or written until every parameter ran.
+class PreparedStep {
+ public:
+  virtual ~PreparedStep() = default;
+  // The parameters the step updates (those that had a gradient).
+  virtual const std::vector<at::Tensor>& params() const = 0;
+  // Updates those of `params` the step covers and has not updated yet; ignores the others.
+  virtual void Run(at::TensorList params) = 0;
+  // Parameters not updated yet.
+  virtual size_t remaining() const = 0;
+};
+
+// The step of `optimizer` prepared (above), or nullptr when its implementation has no
+// prepared form: fused and foreach Adam / AdamW do; SGD and the per_tensor implementation step
+// only through optimizer.step().
+std::unique_ptr<PreparedStep> PrepareStep(torch::optim::Optimizer& optimizer);
+
 // ---- per-parameter state, as checkpoints name it ----
 
 // The kind of an optimizer BuildOptimizer made; nullopt for any other optimizer.

@@ -1,10 +1,37 @@
 #include "engine/trainable.h"
 
+#include <unordered_set>
+
 #include "engine/checkpointing.h"
+#include "engine/optimizer.h"
 #include "sharding/fsdp_model.h"
 
 namespace fsdp {
 namespace {
+
+// Note [Overlapped host step]
+// With parallelism.offload the optimizer steps the fp32 masters on the host (Note [CPU
+// offload], sharding/offload.h), and done in place (optimizer.step(), then the masters' cast or
+// copy for the device) the device sits idle through all of it: the next forward needs the new
+// values. But it needs them a unit at a time, in forward order, and each unit's update reads
+// only that unit's tensors (the clipping, which needs every gradient, is over by then). So
+// StepOverlapped prepares the step on the training thread (engine/optimizer.h: Note [Prepared
+// steps]: states, counters, learning rate taken) and FsdpModel::StepOnHost queues it on
+// HostOffload's thread, unit after unit in forward order, each followed by the refresh of the
+// unit's bf16 host copy (offload=params); the trainer goes on to the next step at once. A unit's
+// next unshard waits for its own step (HostOffload::LoadShards; a prefetch does not wait, it
+// leaves the unit to its unshard), so the first units' forward runs while the host steps the
+// later ones: the host's step overlaps the next forward instead of preceding it. The values are
+// the in-place step's, bit for bit (same kernels, same per-tensor arithmetic, any split). The
+// gradients stay with the prepared step: the .grad slots are reset here (the next backward
+// writes new tensors), and the host gradient buffers they alias are written again only by the
+// next backward, after its forward waited for every unit. Everything else that reads or writes
+// the masters or the optimizer's state first waits for the whole step: checkpoint saves and
+// loads (Checkpointer), CopyShardsToDevice, the end of training (TrainableModel::FinishStep);
+// evaluation forwards wait unit by unit like training ones. Costs: none in memory; rank_stats'
+// offload section says how much of the host's step the forward hid (host_step_ms against
+// step_wait_ms, the training thread's wait). parallelism.offload_overlap_step: false steps in
+// place (the step's time is then all exposed: optimizer_step_ms).
 
 class FsdpTrainable final : public TrainableModel {
  public:
@@ -42,6 +69,30 @@ class FsdpTrainable final : public TrainableModel {
     model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
     state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
   }
+  bool StepOverlapped(torch::optim::Optimizer& optimizer) override {
+    if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step) {
+      return false;
+    }
+    // Every parameter the optimizer steps must be one of the units' masters (the step runs
+    // unit by unit); else, and for optimizers without a prepared form, the step runs here.
+    std::unordered_set<const c10::TensorImpl*> masters;
+    for (const at::Tensor& p : model_->parameters()) masters.insert(p.unsafeGetTensorImpl());
+    for (const auto& group : optimizer.param_groups()) {
+      for (const at::Tensor& p : group.params()) {
+        if (masters.count(p.unsafeGetTensorImpl()) == 0) return false;
+      }
+    }
+    std::shared_ptr<PreparedStep> prepared = PrepareStep(optimizer);
+    if (prepared == nullptr) return false;
+    model_->StepOnHost(
+        [prepared](const std::vector<at::Tensor>& unit_masters) { prepared->Run(unit_masters); });
+    state_bytes_ = model_->model_state_bytes();  // gradients still there, as in AfterStep
+    // The step holds the gradient tensors; the .grad slots go now, without zero_grad's
+    // detach_ on tensors the host thread is reading.
+    for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
+    return true;
+  }
+  void FinishStep() override { model_->FinishHostStep(); }
   ModelStateBytes model_state_bytes() const override { return state_bytes_; }
   absl::Status InitFromSafetensors(const std::string& path) override {
     return fsdp::InitFromSafetensors(path, *model_);

@@ -5,6 +5,7 @@
 //   for each micro-batch m of k:  BeginMicroBatch(m, k); loss = f(Forward(x)); loss.backward();
 //                                 AfterBackward();
 //   norm = ClipGradNorm(max);  optimizer.step();  AfterStep();  optimizer.zero_grad();
+//   (or, for the first two: StepOverlapped(optimizer), when it returns true)
 //
 //   std::unique_ptr<TrainableModel> wrapped = WrapForTraining(std::move(fsdp_model));
 //   auto optimizer = BuildOptimizer(config.optimizer, wrapped->parameters());
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
 
 #include "absl/status/status.h"
 #include "sharding/comm_stats.h"
@@ -38,6 +40,14 @@ class TrainableModel {
   virtual at::Tensor ClipGradNorm(double max_norm) = 0;
   // After the optimizer step.
   virtual void AfterStep() {}
+  // Instead of optimizer.step() and AfterStep(): starts a step that overlaps the next forward
+  // (Note [Overlapped host step] in trainable.cc) and returns true, or returns false, having
+  // done nothing, when this model does not overlap its steps (no offload, the option off, an
+  // optimizer without a prepared form). The caller still calls optimizer.zero_grad().
+  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer) { return false; }
+  // Waits for an overlapped step to finish (before anything but the next step's forward reads
+  // or writes the parameters or the optimizer's state). A no-op otherwise.
+  virtual void FinishStep() {}
   // The parameters from a safetensors file with the state-dict names (model.init_from).
   virtual absl::Status InitFromSafetensors(const std::string& path) = 0;
   // Parameter and gradient bytes on the device and in host memory (parallelism.offload) as

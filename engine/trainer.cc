@@ -98,9 +98,11 @@ absl::StatusOr<double> Evaluate(Model& model, const DataLoader& loader, int64_t 
 // issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
 // token and the device (its name and peak FLOP/s) behind the MFU figures. With offload,
 // "offload" holds the host's share of the steps (docs/offload.md): optimizer_step_s, the
-// optimizer step's wall time (on the host there), and HostOffload::Stats (copies' bytes, host
-// waits and additions, offload params' cast of the masters after the step: refresh, evaluations
-// included), each also per step. Rank 0's metrics.jsonl
+// optimizer step's wall time on the training thread (on the host there; with the step
+// overlapped, Note [Overlapped host step], only preparing it: host_step_s is the step itself on
+// the host's thread and step_wait_s what the next forwards waited for it), and
+// HostOffload::Stats (copies' bytes, host waits and additions, offload params' cast of the
+// masters after the step: refresh, evaluations included), each also per step. Rank 0's metrics.jsonl
 // shows rank 0 only; `fsdp bench` reads these files for the maximum over ranks.
 void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t steps, int64_t peak_rss,
                     int64_t peak_tensor, int64_t state_bytes, const ModelStateBytes& model_state,
@@ -331,7 +333,8 @@ at::Tensor BatchToDevice(const at::Tensor& host, c10::Device device) {
 struct StepOutput {
   at::Tensor loss, grad_norm, nonfinite;
   bool skipped = false;
-  double optimizer_s = 0;  // the host's wall time in optimizer.step() (offload: the whole step)
+  double optimizer_s = 0;  // the host's wall time in optimizer.step() (offload: the whole step;
+                           // overlapped (Note [Overlapped host step]): preparing and queueing it)
 };
 
 absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
@@ -372,10 +375,13 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
   {
     RECORD_FUNCTION("fsdp::optimizer_step", std::vector<c10::IValue>());
     const auto start = std::chrono::steady_clock::now();
-    optimizer.step();
+    // See Note [Overlapped host step] (trainable.cc): with offload the step may overlap the
+    // next forward; optimizer_s is then the time to prepare and queue it.
+    const bool overlapped = trained.StepOverlapped(optimizer);
+    if (!overlapped) optimizer.step();
     out.optimizer_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    trained.AfterStep();
+    if (!overlapped) trained.AfterStep();
     optimizer.zero_grad();
   }
   return out;
@@ -786,6 +792,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   }
 
   // ===== the end: last checkpoint, statistics ===================================================
+  trained->FinishStep();  // an overlapped step's last units (Note [Overlapped host step])
   FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
   const ModelStateBytes model_state =
       ModelStateOf(*trained, *optimizer, config.parallelism.offload);
@@ -802,7 +809,10 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"wait_s", o.wait_s},
                      {"add_s", o.add_s},
                      {"push_s", o.push_s},
-                     {"refresh_s", o.refresh_s}};
+                     {"refresh_s", o.refresh_s},
+                     {"host_step_s", o.host_step_s},
+                     {"step_wait_s", o.step_wait_s},
+                     {"overlapped_steps", o.overlapped_steps}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];
     for (const auto& [key, value] : offload_stats.items()) {

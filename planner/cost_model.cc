@@ -263,7 +263,11 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
 // all-gather (exposed: the first unit's, and what a copy takes beyond its unit's compute); the
 // host step at kHostOptimizerBytesPerParam per parameter over the node's host memory bandwidth
-// shared by its ranks, not overlapped (the next forward needs its result).
+// shared by its ranks. With parallelism.offload_overlap_step (the default; Note [Overlapped host
+// step] in engine/trainable.cc) the host steps the units in forward order while the next
+// forward runs, each unit's forward waiting for its own step: exposed are the root's and the
+// first block's steps and what each later block's step takes beyond that block's forward;
+// without it, and on a CPU profile (one pool of cores for both), all of the step.
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
   return PredictCounted(request, layout, CountedModel::Of(request.config.model));
 }
@@ -469,6 +473,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   time.recompute_s = accum * recompute_micro;
   double host_bw = cpu_profile ? hw.memory_bw : hw.host_memory_bw;
   host_bw /= ranks_on_node;
+  double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
   if (offload == Offload::kNone) {
     time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
   } else {
@@ -485,9 +490,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     const double refresh = offload == Offload::kParams && loaded_bytes < 4
                                ? padded_total / n * (4 + loaded_bytes)
                                : 0;
-    time.optimizer_s =
-        (host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0) +
-        std::max(0.0, accumulate_s - adds * compute_micro);
+    host_step_s = host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0;
+    time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
   }
 
   // Block compute, forward one third of the step's FLOPs and backward two thirds (plus the
@@ -497,6 +501,18 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const double block_fwd = (compute_micro - recompute_micro) * block_share / 3;
   const double block_bwd = (compute_micro - recompute_micro) * block_share * 2 / 3 +
                            (num_blocks > 0 ? recompute_micro / num_blocks : 0);
+
+  // The overlapped host step (Note [Offload]): unit by unit behind the next forward; not on a
+  // CPU profile, whose forward runs on the cores the host step needs.
+  if (host_step_s > 0 && sharding.options.offload_overlap_step && num_blocks > 0 && !cpu_profile) {
+    double params_total = 0;
+    for (int64_t u : counts.unit_params) params_total += static_cast<double>(u);
+    const double h_root = host_step_s * counts.unit_params[0] / params_total;
+    const double h_block = host_step_s * counts.unit_params[1] / params_total;
+    const double exposed_step =
+        h_root + h_block + (num_blocks - 1) * std::max(0.0, h_block - block_fwd);
+    time.optimizer_s -= host_step_s - std::min(host_step_s, exposed_step);
+  }
 
   // Groups: shard ranks are consecutive (inner axis), replicas stride by s.
   const Group shard_group = MakeGroup(s, std::gcd(s, per_node), hw);

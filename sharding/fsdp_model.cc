@@ -2,6 +2,7 @@
 // Wrapping (parameter ownership, checks, sharding) is in wrap.cc.
 #include "sharding/fsdp_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -155,7 +156,9 @@ void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   const int depth = limited ? ctx_.options.max_unsharded_units - 1 : 1;
   // Offloaded shards (Note [CPU offload]): their host->device copies run one unit ahead.
   for (int step = 1; ctx_.offload && step <= depth + 1; ++step) {
-    if (FsdpUnit* unit = Neighbour(current, direction * step)) unit->LoadDeviceShards();
+    if (FsdpUnit* unit = Neighbour(current, direction * step)) {
+      unit->LoadDeviceShards(/*wait=*/false);  // not while the host steps it (Note [Overlapped host step])
+    }
   }
   // One shard (Note [One shard]): no collective to start early. The unshard is an alias or a
   // cast on the compute stream, which costs the same later, and done here it would hold its
@@ -502,8 +505,33 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
       .to(ctx_.device, /*non_blocking=*/true);
 }
 
+void FsdpModel::StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step) {
+  TORCH_CHECK(ctx_.offload, "FsdpModel::StepOnHost: needs parallelism.offload");
+  TORCH_CHECK(NumUnshardedUnits() == 0,
+              "FsdpModel::StepOnHost: unsharded parameters kept past the step (stale copies)");
+  // Forward order, so that the next forward's first unit is stepped first.
+  std::vector<FsdpUnit*> order;
+  if (order_final_) order = order_;
+  for (const auto& unit : units_) {
+    if (std::find(order.begin(), order.end(), unit.get()) == order.end()) order.push_back(unit.get());
+  }
+  std::vector<std::vector<FsdpParam*>> groups;
+  for (FsdpUnit* unit : order) {
+    std::vector<FsdpParam*>& group = groups.emplace_back();
+    for (FsdpParam& p : unit->params()) group.push_back(&p);
+  }
+  ctx_.offload->StepInOrder(groups, std::move(step));
+}
+
+void FsdpModel::FinishHostStep() {
+  if (!ctx_.offload || !ctx_.offload->step_pending()) return;
+  ctx_.offload->FinishStep(*ctx_.streams);
+  ctx_.offload->WaitForShardsOnCurrentStream();
+}
+
 void FsdpModel::CopyShardsToDevice() {
   if (!ctx_.offload) return;
+  FinishHostStep();
   ctx_.offload->PushShards(*ctx_.streams);
   // The copies run on the copy-in stream; whatever the caller issues next on its stream (a
   // read of the device shards, the next forward) must follow them. A wait queued on the

@@ -191,6 +191,19 @@ class FsdpModel {
   // new shards, and the host must not write the masters again before that work has run (the
   // next backward's end waits for it; otherwise synchronise the device first).
   void CopyShardsToDevice();
+  // Offload: the optimizer step run on the host a unit at a time, in forward order, on
+  // HostOffload's thread, while the caller goes on: `step(masters)` updates those masters (the
+  // tensors parameters() returns) and must not touch anything the training thread uses. Each
+  // unit's next unshard waits for its own step (and with offloaded parameters loads the new
+  // values; with offload=optimizer copies them into the device shards), so the next forward
+  // starts while the host steps the units after it. Call after the backward's end, instead of
+  // stepping and CopyShardsToDevice; FinishHostStep (also called by CopyShardsToDevice) waits
+  // for all of it. See Note [Overlapped host step] (engine/trainable.cc).
+  void StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step);
+  // Waits for StepOnHost's step; then the masters and the device shards are as after
+  // CopyShardsToDevice. A no-op without one in flight. Call before reading or writing the
+  // masters or the optimizer state (checkpoints do).
+  void FinishHostStep();
   // Bytes of parameter shards and gradient shards on the device and (offload) in host memory.
   ModelStateBytes model_state_bytes() const;
 

@@ -164,12 +164,12 @@ void FsdpUnit::DropPostForwardShard() {
   state_ = ShardedState::kSharded;
 }
 
-void FsdpUnit::LoadDeviceShards() {
+void FsdpUnit::LoadDeviceShards(bool wait) {
   if (!ctx_->offload || state_ != ShardedState::kSharded) return;
   DeviceStreams& streams = *ctx_->streams;
   std::optional<c10::StreamGuard> on_copy_in;
   if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
-  ctx_->offload->LoadShards(params_);
+  ctx_->offload->LoadShards(params_, wait);
 }
 
 void FsdpUnit::ReleaseDeviceShards() {

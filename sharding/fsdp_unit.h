@@ -142,7 +142,9 @@ class FsdpUnit {
   void DropPostForwardShard();
   // Offload params (Note [CPU offload]): in kSharded, starts the host->device copy of the
   // shards ahead of the all-gather (prefetch); ReleaseDeviceShards frees them. No-ops otherwise.
-  void LoadDeviceShards();
+  // While the host still steps this unit's masters (Note [Overlapped host step]) it waits for
+  // that, or with `wait` false (a prefetch) leaves the copy to the unit's own unshard.
+  void LoadDeviceShards(bool wait = true);
   void ReleaseDeviceShards();
 
   // ---- TrainingState transitions ----

@@ -214,6 +214,7 @@ void HostOffload::PushShards(DeviceStreams& streams) {
     p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
     stats_.to_device_bytes += p->padded_shard.nbytes();
   }
+  push_pending_.clear();
   RecordHostToDevice();
 }
 
@@ -233,8 +234,20 @@ void HostOffload::RefreshComputeShards() {
   }
 }
 
-void HostOffload::LoadShards(std::vector<FsdpParam>& params) {
-  if (mode_ != Offload::kParams) return;
+bool HostOffload::LoadShards(std::vector<FsdpParam>& params, bool wait) {
+  if (!WaitForStepOf(params, wait)) return false;
+  if (mode_ == Offload::kOptimizer) {
+    // Not from a prefetch: its copy-in stream was not ordered after the compute stream, which
+    // may still read the device shards (one rank: the parameters alias them).
+    if (!wait) return false;
+    if (!push_pending_.empty()) {
+      std::vector<FsdpParam*> mine;
+      for (FsdpParam& p : params) mine.push_back(&p);
+      PushPending(std::move(mine));
+    }
+    return true;
+  }
+  if (mode_ != Offload::kParams) return true;
   at::NoGradGuard no_grad;
   bool issued = false;
   for (FsdpParam& p : params) {
@@ -249,6 +262,101 @@ void HostOffload::LoadShards(std::vector<FsdpParam>& params) {
   }
   peak_loaded_bytes_ = std::max(peak_loaded_bytes_, loaded_bytes_);
   if (issued) RecordHostToDevice();
+  return true;
+}
+
+// ---- the optimizer step, overlapped -----------------------------------------------------------
+
+void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups,
+                              std::function<void(const std::vector<at::Tensor>&)> step) {
+  TORCH_CHECK(!step_pending(), "HostOffload: a host step is already in flight");
+  // Copies still reading the host shards or their compute copies (a load for an all-gather that
+  // never came) finish before the adder writes them.
+  if (to_device_done_) to_device_done_->synchronize();
+  ++stats_.overlapped_steps;
+  auto shared_step =
+      std::make_shared<std::function<void(const std::vector<at::Tensor>&)>>(std::move(step));
+  for (const std::vector<FsdpParam*>& group : groups) {
+    if (group.empty()) continue;
+    std::vector<at::Tensor> masters;
+    std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (host_compute_shard, host_shard)
+    for (const FsdpParam* p : group) {
+      masters.push_back(p->sharded);
+      if (mode_ == Offload::kParams && p->host_compute_shard.defined()) {
+        casts.emplace_back(p->host_compute_shard, p->host_shard);
+      }
+    }
+    HostTask task;
+    task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts)] {
+      RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
+      PhaseTimer timer(stats_.host_step_s);
+      (*shared_step)(masters);
+      if (casts.empty()) return;
+      PhaseTimer refresh(stats_.refresh_s);
+      // The cast the device does without offload, as RefreshComputeShards.
+      for (const auto& [compute, master] : casts) compute.copy_(master);
+    };
+    const uint64_t seq = EnqueueTask(std::move(task));
+    for (FsdpParam* p : group) {
+      step_task_[p] = seq;
+      if (mode_ == Offload::kOptimizer) push_pending_.push_back(p);
+    }
+  }
+}
+
+bool HostOffload::WaitForStepOf(std::vector<FsdpParam>& params, bool wait) {
+  if (step_task_.empty()) return true;
+  uint64_t seq = 0;
+  for (const FsdpParam& p : params) {
+    auto it = step_task_.find(&p);
+    if (it != step_task_.end()) seq = std::max(seq, it->second);
+  }
+  if (seq == 0) return true;
+  if (!wait) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ < seq) return false;  // still stepping: the unit's own unshard will wait
+  }
+  {
+    RECORD_FUNCTION("fsdp::offload_step_wait", std::vector<c10::IValue>());
+    PhaseTimer timer(stats_.step_wait_s);
+    WaitForTask(seq);  // rethrows the step's error
+  }
+  for (const FsdpParam& p : params) step_task_.erase(&p);
+  return true;
+}
+
+void HostOffload::PushPending(std::vector<FsdpParam*> params) {
+  at::NoGradGuard no_grad;
+  bool issued = false;
+  for (FsdpParam* p : params) {
+    auto it = std::find(push_pending_.begin(), push_pending_.end(), p);
+    if (it == push_pending_.end()) continue;
+    push_pending_.erase(it);
+    p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
+    stats_.to_device_bytes += p->padded_shard.nbytes();
+    issued = true;
+  }
+  if (issued) RecordHostToDevice();
+}
+
+void HostOffload::FinishStep(DeviceStreams& streams) {
+  if (!step_pending()) return;
+  uint64_t seq = 0;
+  for (const auto& [p, task] : step_task_) seq = std::max(seq, task);
+  if (seq > 0) {
+    RECORD_FUNCTION("fsdp::offload_step_wait", std::vector<c10::IValue>());
+    PhaseTimer timer(stats_.step_wait_s);
+    WaitForTask(seq);
+  }
+  step_task_.clear();
+  if (push_pending_.empty()) return;
+  // As PushShards: the copy-in stream waits for the compute stream first.
+  streams.BeginCopyIn();
+  RECORD_FUNCTION("fsdp::offload_push", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.push_s);
+  std::optional<c10::StreamGuard> on_copy_in;
+  if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
+  PushPending(push_pending_);
 }
 
 void HostOffload::ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams) {
@@ -375,13 +483,19 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
 // ---- the adder (Note [CPU offload], "Host additions") -----------------------------------------
 
 void HostOffload::Enqueue(FsdpParam& p, HostTask task) {
+  last_task_[&p] = EnqueueTask(std::move(task));
+}
+
+uint64_t HostOffload::EnqueueTask(HostTask task) {
   if (!adder_.joinable()) adder_ = std::thread([this] { RunAdder(); });
+  uint64_t seq = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
-    last_task_[&p] = ++queued_;
+    seq = ++queued_;
   }
   changed_.notify_all();
+  return seq;
 }
 
 void HostOffload::WaitForTask(uint64_t seq) {
@@ -419,6 +533,10 @@ void HostOffload::RunAdder() {
 }
 
 void HostOffload::FinishOnHost(const HostTask& task) {
+  if (task.job) {
+    task.job();
+    return;
+  }
   if (task.copied) task.copied->synchronize();
   RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.add_s);

@@ -101,6 +101,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -153,8 +154,26 @@ class HostOffload {
   void RefreshComputeShards();
   // kParams: allocates the device shards of `params` that are not loaded and issues their copy
   // from the host (host_compute_shard when there is one, else host_shard) on the current
-  // stream (the caller makes it the copy-in stream).
-  void LoadShards(std::vector<FsdpParam>& params);
+  // stream (the caller makes it the copy-in stream). With a host step in flight (StepInOrder)
+  // it first waits for these parameters' step; `wait` false (a prefetch) returns false
+  // instead, loading nothing, while that step runs. kOptimizer: with a host step in flight,
+  // the same wait, then the stepped masters are copied into their device shards (on the
+  // current stream, which the caller ordered after the compute stream); otherwise nothing.
+  bool LoadShards(std::vector<FsdpParam>& params, bool wait = true);
+
+  // ---- the optimizer step, overlapped (Note [Overlapped host step], engine/trainable.cc) ----
+  // Queues on the adder thread, group after group (`groups`: the units' parameters in forward
+  // order), `step(masters of the group)` and, with kParams, the cast of the group's masters into
+  // host_compute_shard; LoadShards then waits for a group's step before its first copy. Call
+  // after the end of backward (WaitForCopies), with every master's .grad final.
+  void StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups,
+                   std::function<void(const std::vector<at::Tensor>&)> step);
+  // Waits for every step StepInOrder queued (rethrowing its error) and, with kOptimizer, copies
+  // the masters not copied yet into their device shards (copy-in stream, after the compute
+  // stream): afterwards the masters and device shards are those of a step run in place.
+  void FinishStep(DeviceStreams& streams);
+  // Whether a step queued by StepInOrder has groups not loaded or pushed since.
+  bool step_pending() const { return !step_task_.empty() || !push_pending_.empty(); }
   // kParams: frees the device shards of `params` (through `streams`' stash: Note [Copy-in
   // stream]).
   void ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams);
@@ -211,7 +230,13 @@ class HostOffload {
                                   // off the training thread)
     double push_s = 0;            // issuing the masters' host->device copies (offload_push)
     double refresh_s = 0;         // kParams: casting the masters into host_compute_shard
-                                  // (fsdp::offload_refresh)
+                                  // (fsdp::offload_refresh; on the adder when overlapped)
+    // Overlapped host steps (StepInOrder): the adder's time stepping the groups (refresh
+    // included; fsdp::offload_host_step), and the training thread's time blocked waiting for a
+    // group's step before loading it (fsdp::offload_step_wait): the part not hidden.
+    double host_step_s = 0;
+    double step_wait_s = 0;
+    int64_t overlapped_steps = 0;  // StepInOrder calls
   };
   const Stats& stats() const { return stats_; }
 
@@ -234,9 +259,16 @@ class HostOffload {
                       // the device gradient itself for an fp32 addition)
     bool add = true;  // dst += src (converted when narrower), else dst = src
     std::shared_ptr<c10::Event> copied;  // CUDA: the copy into src; null on a CPU device
+    std::function<void()> job;           // set: run this instead (a group's host step)
   };
   // Queues `task` for p (starting the adder the first time).
   void Enqueue(FsdpParam& p, HostTask task);
+  // Queues `task` for no parameter; returns its number.
+  uint64_t EnqueueTask(HostTask task);
+  // StepInOrder's wait in LoadShards: true when `params` have no step in flight any more.
+  bool WaitForStepOf(std::vector<FsdpParam>& params, bool wait);
+  // kOptimizer: copies the stepped masters of `params` still to be pushed (current stream).
+  void PushPending(std::vector<FsdpParam*> params);
   // Blocks until the adder finished the `seq`-th task queued (1-based); rethrows its error.
   void WaitForTask(uint64_t seq);
   // The adder's loop; FinishOnHost runs one task on it.
@@ -258,6 +290,10 @@ class HostOffload {
   std::vector<InFlight> in_flight_;               // CUDA only
   std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
   std::map<FsdpParam*, uint64_t> last_task_;      // p's last task queued, until WaitForCopies
+  // StepInOrder: each parameter's step task, until LoadShards or FinishStep waited for it;
+  // kOptimizer: the parameters whose stepped masters are not in their device shards yet.
+  std::map<const FsdpParam*, uint64_t> step_task_;
+  std::vector<FsdpParam*> push_pending_;
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;
   std::mutex mutex_;

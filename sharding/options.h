@@ -92,6 +92,10 @@ struct FsdpOptions {
   ParamInitFn param_init;
   ActivationCheckpointing activation_checkpointing;
   Offload offload = Offload::kNone;
+  // With offload, the trainer's host optimizer step runs a unit at a time on HostOffload's
+  // thread while the next forward starts (Note [Overlapped host step], engine/trainable.cc):
+  // the same values, bit for bit; false steps on the training thread before the next forward.
+  bool offload_overlap_step = true;
   // false: a unit's unsharded parameters, once gathered (cast, with one shard) in a training
   // forward, stay until a backward that the caller marks as its step's last
   // (FsdpModel::set_reshard_after_backward): under gradient accumulation every unit is gathered

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -258,5 +259,73 @@ TEST(MultiTensorOptimizerTest, ResumesFromAnotherOptimizersState) {
     }
   }
 }
+// Note [Prepared steps]: a prepared step run in parts, on another thread, after the optimizer's
+// learning rate changed and its .grad slots were reset, equals step() bit for bit, parameter by
+// parameter, and leaves the same state; only Adam and AdamW (fused, foreach) have one.
+TEST(PreparedStepTest, RunInPartsOnAnotherThreadEqualsStepBitwise) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
+    for (auto implementation :
+         {OptimizerImplementation::kFused, OptimizerImplementation::kForeach}) {
+      SCOPED_TRACE(StrCat(OptimizerKindName(kind), "/", OptimizerImplementationName(implementation)));
+      OptimizerOptions o{.kind = kind, .lr = 1e-2, .weight_decay = 0.1,
+                         .implementation = implementation};
+      std::vector<at::Tensor> init = Params();
+      // A large tensor too: on CPU it takes the fused kernel's own threads (Note [Fused
+      // optimizer steps]), the small ones one parallel region.
+      at::manual_seed(3);
+      init.push_back(at::randn({int64_t{1} << 18}));
+      std::vector<at::Tensor> a = Trainable(init), b = Trainable(init);
+      std::unique_ptr<torch::optim::Optimizer> in_place = BuildOptimizer(o, a);
+      std::unique_ptr<torch::optim::Optimizer> prepared_opt = BuildOptimizer(o, b);
+      for (int step = 0; step < 3; ++step) {
+        at::manual_seed(50 + step);
+        for (size_t i = 0; i < a.size(); ++i) {
+          at::Tensor g = at::randn(a[i].sizes(), a[i].options().requires_grad(false)) * 1e-2;
+          // Parameter 1 has no gradient at step 1: not stepped, not prepared.
+          a[i].mutable_grad() = i == 1 && step == 1 ? at::Tensor() : g;
+          b[i].mutable_grad() = i == 1 && step == 1 ? at::Tensor() : g.clone();
+        }
+        in_place->step();
+        std::unique_ptr<PreparedStep> prepared = PrepareStep(*prepared_opt);
+        ASSERT_NE(prepared, nullptr);
+        EXPECT_EQ(prepared->params().size(), step == 1 ? b.size() - 1 : b.size());
+        EXPECT_EQ(prepared->remaining(), prepared->params().size());
+        // What the trainer does before the host runs it: the next learning rate, no .grad.
+        SetLearningRate(*prepared_opt, 123.0);
+        for (at::Tensor& p : b) p.mutable_grad().reset();
+        std::thread host([&] {
+          at::NoGradGuard no_grad;
+          prepared->Run({b[3], b[0]});
+          prepared->Run({b[0]});  // stepped already: ignored
+          prepared->Run({b[2], b[1]});
+        });
+        host.join();
+        EXPECT_EQ(prepared->remaining(), 0u);
+        SetLearningRate(*prepared_opt, 1e-2);
+        for (size_t i = 0; i < a.size(); ++i) {
+          EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i << " step " << step;
+          auto& sa = *in_place->state().at(a[i].unsafeGetTensorImpl());
+          auto& sb = *prepared_opt->state().at(b[i].unsafeGetTensorImpl());
+          EXPECT_EQ(*StepCounter(sa), *StepCounter(sb));
+          std::vector<OptimizerStateTensor> ta = StateTensors(sa), tb = StateTensors(sb);
+          for (size_t j = 0; j < ta.size(); ++j) {
+            EXPECT_TRUE(at::equal(*ta[j].tensor, *tb[j].tensor)) << ta[j].name << " " << i;
+          }
+        }
+      }
+      EXPECT_GT(MaxDiff(init, b), 1e-3) << "the parameters did not move";
+    }
+  }
+  // No prepared form: SGD, and libtorch's per-tensor classes; nothing about the state changed.
+  for (OptimizerOptions o : {OptimizerOptions{.kind = OptimizerKind::kSgd},
+                             OptimizerOptions{.implementation = OptimizerImplementation::kPerTensor}}) {
+    std::vector<at::Tensor> p = Trainable(Params());
+    std::unique_ptr<torch::optim::Optimizer> opt = BuildOptimizer(o, p);
+    for (at::Tensor& t : p) t.mutable_grad() = at::ones_like(t);
+    EXPECT_EQ(PrepareStep(*opt), nullptr);
+    EXPECT_TRUE(opt->state().empty());
+  }
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -1134,5 +1134,31 @@ TEST_F(PlanCliTest, BadInputsExitWithTwo) {
   EXPECT_THAT(run.output, ::testing::Not(HasSubstr("nan")));
 }
 
+// Note [Offload]: the host step overlapped with the next forward (the default) exposes only
+// what the forward does not hide, on a GPU; on a CPU profile, where both need the same cores,
+// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere.
+TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
+  for (const char* mode : {"optimizer", "params"}) {
+    SCOPED_TRACE(mode);
+    const std::string offload = StrCat("parallelism.offload=", mode);
+    for (const char* gpu : {"h100", "cpu"}) {
+      Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload}),
+                               {Strategy::kFullShard, 1, 1});
+      Prediction off = *Predict(
+          Request("llama_1b", 1, 1, gpu, {offload, "parallelism.offload_overlap_step=false"}),
+          {Strategy::kFullShard, 1, 1});
+      EXPECT_GT(on.time.optimizer_s, 0) << gpu;
+      if (std::string(gpu) == "cpu") {
+        EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
+        continue;
+      }
+      // Hidden: at most the first forward's blocks, never the root's and first block's step.
+      EXPECT_LT(on.time.optimizer_s, off.time.optimizer_s);
+      EXPECT_LE(off.time.optimizer_s - on.time.optimizer_s, on.time.compute_s / 3);
+      EXPECT_NEAR(on.time.step_s - on.time.optimizer_s, off.time.step_s - off.time.optimizer_s, 1e-9);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::plan

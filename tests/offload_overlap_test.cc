@@ -1,0 +1,249 @@
+// The offloaded optimizer step overlapping the next forward (Note [Overlapped host step] in
+// engine/trainable.cc; FsdpModel::StepOnHost, HostOffload::StepInOrder) on real ranks: the
+// runs equal the step run in place bit for bit (offload params and optimizer, fp32 and bf16
+// compute, 1 and 2 ranks, with an evaluation forward while the step is in flight), the step
+// runs unit by unit in forward order on the host's thread without blocking the caller, and the
+// trainer's rank statistics count it.
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "checkpoint/format.h"
+#include "common/strings.h"
+#include "engine/optimizer.h"
+#include "sharding/fsdp_model.h"
+#include "tests/multirank.h"
+#include "tests/train_run.h"
+#include "tests/tiny_gpt.h"
+
+namespace fsdp {
+namespace {
+
+using testing::TinyGpt;
+using testing::TinyGptConfig;
+
+constexpr int kSteps = 3;
+constexpr int kMicroBatches = 2;
+constexpr int64_t kGlobalBatch = 8;
+
+struct RunResult {
+  std::vector<double> losses, eval_losses;
+  std::map<std::string, torch::Tensor> masters;
+  std::vector<std::string> group_order;  // overlapped: each group's first master, in step order
+  bool returned_before_step = true;  // overlapped: StepOnHost returned before the last group ran
+  HostOffload::Stats stats;
+};
+
+// kSteps steps of the fused AdamW (engine/optimizer.h), in place (step, CopyShardsToDevice) or
+// overlapped (a prepared step through StepOnHost, as the trainer runs it), with an evaluation
+// forward after each step, before the next training forward: while an overlapped step is in
+// flight.
+RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, int rank) {
+  TinyGptConfig config;
+  config.layers = 5;
+  torch::manual_seed(4321);
+  TinyGpt model(config);
+  FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+  options.offload = offload;
+  if (bf16) {
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
+    options.mixed_precision.output_dtype = at::kFloat;
+  }
+  auto units = SelectUnits(*model, {.module_types = {"fsdp::testing::BlockImpl"}});
+  std::unique_ptr<FsdpModel> wrapped = *FsdpModel::Wrap(model.ptr(), mesh, units, options);
+  FsdpModel& fsdp = *wrapped;
+  std::unique_ptr<torch::optim::Optimizer> opt = BuildOptimizer(
+      {.kind = OptimizerKind::kAdamW, .lr = 1e-2, .weight_decay = 0.1}, fsdp.parameters());
+  const int64_t micro = kGlobalBatch / mesh.shape().num_ranks() / kMicroBatches;
+  auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    torch::Tensor logits = model->forward(x);
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}),
+                                                y.reshape({-1}));
+  };
+  RunResult run;
+  std::mutex order_mutex;
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& [name, master] : fsdp.named_parameters()) names[master.unsafeGetTensorImpl()] = name;
+  for (int step = 0; step < kSteps; ++step) {
+    torch::manual_seed(200 + step);
+    torch::Tensor x = torch::randint(config.vocab, {kGlobalBatch, config.seq});
+    torch::Tensor y = torch::randint(config.vocab, {kGlobalBatch, config.seq});
+    double loss_sum = 0;
+    for (int m = 0; m < kMicroBatches; ++m) {
+      const int64_t begin = (rank * kMicroBatches + m) * micro;
+      torch::Tensor loss =
+          loss_of(x.narrow(0, begin, micro), y.narrow(0, begin, micro)) / kMicroBatches;
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    run.losses.push_back(loss_sum);
+    fsdp.ClipGradNorm(0.5);
+    if (!overlapped) {
+      opt->step();
+      fsdp.CopyShardsToDevice();
+      opt->zero_grad();
+    } else {
+      std::shared_ptr<PreparedStep> prepared = PrepareStep(*opt);
+      EXPECT_NE(prepared, nullptr);
+      if (prepared == nullptr) return run;
+      // The last group waits until StepOnHost returned: were the step run inline, it would
+      // time out here and say so.
+      auto returned = std::make_shared<std::promise<void>>();
+      std::shared_future<void> returned_future = returned->get_future().share();
+      const size_t groups = fsdp.units().size();
+      auto seen = std::make_shared<std::atomic<size_t>>(0);
+      auto on_time = std::make_shared<std::atomic<bool>>(true);
+      fsdp.StepOnHost([&, prepared, returned_future, groups, seen,
+                       on_time](const std::vector<at::Tensor>& masters) {
+        if (++*seen == groups &&
+            returned_future.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+          *on_time = false;
+        }
+        {
+          std::lock_guard<std::mutex> lock(order_mutex);
+          if (step == 0) run.group_order.push_back(names.at(masters.at(0).unsafeGetTensorImpl()));
+        }
+        prepared->Run(masters);
+      });
+      returned->set_value();
+      for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
+      opt->zero_grad();
+      // The evaluation forward below waits unit by unit; the flag is read once the step ended.
+      run.eval_losses.push_back(
+          [&] {
+            at::NoGradGuard no_grad;
+            return loss_of(x.narrow(0, 0, micro), y.narrow(0, 0, micro)).item<double>();
+          }());
+      fsdp.FinishHostStep();
+      run.returned_before_step = run.returned_before_step && *on_time;
+      EXPECT_EQ(prepared->remaining(), 0u);
+      continue;
+    }
+    at::NoGradGuard no_grad;
+    run.eval_losses.push_back(loss_of(x.narrow(0, 0, micro), y.narrow(0, 0, micro)).item<double>());
+  }
+  fsdp.FinishHostStep();
+  for (const auto& [name, shard] : fsdp.named_parameters()) {
+    run.masters[name] = shard.detach().clone();
+    const FsdpParam* p = fsdp.FindParam(name);
+    if (offload == Offload::kOptimizer) {  // the device shards hold the stepped masters
+      EXPECT_TRUE(torch::equal(p->padded_shard, p->host_shard)) << name;
+    }
+    if (offload == Offload::kParams && p->host_compute_shard.defined()) {  // refreshed
+      EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
+    }
+  }
+  run.stats = fsdp.context().offload->stats();
+  return run;
+}
+
+class OffloadOverlapTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(OffloadOverlapTest, EqualsTheStepInPlaceBitwise) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [&](int rank) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
+    for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
+      for (bool bf16 : {false, true}) {
+        SCOPED_TRACE(StrCat(OffloadName(offload), bf16 ? " bf16" : " fp32", " rank ", rank));
+        RunResult in_place = Train(offload, bf16, /*overlapped=*/false, mesh, rank);
+        RunResult overlapped = Train(offload, bf16, /*overlapped=*/true, mesh, rank);
+        EXPECT_EQ(overlapped.losses, in_place.losses);
+        EXPECT_EQ(overlapped.eval_losses, in_place.eval_losses);
+        ASSERT_EQ(overlapped.masters.size(), in_place.masters.size());
+        for (const auto& [name, master] : in_place.masters) {
+          EXPECT_TRUE(torch::equal(overlapped.masters.at(name), master)) << name;
+        }
+        EXPECT_TRUE(overlapped.returned_before_step);
+        // One group per unit, in forward order: the root (embeddings, final norm) first, then
+        // the 5 blocks in order.
+        ASSERT_EQ(overlapped.group_order.size(), 6u);
+        EXPECT_FALSE(absl::StartsWith(overlapped.group_order[0], "blocks."))
+            << overlapped.group_order[0];
+        for (size_t i = 1; i < overlapped.group_order.size(); ++i) {
+          EXPECT_TRUE(absl::StartsWith(overlapped.group_order[i], StrCat("blocks.", i - 1, ".")))
+              << overlapped.group_order[i];
+        }
+        EXPECT_EQ(overlapped.stats.overlapped_steps, kSteps);
+        EXPECT_EQ(in_place.stats.overlapped_steps, 0);
+        EXPECT_GT(overlapped.stats.host_step_s, 0);
+        EXPECT_EQ(in_place.stats.host_step_s, 0);
+        // Every load (forward and backward, training and evaluation) moves the same bytes.
+        EXPECT_EQ(overlapped.stats.to_device_bytes, in_place.stats.to_device_bytes);
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, OffloadOverlapTest, ::testing::Values(1, 2),
+                         [](const auto& info) { return StrCat("world", info.param); });
+
+// `fsdp train` with offload: the overlapped step (the default) trains, evaluates, checkpoints
+// and resumes exactly as parallelism.offload_overlap_step=false, and rank_stats counts it.
+TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
+  namespace fs = std::filesystem;
+  for (const char* mode : {"params", "optimizer"}) {
+    SCOPED_TRACE(mode);
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=5", "training.log_interval=1", "training.eval_interval=2",
+                   "parallelism.nproc=2", "training.micro_batch_size=2",
+                   "training.grad_accum_steps=2", "model.n_layers=3",
+                   "training.mixed_precision=bf16", StrCat("parallelism.offload=", mode),
+                   "checkpoint.enabled=true", "checkpoint.interval=2"});
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+    };
+    std::string overlapped_dir = testing::FreshTempDir("overlap-on"),
+                in_place_dir = testing::FreshTempDir("overlap-off");
+    testing::TrainRun overlapped = train(overlapped_dir, {});
+    ASSERT_TRUE(overlapped.result.exit.ok()) << overlapped.result.Output();
+    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
+    ASSERT_EQ(overlapped.losses.size(), 5u) << overlapped.result.Output();
+    EXPECT_EQ(overlapped.losses, in_place.losses);
+    const nlohmann::json& on = overlapped.rank0_stats["offload"];
+    const nlohmann::json& off = in_place.rank0_stats["offload"];
+    EXPECT_EQ(on["overlapped_steps"], 5) << on.dump();
+    EXPECT_EQ(off["overlapped_steps"], 0) << off.dump();
+    EXPECT_GT(on["host_step_s"].get<double>(), 0) << on.dump();
+    EXPECT_GT(on["per_step"]["host_step_ms"].get<double>(), 0) << on.dump();
+    // The checkpoints hold the same bytes (the last one written after the last step ended).
+    for (int step : {2, 4, 5}) {
+      const std::string name = ckpt::StepDirName(step);
+      for (const char* file : {"rank00000.bin", "rank00001.bin"}) {
+        std::ifstream a(overlapped_dir + "/checkpoints/" + name + "/" + file, std::ios::binary);
+        std::ifstream b(in_place_dir + "/checkpoints/" + name + "/" + file, std::ios::binary);
+        ASSERT_TRUE(a && b) << name << "/" << file;
+        std::string bytes_a((std::istreambuf_iterator<char>(a)), {});
+        std::string bytes_b((std::istreambuf_iterator<char>(b)), {});
+        EXPECT_FALSE(bytes_a.empty());
+        EXPECT_TRUE(bytes_a == bytes_b) << name << "/" << file;
+      }
+    }
+    // Resuming from step 2 with the overlapped step continues exactly.
+    std::string resume_dir = testing::FreshTempDir("overlap-resume");
+    testing::TrainRun resumed = train(
+        resume_dir, {"checkpoint.load=" + in_place_dir + "/checkpoints/" + ckpt::StepDirName(2)});
+    ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+    for (int64_t step = 3; step <= 5; ++step) {
+      EXPECT_EQ(resumed.losses.at(step), in_place.losses.at(step)) << "step " << step;
+    }
+    fs::remove_all(overlapped_dir);
+    fs::remove_all(in_place_dir);
+    fs::remove_all(resume_dir);
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
