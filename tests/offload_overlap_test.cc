@@ -21,6 +21,7 @@
 #include "common/strings.h"
 #include "engine/optimizer.h"
 #include "sharding/fsdp_model.h"
+#include "tests/gpu_skip.h"
 #include "tests/multirank.h"
 #include "tests/train_run.h"
 #include "tests/tiny_gpt.h"
@@ -47,11 +48,13 @@ struct RunResult {
 // overlapped (a prepared step through StepOnHost, as the trainer runs it), with an evaluation
 // forward after each step, before the next training forward: while an overlapped step is in
 // flight.
-RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, int rank) {
+RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, int rank,
+                at::Device device = at::kCPU) {
   TinyGptConfig config;
   config.layers = 5;
   torch::manual_seed(4321);
   TinyGpt model(config);
+  model->to(device);
   FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
   options.offload = offload;
   if (bf16) {
@@ -76,8 +79,8 @@ RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, i
   for (const auto& [name, master] : fsdp.named_parameters()) names[master.unsafeGetTensorImpl()] = name;
   for (int step = 0; step < kSteps; ++step) {
     torch::manual_seed(200 + step);
-    torch::Tensor x = torch::randint(config.vocab, {kGlobalBatch, config.seq});
-    torch::Tensor y = torch::randint(config.vocab, {kGlobalBatch, config.seq});
+    torch::Tensor x = torch::randint(config.vocab, {kGlobalBatch, config.seq}).to(device);
+    torch::Tensor y = torch::randint(config.vocab, {kGlobalBatch, config.seq}).to(device);
     double loss_sum = 0;
     for (int m = 0; m < kMicroBatches; ++m) {
       const int64_t begin = (rank * kMicroBatches + m) * micro;
@@ -134,10 +137,10 @@ RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, i
   }
   fsdp.FinishHostStep();
   for (const auto& [name, shard] : fsdp.named_parameters()) {
-    run.masters[name] = shard.detach().clone();
+    run.masters[name] = shard.detach().cpu().clone();
     const FsdpParam* p = fsdp.FindParam(name);
     if (offload == Offload::kOptimizer) {  // the device shards hold the stepped masters
-      EXPECT_TRUE(torch::equal(p->padded_shard, p->host_shard)) << name;
+      EXPECT_TRUE(torch::equal(p->padded_shard.cpu(), p->host_shard)) << name;
     }
     if (offload == Offload::kParams && p->host_compute_shard.defined()) {  // refreshed
       EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
@@ -188,6 +191,37 @@ TEST_P(OffloadOverlapTest, EqualsTheStepInPlaceBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, OffloadOverlapTest, ::testing::Values(1, 2),
                          [](const auto& info) { return StrCat("world", info.param); });
+
+// The same on a GPU: the host->device loads and pushes on the copy-in stream after each unit's
+// update, the compute stream waiting for them (one rank: NCCL; two: Gloo on CUDA tensors).
+TEST(OffloadOverlapCudaTest, EqualsTheStepInPlaceBitwiseOnTheGpu) {
+  FSDP_SKIP_WITHOUT_GPU();
+  for (int world : {1, 2}) {
+    testing::RunOnRanks(world, [&](int rank) {
+      DistOptions options = testing::TestDistOptions();
+      options.device = "cuda";
+      options.cuda_backend = world == 1 ? "nccl" : "gloo";
+      std::shared_ptr<DistContext> ctx = testing::InitDist(options);
+      ASSERT_TRUE(ctx->device().is_cuda());
+      DeviceMesh mesh =
+          *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
+      for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
+        for (bool bf16 : {false, true}) {
+          SCOPED_TRACE(StrCat(OffloadName(offload), bf16 ? " bf16" : " fp32", " world ", world));
+          RunResult in_place = Train(offload, bf16, false, mesh, rank, ctx->device());
+          RunResult overlapped = Train(offload, bf16, true, mesh, rank, ctx->device());
+          EXPECT_EQ(overlapped.losses, in_place.losses);
+          EXPECT_EQ(overlapped.eval_losses, in_place.eval_losses);
+          for (const auto& [name, master] : in_place.masters) {
+            EXPECT_TRUE(torch::equal(overlapped.masters.at(name), master)) << name;
+          }
+          EXPECT_TRUE(overlapped.returned_before_step);
+          EXPECT_EQ(overlapped.stats.overlapped_steps, kSteps);
+        }
+      }
+    });
+  }
+}
 
 // `fsdp train` with offload: the overlapped step (the default) trains, evaluates, checkpoints
 // and resumes exactly as parallelism.offload_overlap_step=false, and rank_stats counts it.
