@@ -152,7 +152,17 @@ elif ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   exit 1
 else
   nvidia-smi -L | tee "$out/gpus.txt" >&2
+  # The planner's profile of the card in hand (its bandwidths differ: an H200's HBM is 1.4x an
+  # H100's); GPU_CHECK_PLAN_GPU overrides.
+  case "$(head -n1 "$out/gpus.txt")" in
+    *H200*) plan_gpu=h200 ;;
+    *A100*80GB*) plan_gpu=a100-80gb ;;
+    *A100*) plan_gpu=a100-40gb ;;
+    *) plan_gpu=h100 ;;
+  esac
 fi
+plan_gpu="${GPU_CHECK_PLAN_GPU:-$plan_gpu}"
+log "fsdp plan predictions with the $plan_gpu profile"
 
 # ---- build with the machine's torch (and the Debian deps carried in .device/) -----------------
 # Only what the stages use: the fsdp binary, and the test binaries holding tests labelled gpu
