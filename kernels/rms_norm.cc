@@ -22,6 +22,7 @@ namespace {
 
 constexpr const char* kName = "rms_norm";
 constexpr const char* kAddName = "add_rms_norm";
+constexpr const char* kForkName = "fork_rms_norm";
 
 // The CPU backward's weight-gradient partial rows: one per chunk of this many rows, a fixed
 // split (not one per thread) so that the result does not depend on the thread count.
@@ -92,8 +93,9 @@ void ForwardCpu(const T* x, const T* residual, const W* weight, T* h, T* y, floa
   });
 }
 
-// CPU reference of cuda::RmsNormBackward. partials: [chunks, cols] fp32, or nullptr when no
-// weight gradient is wanted; chunk k sums the rows [k * kCpuRowsPerChunk, ...) into row k.
+// CPU reference of cuda::RmsNormBackward: grad_h (or nullptr) added in fp32, one rounding of
+// grad_x. partials: [chunks, cols] fp32, or nullptr when no weight gradient is wanted; chunk k
+// sums the rows [k * kCpuRowsPerChunk, ...) into row k.
 template <typename T, typename W>
 void BackwardCpu(const T* v, const float* rstd, const W* weight, const T* grad_y, const T* grad_h,
                  T* grad_x, float* partials, int64_t rows, int64_t cols) {
@@ -176,8 +178,9 @@ ForwardOut Forward(const at::Tensor& x, const at::Tensor& residual, const at::Te
   return out;
 }
 
-// v: the normalised input (x, or h); grad_y defined; grad_h may be undefined. Returns (grad
-// of v, grad of weight, undefined unless want_weight).
+// v: the normalised input (x, or h); grad_y defined; grad_h, undefined or a gradient of v to
+// add to the norm's in the same pass (AddRmsNorm's of h, ForkRmsNorm's of the passed-through
+// x). Returns (grad of v, grad of weight, undefined unless want_weight).
 std::pair<at::Tensor, at::Tensor> Backward(const at::Tensor& v, const at::Tensor& rstd,
                                            const at::Tensor& weight, const at::Tensor& grad_y,
                                            const at::Tensor& grad_h, bool want_weight,
@@ -271,6 +274,29 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
   }
 };
 
+// (x, RmsNorm(x)): x passed through, its gradient added to the norm's input gradient by the
+// backward kernel (its grad_h), as AddRmsNorm's gradient of h.
+struct ForkRmsNormFunction : torch::autograd::Function<ForkRmsNormFunction> {
+  static tensor_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                             double eps) {
+    at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    ForwardOut out = Forward(xc, at::Tensor(), wc, eps, kForkName);
+    ctx->save_for_backward({xc, wc, out.rstd});
+    ctx->set_materialize_grads(false);
+    return {x, out.y};  // autograd returns x as a view of itself with this node as grad_fn
+  }
+  // grads: (of the passed-through x, of y), either undefined when unused.
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const at::Tensor& grad_x = grads[0];
+    const at::Tensor& grad_y = grads[1];
+    if (!grad_y.defined()) return {grad_x, at::Tensor(), at::Tensor()};
+    auto saved = ctx->get_saved_variables();
+    auto [dx, dw] =
+        Backward(saved[0], saved[2], saved[1], grad_y, grad_x, ctx->needs_input_grad(1), kForkName);
+    return {dx, dw, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -287,6 +313,13 @@ std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tens
               residual.scalar_type(), ", ", residual.device(), ") must match x (", x.sizes(), ", ",
               x.scalar_type(), ", ", x.device(), ")");
   tensor_list out = AddRmsNormFunction::apply(x, residual, weight, eps);
+  return {out[0], out[1]};
+}
+
+std::pair<at::Tensor, at::Tensor> ForkRmsNorm(const at::Tensor& x, const at::Tensor& weight,
+                                              double eps) {
+  CheckArgs(x, weight, kForkName);
+  tensor_list out = ForkRmsNormFunction::apply(x, weight, eps);
   return {out[0], out[1]};
 }
 

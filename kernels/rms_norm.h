@@ -1,4 +1,8 @@
 // RMSNorm in one kernel each way, and the residual add + RMSNorm of a decoder block in one pass.
+// ForkRmsNorm passes its input through beside the norm, for the decoder block's input, which
+// feeds both the attention norm and the residual stream: autograd would sum its two gradients
+// with an add kernel; the norm's backward kernel adds the residual's instead, in the pass that
+// writes the input gradient (AddRmsNorm's backward does the same for h's two gradients).
 //
 // RmsNorm normalises x over its last dimension D and scales by weight [D]; AddRmsNorm first
 // adds the residual stream and returns both the sum (the next residual) and its norm, so the
@@ -6,8 +10,10 @@
 // writes h and normed, instead of an add, casts, pow, mean, rsqrt, two muls and a cast (and
 // their backward ops). fp32 arithmetic and statistics whatever the dtype.
 //
-//   at::Tensor normed = fsdp::kernels::RmsNorm(x, attn_norm_weight, eps);          // [b, t, D]
-//   auto [h, ffn_in] = fsdp::kernels::AddRmsNorm(x, attn_out, ffn_norm_weight, eps);
+//   at::Tensor normed = fsdp::kernels::RmsNorm(x, norm_weight, eps);               // [b, t, D]
+//   // A decoder block: its input x feeds the attention norm and the residual stream.
+//   auto [residual, attn_in] = fsdp::kernels::ForkRmsNorm(x, attn_norm_weight, eps);
+//   auto [h, ffn_in] = fsdp::kernels::AddRmsNorm(attention(attn_in), residual, ffn_norm_w, eps);
 //   at::Tensor out = h + feed_forward(ffn_in);
 //
 // Arithmetic. The composite (RmsNormComposite, the model's NormImpl):
@@ -33,7 +39,11 @@
 // The weight gradient is reduced over rows in fp32, deterministically (no atomics): see Note
 // [RMSNorm weight gradient] in kernels/cuda/rms_norm.cu. AddRmsNorm's backward accepts a
 // gradient for h, for y, both or neither (an undefined one counts as zero) and returns the same
-// tensor, dh + d(norm)/dh, as the gradient of x and of residual.
+// tensor, dh + d(norm)/dh, as the gradient of x and of residual; ForkRmsNorm's likewise takes
+// gradients for the passed-through x and for y and returns dx + d(norm)/dx as x's. The kernel
+// adds the extra gradient (dh, dx) to the norm's in fp32 and rounds the sum once, where
+// autograd's add would round the norm's gradient, then the sum: in bf16 one rounding instead
+// of two (in fp32 the same to rounding).
 //
 // Why not at::_fused_rms_norm (torch 2.11, ATen/ops/_fused_rms_norm.h; it returns (y, rstd)
 // and rounds once as ours): (1) it has no residual-add fusion, which saves the reread of h
@@ -59,6 +69,12 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // RmsNorm(h, weight, eps)), both x's shape and dtype. Differentiable in x, residual and weight.
 std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& residual,
                                              const at::Tensor& weight, double eps);
+
+// x: [..., D], weight: [D] -> (x, RmsNorm(x, weight, eps)): the first output has x's values and
+// memory (autograd's view of x), a distinct autograd output whose gradient the norm's backward
+// kernel adds to x's. Differentiable in x and weight. The composite is {x, RmsNormComposite}.
+std::pair<at::Tensor, at::Tensor> ForkRmsNorm(const at::Tensor& x, const at::Tensor& weight,
+                                              double eps);
 
 // The composite references in ATen ops, the model's arithmetic (see above).
 at::Tensor RmsNormComposite(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -1,8 +1,9 @@
-// kernels::RmsNorm and kernels::AddRmsNorm against the model's composite in ATen ops: forward
-// and backward (x, residual, weight), fp32 and bf16, an fp32 weight with bf16 x, sizes that are
-// not multiples of any block size (D = 1, 33, 1000, 4099; rows = 1, 7, 513), no rows, bad
-// weights. CPU reference always; the CUDA kernels with a GPU, against the composite and
-// against the CPU reference.
+// kernels::RmsNorm, kernels::AddRmsNorm and kernels::ForkRmsNorm against the model's composite
+// in ATen ops: forward and backward (x, residual, weight; the extra gradient of h or of the
+// passed-through x), fp32 and bf16, an fp32 weight with bf16 x, sizes that are not multiples of
+// any block size (D = 1, 33, 1000, 4099; rows = 1, 7, 513), no rows, bad weights. CPU
+// reference always; the CUDA kernels with a GPU, against the composite and against the CPU
+// reference.
 #include "kernels/rms_norm.h"
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "tests/kernels_testing.h"
+#include "tests/op_counts.h"
 
 namespace fsdp::kernels {
 namespace {
@@ -122,12 +124,87 @@ void CheckAddRmsNorm(const Case& c, c10::Device device, bool grad_of_h) {
       AllClose(w.grad(), w_ref.grad(), c.rtol, WeightAtol(c, w_ref.grad()), "grad of weight"));
 }
 
+// ForkRmsNorm against {x, the composite} in fp32: gradients for y only, for the passed-through
+// x only, or both (the norm's backward adds the latter to x's gradient).
+enum class ForkGrads { kY, kPassedThrough, kBoth };
+
+void CheckForkRmsNorm(const Case& c, c10::Device device, ForkGrads grads) {
+  SCOPED_TRACE(c.Name() + (grads == ForkGrads::kY               ? ", gradient of y"
+                           : grads == ForkGrads::kPassedThrough ? ", gradient of x's copy"
+                                                                : ", gradients of both"));
+  Inputs in = MakeInputs(c, device);
+  at::Tensor x = Leaf(in.x, c.dtype), w = Leaf(in.weight, c.weight_dtype);
+  at::Tensor x_ref = Leaf(in.x, at::kFloat), w_ref = Leaf(in.weight, at::kFloat);
+  auto [x_out, y] = ForkRmsNorm(x, w, kEps);
+  at::Tensor y_ref = RmsNormComposite(x_ref, w_ref, kEps);
+  EXPECT_TRUE(at::equal(x_out.detach(), x.detach())) << "the first output is not x";
+  EXPECT_EQ(x_out.const_data_ptr(), x.const_data_ptr()) << "the first output is a copy";
+  EXPECT_EQ(y.scalar_type(), c.dtype);
+  EXPECT_TRUE(AllClose(y, y_ref, c.rtol, c.atol, "y"));
+  std::vector<at::Tensor> outs, outs_ref, g, g_ref;
+  if (grads != ForkGrads::kPassedThrough) {
+    outs = {y}, outs_ref = {y_ref}, g = {in.dy}, g_ref = {in.dy.to(at::kFloat)};
+  }
+  if (grads != ForkGrads::kY) {
+    outs.push_back(x_out);
+    outs_ref.push_back(x_ref);  // the composite passes x itself
+    g.push_back(in.dh);
+    g_ref.push_back(in.dh.to(at::kFloat));
+  }
+  torch::autograd::backward(outs, g);
+  torch::autograd::backward(outs_ref, g_ref);
+  EXPECT_EQ(x.grad().scalar_type(), c.dtype);
+  EXPECT_TRUE(AllClose(x.grad(), x_ref.grad(), c.rtol, c.atol, "grad of x"));
+  if (grads == ForkGrads::kPassedThrough) {
+    EXPECT_TRUE(at::equal(x.grad(), in.dh)) << "x's copy's gradient does not pass through";
+    EXPECT_FALSE(w.grad().defined() && w.grad().abs().max().item<float>() != 0);
+  } else {
+    EXPECT_TRUE(
+        AllClose(w.grad(), w_ref.grad(), c.rtol, WeightAtol(c, w_ref.grad()), "grad of weight"));
+  }
+}
+
 void CheckAll(c10::Device device) {
   for (const Case& c : Cases()) {
     CheckRmsNorm(c, device);
     CheckAddRmsNorm(c, device, /*grad_of_h=*/false);
     CheckAddRmsNorm(c, device, /*grad_of_h=*/true);
+    for (ForkGrads g : {ForkGrads::kY, ForkGrads::kPassedThrough, ForkGrads::kBoth}) {
+      CheckForkRmsNorm(c, device, g);
+    }
   }
+}
+
+// The point of ForkRmsNorm and AddRmsNorm: x's (h's) two gradients are summed by the norm's
+// backward kernel, not by an add kernel of autograd's (the composite runs one each).
+void CheckNoAdds(c10::Device device) {
+  torch::manual_seed(4);
+  auto options = torch::TensorOptions().device(device).dtype(at::kBFloat16);
+  at::Tensor x = torch::randn({7, 64}, options).requires_grad_(true);
+  at::Tensor r = torch::randn({7, 64}, options).requires_grad_(true);
+  at::Tensor w = torch::randn({64}, options).requires_grad_(true);
+  at::Tensor dy = torch::randn({7, 64}, options), dh = torch::randn({7, 64}, options);
+  {
+    auto [x_out, y] = ForkRmsNorm(x, w, kEps);
+    fsdp::testing::OpCounts ops;
+    torch::autograd::backward({x_out, y}, {dh, dy});
+    EXPECT_EQ(ops.Adds(), 0);
+  }
+  x.mutable_grad().reset();  // fresh leaves: no accumulation into a .grad
+  w.mutable_grad().reset();
+  {
+    auto [h, y] = AddRmsNorm(x, r, w, kEps);
+    fsdp::testing::OpCounts ops;
+    torch::autograd::backward({h, y}, {dh, dy});
+    EXPECT_EQ(ops.Adds(), 0);
+  }
+}
+
+TEST(KernelsRmsNormTest, NoAddKernels) { CheckNoAdds(c10::kCPU); }
+
+TEST(KernelsRmsNormTest, CudaNoAddKernels) {
+  FSDP_SKIP_WITHOUT_GPU();
+  CheckNoAdds(c10::Device(c10::kCUDA, 0));
 }
 
 // The composite in the dtype itself rounds twice (normalised x, then times weight): the kernel
@@ -209,12 +286,21 @@ TEST(KernelsRmsNormTest, CudaMatchesCpuReference) {
         at::Tensor y2 = RmsNorm(x2, w.detach(), kEps);
         y2.backward(dy);
         for (const at::Tensor& t : {y2, x2.grad()}) results.push_back(t.detach().cpu());
+        // ForkRmsNorm, with a gradient of the passed-through x (the kernel's extra gradient
+        // without a residual).
+        at::Tensor x3 = place(in.x, c.dtype).requires_grad_(true);
+        auto [x3_out, y3] = ForkRmsNorm(x3, w.detach(), kEps);
+        torch::autograd::backward({x3_out, y3}, {dh, dy});
+        for (const at::Tensor& t : {y3, x3.grad()}) results.push_back(t.detach().cpu());
       }
-      const char* names[] = {"h", "y", "grad of x", "grad of weight", "plain: y",
-                             "plain: grad of x"};
-      for (int i = 0; i < 6; ++i) {
+      const char* names[] = {"h",         "y",
+                             "grad of x", "grad of weight",
+                             "plain: y",  "plain: grad of x",
+                             "fork: y",   "fork: grad of x"};
+      constexpr int kResults = 8;
+      for (int i = 0; i < kResults; ++i) {
         double atol = i == 3 ? WeightAtol(c, results[i]) : c.atol;
-        EXPECT_TRUE(AllClose(results[6 + i], results[i], c.rtol, atol, names[i]));
+        EXPECT_TRUE(AllClose(results[kResults + i], results[i], c.rtol, atol, names[i]));
       }
     }
   }
@@ -323,6 +409,19 @@ void CheckNonContiguous(at::ScalarType dtype, c10::Device device) {
     EXPECT_TRUE(AllClose(r.grad(), rr.grad(), tol, tol, "add: grad of residual"));
     EXPECT_TRUE(AllClose(w.grad(), wr.grad(), tol, tol * wr.grad().abs().max().item<double>(),
                          "add: grad of weight"));
+  }
+  {
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    at::Tensor xr = Leaf(x0, at::kFloat), wr = Leaf(w0, at::kFloat);
+    auto [x_out, y] = ForkRmsNorm(x, w, kEps);
+    at::Tensor yr = RmsNormComposite(xr, wr, kEps);
+    EXPECT_EQ(x_out.strides(), x.strides()) << "the passed-through x is not x";
+    EXPECT_TRUE(AllClose(y, yr, tol, tol, "fork: y"));
+    torch::autograd::backward({x_out, y}, {dy, dy});
+    torch::autograd::backward({xr, yr}, {dy.to(at::kFloat), dy.to(at::kFloat)});
+    EXPECT_TRUE(AllClose(x.grad(), xr.grad(), tol, tol, "fork: grad of x"));
+    EXPECT_TRUE(AllClose(w.grad(), wr.grad(), tol, tol * wr.grad().abs().max().item<double>(),
+                         "fork: grad of weight"));
   }
   // x and residual one tensor (both kernel inputs read the same memory).
   EXPECT_TRUE(AllClose(

@@ -23,7 +23,9 @@ LaunchStatus RmsNormForward(const void* x, const void* residual, const void* wei
 int64_t RmsNormBackwardPartials(int64_t rows, int64_t cols);
 
 // With v the normalised input (x, or h for the fused add), xhat = v * rstd, g = grad_y * weight:
-//   grad_x = rstd * (g - xhat * mean(g * xhat)) (+ grad_h when not nullptr)
+//   grad_x = rstd * (g - xhat * mean(g * xhat)) (+ grad_h when not nullptr: another gradient of
+//   v, read once and added in fp32 before grad_x's one rounding; AddRmsNorm's gradient of h,
+//   ForkRmsNorm's of the passed-through x)
 //   grad_weight = sum over rows of grad_y * xhat (skipped when grad_weight is nullptr; then
 //   partials may be nullptr too)
 LaunchStatus RmsNormBackward(const void* v, const float* rstd, const void* weight,

@@ -102,6 +102,9 @@ struct RmsCase {
   at::ScalarType dtype, weight_dtype;
   bool residual, weight_grad;
   int misaligned = kNone;
+  // ForkRmsNorm's backward: no residual, but an extra gradient (grad_h: the passed-through x's)
+  // added to grad_x. With a residual, grad_h is always there (AddRmsNorm's gradient of h).
+  bool fork = false;
 };
 
 // A rows x cols tensor (or cols when rows is 0) of `dtype`, at an odd element offset in its
@@ -124,8 +127,8 @@ TEST_P(EmulatedRmsNormTest, ForwardAndBackwardMatchTheCpuReference) {
       c.residual ? Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kResidual) : at::Tensor();
   at::Tensor w = Place((1 + 0.1 * at::randn({c.cols})).to(c.weight_dtype), m & kWeight);
   at::Tensor gy = Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kGradY);
-  at::Tensor gh =
-      c.residual ? Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kGradH) : at::Tensor();
+  at::Tensor gh = c.residual || c.fork ? Place(at::randn({c.rows, c.cols}).to(c.dtype), m & kGradH)
+                                       : at::Tensor();
   auto output = [&](bool offset) { return Place(at::zeros({c.rows, c.cols}, c.dtype), offset); };
 
   std::vector<at::Tensor> fwd = UnderEverySchedule([&] {
@@ -159,6 +162,10 @@ TEST_P(EmulatedRmsNormTest, ForwardAndBackwardMatchTheCpuReference) {
   if (c.residual) {
     std::tie(h_ref, y_ref) = AddRmsNorm(xr, rr, wr, eps);
     torch::autograd::backward({y_ref, h_ref}, {gy, gh});
+  } else if (c.fork) {
+    at::Tensor x_out;
+    std::tie(x_out, y_ref) = ForkRmsNorm(xr, wr, eps);
+    torch::autograd::backward({y_ref, x_out}, {gy, gh});
   } else {
     y_ref = RmsNorm(xr, wr, eps);
     torch::autograd::backward({y_ref}, {gy});
@@ -208,12 +215,24 @@ INSTANTIATE_TEST_SUITE_P(
                       RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kGradH},
                       RmsCase{3, 64, at::kBFloat16, at::kFloat, true, true, kGradX},
                       RmsCase{3, 64, at::kBFloat16, at::kBFloat16, true, true, kWeight},
-                      RmsCase{3, 64, at::kFloat, at::kFloat, false, true, kX}),
+                      RmsCase{3, 64, at::kFloat, at::kFloat, false, true, kX},
+                      // ForkRmsNorm: the extra gradient without a residual, on the vector and
+                      // element paths, cached and long rows, and each of its operands off its
+                      // 16-byte boundary.
+                      RmsCase{5, 100, at::kFloat, at::kFloat, false, true, kNone, true},
+                      RmsCase{4, 257, at::kBFloat16, at::kBFloat16, false, true, kNone, true},
+                      RmsCase{19, 40, at::kFloat, at::kFloat, false, false, kNone, true},
+                      RmsCase{4, 2048, at::kBFloat16, at::kFloat, false, true, kNone, true},
+                      RmsCase{3, 13000, at::kFloat, at::kFloat, false, true, kNone, true},
+                      RmsCase{2, 8200, at::kBFloat16, at::kBFloat16, false, true, kNone, true},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, false, true, kX, true},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, false, true, kGradH, true},
+                      RmsCase{3, 64, at::kBFloat16, at::kFloat, false, true, kGradX, true}),
     [](const ::testing::TestParamInfo<RmsCase>& info) {
       const RmsCase& c = info.param;
-      return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" +
-             DtypeName(c.dtype) + "_w" + DtypeName(c.weight_dtype) +
-             (c.residual ? "_residual" : "") + (c.weight_grad ? "" : "_no_weight_grad") +
+      return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" + DtypeName(c.dtype) +
+             "_w" + DtypeName(c.weight_dtype) + (c.residual ? "_residual" : "") +
+             (c.fork ? "_fork" : "") + (c.weight_grad ? "" : "_no_weight_grad") +
              (c.misaligned ? "_misaligned" + std::to_string(c.misaligned) : "");
     });
 
@@ -508,7 +527,7 @@ class EmulatedFunctionTest : public ::testing::TestWithParam<at::ScalarType> {
   double Tol() const { return GetParam() == at::kFloat ? 1e-5 : 1e-2; }
 };
 
-TEST_P(EmulatedFunctionTest, AddRmsNormOnA3dNonContiguousInput) {
+TEST_P(EmulatedFunctionTest, RmsNormsOnA3dNonContiguousInput) {
   const at::ScalarType dtype = GetParam();
   at::manual_seed(21);
   // [b, t, D] views of a [t, b, D] buffer: not contiguous, so the functions copy first.
@@ -533,6 +552,17 @@ TEST_P(EmulatedFunctionTest, AddRmsNormOnA3dNonContiguousInput) {
   };
   ExpectAllClose(run_plain(fsdp::kernels_emulated::RmsNorm), run_plain(fsdp::kernels::RmsNorm),
                  Tol(), {"y", "grad x", "grad weight"});
+  auto run_fork = [&](auto fork_rms_norm) {
+    return ValueAndGrads(
+        [&](const std::vector<at::Tensor>& in) {
+          auto [x_out, y] = fork_rms_norm(in[0], in[1], 1e-5);
+          return (x_out.to(at::kFloat) * 0.5 + y.to(at::kFloat)).to(dtype);  // both outputs used
+        },
+        {x, w}, gy);
+  };
+  ExpectAllClose(run_fork(fsdp::kernels_emulated::ForkRmsNorm),
+                 run_fork(fsdp::kernels::ForkRmsNorm), Tol(),
+                 {"fork: x / 2 + y", "fork: grad x", "fork: grad weight"});
 }
 
 TEST_P(EmulatedFunctionTest, SwiGluTwoTensorsAndFusedProjection) {
