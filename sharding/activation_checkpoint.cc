@@ -1,9 +1,10 @@
 // Activation checkpointing's two autograd nodes (Note [Activation checkpointing]) and the
-// fsdp::Linear that selective checkpointing records and replays.
+// fsdp::Linear, LinearAdd and Linears that selective checkpointing records and replays.
 #include "sharding/activation_checkpoint.h"
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include "kernels/linear.h"
 #include "sharding/unit_forward.h"
 
 namespace fsdp {
@@ -47,11 +49,13 @@ class TapeScope {
   MatmulTape* saved_;
 };
 
-// y = x W^T + b where y was computed in forward and kept: only the backward of linear runs.
+// y = x W^T + b (+ residual) where y was computed in forward and kept: only the backward of
+// linear runs (fsdp::Linear, fsdp::LinearAdd; a residual gets the incoming gradient itself).
 class ReplayedLinearBackward : public Node {
  public:
-  ReplayedLinearBackward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
-      : Node(torch::autograd::collect_next_edges(x, w, b)),
+  ReplayedLinearBackward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const at::Tensor& residual)
+      : Node(torch::autograd::collect_next_edges(x, w, b, residual)),
         x_(x, /*is_output=*/false),
         w_(w, /*is_output=*/false),
         has_bias_(b.defined()) {}
@@ -59,7 +63,7 @@ class ReplayedLinearBackward : public Node {
   std::string name() const override { return "fsdp::ReplayedLinearBackward"; }
 
   variable_list apply(variable_list&& grads) override {
-    variable_list out(3);
+    variable_list out(4);
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
     at::Tensor x = x_.unpack(shared_from_this());
@@ -68,6 +72,7 @@ class ReplayedLinearBackward : public Node {
     if (task_should_compute_output(0)) out[0] = g.matmul(w);
     if (task_should_compute_output(1)) out[1] = g2.t().mm(x.reshape({-1, x.size(-1)}));
     if (has_bias_ && task_should_compute_output(2)) out[2] = g2.sum(0);
+    if (task_should_compute_output(3)) out[3] = g;
     return out;
   }
 
@@ -171,33 +176,80 @@ at::Tensor RngState(const c10::Device& device) {
 
 bool KeepsMatmulOutputs() { return active_tape != nullptr; }
 
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  MatmulTape* tape = active_tape;
-  if (tape == nullptr) return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-  if (!tape->replaying) {
-    at::Tensor y = at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-    tape->outputs.push_back(y);
-    tape->versions.push_back(y._version());
-    return y;
-  }
-  TORCH_CHECK(tape->next < tape->outputs.size(),
+namespace {
+
+// In a recompute: the next recorded matmul output, checked against what the forward recorded;
+// detached (not a view: see CheckpointedForward).
+at::Tensor TakeRecorded(MatmulTape& tape, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(tape.next < tape.outputs.size(),
               "selective activation checkpointing: the recompute calls fsdp::Linear more often "
-              "than the forward did (", tape->outputs.size(),
+              "than the forward did (", tape.outputs.size(),
               " times); the unit's forward must take the same path every time");
-  const size_t i = tape->next++;
-  at::Tensor y = std::move(tape->outputs[i]).detach();  // not a view: see CheckpointedForward
-  TORCH_CHECK(y._version() == tape->versions[i],
+  const size_t i = tape.next++;
+  at::Tensor y = std::move(tape.outputs[i]).detach();
+  TORCH_CHECK(y._version() == tape.versions[i],
               "selective activation checkpointing: matmul output ", i,
               " was modified in place after the forward used it; make that op out of place");
   TORCH_CHECK(y.size(-1) == w.size(0) && y.numel() / y.size(-1) == x.numel() / x.size(-1),
               "selective activation checkpointing: the recompute's matmul ", i,
               " does not match the forward's (", y.sizes(), " recorded); the unit's forward "
               "must take the same path every time");
-  if (!torch::autograd::compute_requires_grad(x, w, b)) return y;
-  auto node = std::shared_ptr<ReplayedLinearBackward>(new ReplayedLinearBackward(x, w, b),
+  return y;
+}
+
+void Record(MatmulTape& tape, const at::Tensor& y) {
+  tape.outputs.push_back(y);
+  tape.versions.push_back(y._version());
+}
+
+std::optional<at::Tensor> Optional(const at::Tensor& b) {
+  return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+}
+
+// Linear and LinearAdd (residual defined) under the active tape, if any.
+at::Tensor TapedLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                       const at::Tensor& residual) {
+  auto compute = [&] {
+    return residual.defined() ? kernels::LinearAdd(residual, x, w) : at::linear(x, w, Optional(b));
+  };
+  MatmulTape* tape = active_tape;
+  if (tape == nullptr) return compute();
+  if (!tape->replaying) {
+    at::Tensor y = compute();
+    Record(*tape, y);
+    return y;
+  }
+  at::Tensor y = TakeRecorded(*tape, x, w);
+  if (!torch::autograd::compute_requires_grad(x, w, b, residual)) return y;
+  auto node = std::shared_ptr<ReplayedLinearBackward>(new ReplayedLinearBackward(x, w, b, residual),
                                                       torch::autograd::deleteNode);
   torch::autograd::set_history(y, node);
   return y;
+}
+
+}  // namespace
+
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return TapedLinear(x, w, b, at::Tensor());
+}
+
+at::Tensor LinearAdd(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& w) {
+  return TapedLinear(x, w, at::Tensor(), residual);
+}
+
+std::vector<at::Tensor> Linears(const at::Tensor& x, at::TensorList weights,
+                                at::TensorList biases) {
+  MatmulTape* tape = active_tape;
+  if (tape == nullptr) return kernels::MultiLinear(x, weights, biases);
+  if (!tape->replaying) {
+    std::vector<at::Tensor> ys = kernels::MultiLinear(x, weights, biases);
+    for (const at::Tensor& y : ys) Record(*tape, y);
+    return ys;
+  }
+  std::vector<at::Tensor> ys;
+  for (const at::Tensor& w : weights) ys.push_back(TakeRecorded(*tape, x, w));
+  kernels::SetMultiLinearBackward(ys, x, weights, biases);  // nothing without gradients
+  return ys;
 }
 
 }  // namespace fsdp

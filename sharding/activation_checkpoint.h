@@ -1,6 +1,6 @@
 // Internal to sharding/: activation checkpointing at the FSDP unit seam. FsdpModel calls
 // CheckpointedForward from RunUnitForward for the units training.activation_checkpointing
-// selects; models see only fsdp::Linear (unit_forward.h).
+// selects; models see only fsdp::Linear, Linears and LinearAdd (unit_forward.h).
 //
 // Note [Activation checkpointing]
 // A checkpointed unit's forward runs under no-grad, so autograd keeps nothing of it but the
@@ -16,10 +16,12 @@
 //   none        autograd keeps every unit's activations until its backward
 //   full        a unit keeps its input: 1 x dim per token instead of the whole block
 //   every:k     full for every k-th non-root unit (forward order: index % k == k - 1)
-//   selective   as full, and the unit's fsdp::Linear outputs are kept too (recorded in forward,
-//               replayed in the recompute through a node with linear's backward), so the
-//               recompute runs only the ops between matmuls: norms, RoPE, activations,
-//               attention's core. torchtitan's op-level selective AC saves the same matmuls.
+//   selective   as full, and the unit's fsdp::Linear (Linears, LinearAdd) outputs are kept
+//               too (recorded in forward, replayed in the recompute through a node with
+//               linear's backward: ReplayedLinearBackward, or kernels::MultiLinear's for
+//               Linears), so the recompute runs only the ops between matmuls: norms, RoPE,
+//               activations, attention's core. torchtitan's op-level selective AC saves the
+//               same matmuls.
 //
 // What the recompute must reproduce: the same values from the same input, parameters and
 // buffers. Randomness in a unit breaks that, so the first checkpointed forward of each unit

@@ -6,7 +6,8 @@
 // With training.activation_checkpointing the function given to UnitForward runs again in
 // backward (Note [Activation checkpointing] in activation_checkpoint.h): it must capture by
 // value, or objects that outlive the backward (the module's `this`), and draw no random numbers.
-// Its matmuls go through fsdp::Linear so that selective checkpointing can keep their outputs.
+// Its matmuls go through fsdp::Linear (or Linears, LinearAdd) so that selective checkpointing can
+// keep their outputs.
 //
 // Cross-rank contract: none here beyond FsdpModel's (every rank runs its units' forwards in the
 // same order).
@@ -23,6 +24,7 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -43,10 +45,19 @@ at::Tensor UnitForward(torch::nn::Module* module, const at::Tensor& input,
 // just linear.
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
+// Kept by selective checkpointing as Linear, one output per weight; otherwise
+// kernels::MultiLinear (y_i = x W_i^T + b_i, one backward node whose GEMMs accumulate x's
+// gradient: no add kernels) and kernels::LinearAdd (residual + x W^T, one addmm). Model code
+// calls them for model.kernels fused (kernels/linear.h).
+std::vector<at::Tensor> Linears(const at::Tensor& x, at::TensorList weights,
+                                at::TensorList biases = {});
+at::Tensor LinearAdd(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& w);
+
 // True while a unit's forward (or its recompute) runs under selective activation checkpointing
-// on this thread: fsdp::Linear's outputs are then kept for the recompute and must not be
-// modified in place (an in-place op on them is an error in backward), so model code picks an
-// out-of-place variant (e.g. kernels::Rope instead of kernels::RopeInPlace).
+// on this thread: the outputs of fsdp::Linear, Linears and LinearAdd are then kept for the
+// recompute and must not be modified in place (an in-place op on them is an error in
+// backward), so model code picks an out-of-place variant (e.g. kernels::Rope instead of
+// kernels::RopeInPlace).
 bool KeepsMatmulOutputs();
 
 // Forward through a torch::nn::Sequential whose children may be units.
