@@ -177,6 +177,7 @@ std::vector<AcCase> Cases() {
       {"full_shard", 2, selective, 1, 0, true},
       {"full_shard", 1, every2, 1, 0, true},
       {"full_shard", 2, selective, 1, 0, false, true},
+      {"full_shard", 2, selective, 1, 0, true, true},
       {"shard_grad_op", 2, full, 1, 0, true, true},
   };
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "models/gpt/gpt.h"
+#include "tests/op_counts.h"
 
 namespace fsdp {
 namespace {
@@ -235,41 +236,64 @@ TEST(ActivationBytesTest, FusedKernelsKeepLessForLlamaAndTheSameForGpt2) {
 }
 
 // model.kernels=fused against composite on the CPU (the kernels' CPU references): same loss and
-// gradients for every parameter of a GQA Llama, fp32. The kernels' own tests compare each one
-// with its composite; this checks how the model wires them (RMSNorm, the add + norm pass,
-// RoPE in place, SwiGLU over two projections, the chunked head and loss).
+// gradients for every parameter, fp32: a GQA Llama, and GPT-2 and the MLP (biases, LayerNorm,
+// GELU). The kernels' own tests compare each one with its composite; this checks how the model
+// wires them (RMSNorm, the fork and add + norm passes, q/k/v and w1/w3 as one Linears each,
+// RoPE in place, SwiGLU, w2's GEMM adding the residual, the chunked head and loss).
 TEST(GptKernelsTest, FusedEqualsCompositeLossAndGradients) {
+  for (const std::string arch : {"llama", "gpt", "mlp"}) {
+    SCOPED_TRACE(arch);
+    GptConfig c = Small(arch);
+    if (arch == "llama") c.n_kv_heads = 2;
+    torch::manual_seed(3);
+    torch::Tensor tokens = torch::randint(50, {3, 12});
+    torch::Tensor targets = torch::randint(50, {3, 12});
+    std::vector<std::pair<std::string, torch::Tensor>> grads[2];
+    double losses[2];
+    for (int fused = 0; fused < 2; ++fused) {
+      c.kernels = fused ? KernelMode::kFused : KernelMode::kComposite;
+      c.loss_chunk_tokens = 5;  // chunks that do not divide the 36 tokens
+      Gpt model(c);
+      model->MaterializeSeeded(11);
+      torch::Tensor loss = model->loss(tokens, targets);
+      loss.backward();
+      losses[fused] = loss.item<double>();
+      for (const auto& item : model->named_parameters()) {
+        grads[fused].emplace_back(item.key(), item.value().grad());
+      }
+      // Forward's logits are the head of the same trunk.
+      torch::Tensor ce = torch::nn::functional::cross_entropy(model->forward(tokens).flatten(0, 1),
+                                                              targets.flatten());
+      EXPECT_NEAR(ce.item<double>(), losses[fused], 1e-5);
+    }
+    EXPECT_NEAR(losses[0], losses[1], 1e-5);
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      ASSERT_TRUE(grads[1][i].second.defined()) << grads[1][i].first;
+      EXPECT_TRUE(torch::allclose(grads[1][i].second, grads[0][i].second, 1e-4, 1e-6))
+          << grads[0][i].first << " max diff "
+          << (grads[1][i].second - grads[0][i].second).abs().max().item<double>();
+    }
+  }
+}
+
+// Note [Residual stream gradients]: with fused kernels a Llama block runs no add kernel, forward
+// or backward (the composite's blocks run five each: see the note); bf16 as on a GPU.
+TEST(GptKernelsTest, FusedLlamaBlocksRunNoAddKernels) {
   GptConfig c = Small("llama");
   c.n_kv_heads = 2;
+  c.kernels = KernelMode::kFused;
+  Gpt model(c);
+  model->MaterializeSeeded(11);
+  model->to(torch::kBFloat16);
   torch::manual_seed(3);
   torch::Tensor tokens = torch::randint(50, {3, 12});
-  torch::Tensor targets = torch::randint(50, {3, 12});
-  std::vector<std::pair<std::string, torch::Tensor>> grads[2];
-  double losses[2];
-  for (int fused = 0; fused < 2; ++fused) {
-    c.kernels = fused ? KernelMode::kFused : KernelMode::kComposite;
-    c.loss_chunk_tokens = 5;  // chunks that do not divide the 36 tokens
-    Gpt model(c);
-    model->MaterializeSeeded(11);
-    torch::Tensor loss = model->loss(tokens, targets);
-    loss.backward();
-    losses[fused] = loss.item<double>();
-    for (const auto& item : model->named_parameters()) {
-      grads[fused].emplace_back(item.key(), item.value().grad());
-    }
-    // Forward's logits are the head of the same trunk.
-    torch::Tensor ce = torch::nn::functional::cross_entropy(model->forward(tokens).flatten(0, 1),
-                                                            targets.flatten());
-    EXPECT_NEAR(ce.item<double>(), losses[fused], 1e-5);
-  }
-  EXPECT_NEAR(losses[0], losses[1], 1e-5);
-  ASSERT_EQ(grads[0].size(), grads[1].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) {
-    ASSERT_TRUE(grads[1][i].second.defined()) << grads[1][i].first;
-    EXPECT_TRUE(torch::allclose(grads[1][i].second, grads[0][i].second, 1e-4, 1e-6))
-        << grads[0][i].first << " max diff "
-        << (grads[1][i].second - grads[0][i].second).abs().max().item<double>();
-  }
+  testing::OpCounts ops;
+  torch::Tensor loss = model->loss(tokens, tokens);
+  EXPECT_EQ(ops.Adds(), 0) << "forward";
+  loss.backward();
+  EXPECT_EQ(ops.Adds(), 0) << "backward";
+  EXPECT_EQ(ops.Count("aten::addmm_"), c.n_layers * 3) << "x's gradients of q/k/v and w1/w3";
 }
 
 TEST(GptKernelsTest, AutoIsCompositeOnTheCpu) {

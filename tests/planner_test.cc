@@ -294,7 +294,10 @@ TEST(CheckpointingTest, SelectiveAndFullAgainstMeasuredPeaks) {
       {{"model.n_layers=2", "model.vocab_size=1024"}, -6208, -15384},
       {{"model.n_layers=4", "model.vocab_size=1024"}, -12416, -28734},
       {with(llama, {"model.kernels=composite"}), 2173, 125},
-      {with(llama, {"model.kernels=fused"}), 2560, 512},
+      // Fused: w2's GEMM adds the residual, so the tape's w2 output is the block's output, kept
+      // anyway (one layer measured 2560 before w2 added the residual: 512 = dim x 4 more).
+      {with(llama, {"model.kernels=fused"}), 2048, 512},
+      {with(llama, {"model.kernels=fused", "model.n_layers=2"}), -1048, -6550},
   };
   for (const Measured& c : cases) {
     SCOPED_TRACE(StrJoin(c.overrides, " "));

@@ -10,6 +10,7 @@
 #include <torch/nn/functional/linear.h>
 
 #include "kernels/cross_entropy.h"
+#include "kernels/linear.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
@@ -22,8 +23,8 @@ torch::Tensor Param(torch::nn::Module& m, const std::string& name, std::vector<i
   return m.register_parameter(name, DeferredTensor(shape));
 }
 
-// Projections call fsdp::Linear (unit_forward.h): selective activation checkpointing keeps
-// their outputs.
+// Projections call fsdp::Linear, Linears or LinearAdd (unit_forward.h): selective activation
+// checkpointing keeps their outputs.
 
 // Rotary embedding on pairs of the last dimension: x [batch, seq, heads, head_dim].
 torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -65,6 +66,11 @@ std::pair<torch::Tensor, torch::Tensor> NormImpl::AddAndNorm(const torch::Tensor
   return {h, forward(h)};
 }
 
+std::pair<torch::Tensor, torch::Tensor> NormImpl::ForkAndNorm(const torch::Tensor& x) {
+  if (rms && UseFusedKernels(kernels, x)) return kernels::ForkRmsNorm(x, weight, eps);
+  return {x, forward(x)};
+}
+
 AttentionImpl::AttentionImpl(const GptConfig& c)
     : kernels(c.kernels), n_heads(c.n_heads), n_kv_heads(c.kv_heads()), head_dim(c.head_dim()) {
   wq = Param(*this, "wq", {c.dim, c.dim});
@@ -82,10 +88,15 @@ AttentionImpl::AttentionImpl(const GptConfig& c)
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
   int64_t b = x.size(0), t = x.size(1);
-  auto q = Linear(x, wq, bq).view({b, t, n_heads, head_dim});
-  auto k = Linear(x, wk, bk).view({b, t, n_kv_heads, head_dim});
-  auto v = Linear(x, wv, bv).view({b, t, n_kv_heads, head_dim});
-  if (cos.defined() && UseFusedKernels(kernels, x)) {
+  const bool fused = UseFusedKernels(kernels, x);
+  // Fused: one node for the three projections. See Note [Residual stream gradients].
+  std::vector<torch::Tensor> qkv =
+      fused ? Linears(x, {wq, wk, wv}, {bq, bk, bv})
+            : std::vector<torch::Tensor>{Linear(x, wq, bq), Linear(x, wk, bk), Linear(x, wv, bv)};
+  auto q = qkv[0].view({b, t, n_heads, head_dim});
+  auto k = qkv[1].view({b, t, n_kv_heads, head_dim});
+  auto v = qkv[2].view({b, t, n_kv_heads, head_dim});
+  if (cos.defined() && fused) {
     // In place on the projections' memory, unless selective checkpointing keeps those outputs
     // for the recompute (then they must stay as the matmul wrote them).
     if (KeepsMatmulOutputs()) {
@@ -120,20 +131,30 @@ FeedForwardImpl::FeedForwardImpl(const GptConfig& c)
   }
 }
 
-torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
+torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x, const torch::Tensor& residual) {
   // Note [SwiGLU projections]
   // The fused SwiGLU kernel also reads one fused projection [..., 2F] (one GEMM against
   // [w1; w3]), but w1 and w3 are separate parameters here (checkpoint and Hugging Face names):
   // stacking them per call would copy 2 x ffn x dim weights and keep that copy, saved by the
   // matmul, from the forward to the backward in every block (46 MB a block for llama_1b in
-  // bf16, 235 MB for Llama 3 8B), after FSDP freed the parameters themselves. So two GEMMs,
-  // one kernel.
-  if (swiglu && UseFusedKernels(kernels, x)) {
-    return Linear(kernels::SwiGlu(Linear(x, w1, b1), Linear(x, w3, torch::Tensor())), w2, b2);
+  // bf16, 235 MB for Llama 3 8B), after FSDP freed the parameters themselves. So two GEMMs in
+  // one Linears node (one gradient of x), one kernel.
+  if (UseFusedKernels(kernels, x)) {
+    torch::Tensor act;
+    if (swiglu) {
+      std::vector<torch::Tensor> gate_up = Linears(x, {w1, w3}, {b1, torch::Tensor()});
+      act = kernels::SwiGlu(gate_up[0], gate_up[1]);
+    } else {
+      act = torch::gelu(Linear(x, w1, b1), "tanh");
+    }
+    if (residual.defined() && !b2.defined()) return LinearAdd(residual, act, w2);
+    torch::Tensor out = Linear(act, w2, b2);
+    return residual.defined() ? residual + out : out;
   }
   torch::Tensor h = swiglu ? torch::silu(Linear(x, w1, b1)) * Linear(x, w3, torch::Tensor())
                            : torch::gelu(Linear(x, w1, b1), "tanh");
-  return Linear(h, w2, b2);
+  torch::Tensor out = Linear(h, w2, b2);
+  return residual.defined() ? residual + out : out;
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const GptConfig& c, const torch::Tensor& cos,
@@ -147,12 +168,35 @@ TransformerBlockImpl::TransformerBlockImpl(const GptConfig& c, const torch::Tens
   feed_forward = register_module("feed_forward", FeedForward(c));
 }
 
+// Note [Residual stream gradients]
+// A block's input and its h (input + attention) each feed a norm and the residual stream, and
+// the norm's output feeds several projections (wq, wk, wv; w1, w3). Autograd sums the
+// gradients of a tensor with several consumers with an add kernel per extra consumer (3 passes
+// over the tensor's size each): in backward, two for the attention norm's output, one for the
+// ffn norm's and one for the block's input (AddRmsNorm already sums h's two inside its
+// kernel); in forward the block ends with an add, h + the MLP. With fused kernels:
+//  - the projections of one input are one fsdp::Linears node (kernels::MultiLinear), whose
+//    GEMMs accumulate the input's gradient (in-place addmm_, beta = 1): no add for q/k/v and
+//    w1/w3;
+//  - the input reaches the residual stream through the attention norm (ForkAndNorm,
+//    kernels::ForkRmsNorm) and h through the ffn norm (AddAndNorm, kernels::AddRmsNorm): each
+//    norm's backward kernel adds the residual's gradient to its own while writing it;
+//  - h + the MLP is w2's GEMM adding h (fsdp::LinearAdd, at::addmm: its backward hands h the
+//    gradient itself) when w2 has no bias. ATen copies h into the output before the GEMM
+//    (Note [Residual addmm] in kernels/linear.h): a memcpy instead of the add kernel, the same
+//    bytes; selective checkpointing then keeps the block's output as w2's.
+// No add kernel is left in a Llama block (GptKernelsTest.FusedLlamaBlocksRunNoAddKernels). The
+// composite path runs the ops it always ran (the first outputs of ForkAndNorm are the input
+// itself): CPU parity with earlier runs stays bitwise.
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   return UnitForward(this, x, [&](const torch::Tensor& input) {
-    if (!attention) return input + feed_forward->forward(ffn_norm->forward(input));
-    auto [h, normed] =
-        ffn_norm->AddAndNorm(attention->forward(attention_norm->forward(input), cos, sin), input);
-    return h + feed_forward->forward(normed);
+    if (!attention) {
+      auto [residual, normed] = ffn_norm->ForkAndNorm(input);
+      return feed_forward->forward(normed, residual);
+    }
+    auto [residual, normed] = attention_norm->ForkAndNorm(input);
+    auto [h, normed2] = ffn_norm->AddAndNorm(attention->forward(normed, cos, sin), residual);
+    return feed_forward->forward(normed2, h);
   });
 }
 

@@ -47,6 +47,10 @@ struct NormImpl : torch::nn::Module {
   // (x + residual, norm of it); RMSNorm with fused kernels does both in one pass.
   std::pair<torch::Tensor, torch::Tensor> AddAndNorm(const torch::Tensor& x,
                                                      const torch::Tensor& residual);
+  // (x, norm of x), for an x that also feeds the residual stream: use the first output there.
+  // RMSNorm with fused kernels adds that output's gradient to x's in its backward kernel
+  // (kernels::ForkRmsNorm); otherwise it is x itself. See Note [Residual stream gradients].
+  std::pair<torch::Tensor, torch::Tensor> ForkAndNorm(const torch::Tensor& x);
   KernelMode kernels;
   bool rms;
   double eps;
@@ -69,8 +73,10 @@ TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   explicit FeedForwardImpl(const GptConfig& c);
-  // SwiGLU with fused kernels: Linear(x, w1), Linear(x, w3) and one kernels::SwiGlu.
-  torch::Tensor forward(const torch::Tensor& x);
+  // residual + the MLP of x (residual undefined: the MLP alone). SwiGLU with fused kernels:
+  // one Linears for w1 and w3, one kernels::SwiGlu, and w2's GEMM adding the residual when w2
+  // has no bias (fsdp::LinearAdd). See Note [Residual stream gradients].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& residual = {});
   KernelMode kernels;
   bool swiglu;
   torch::Tensor w1, w2, w3, b1, b2;

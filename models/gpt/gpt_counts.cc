@@ -28,8 +28,10 @@ namespace fsdp {
 //
 // With activation checkpointing (sharding/options.h) a checkpointed block keeps only its input
 // (dim, cb); selective keeps the input and the output of every matmul: q (dim), k and v
-// (kv_dim each), wo (dim), w1 and w3 (ffn each), w2 (dim). Their recompute materialises the
-// `none` set again, one block at a time.
+// (kv_dim each), wo (dim), w1 and w3 (ffn each), w2 (dim; with fused kernels and no bias on w2
+// that output is the block's output, residual added by the GEMM, which the next block or the
+// head keeps as its input: not counted again). Their recompute materialises the `none` set
+// again, one block at a time.
 //
 // The head keeps the final norm's input and output; the logits reach the loss in fp32 (FSDP
 // casts the root's output, MixedPrecision::output_dtype; the trainer holds them through
@@ -40,7 +42,11 @@ namespace fsdp {
 // With model.kernels fused (kernels/), per block and token: RMSNorm keeps its input (cb) and
 // one fp32 rstd per row, the residual add + ffn_norm pass keeps its sum (cb) and rstd; SwiGLU
 // keeps gate and up (2 ffn) and no silu output or product, so the MLP keeps the norm output,
-// gate, up and w2's input (dim + 3 ffn); RoPE in place adds nothing (as above). The head: the
+// gate, up and w2's input (dim + 3 ffn); RoPE in place adds nothing (as above). The fused
+// projections keep what the separate ones kept (Note [Residual stream gradients] in gpt.cc):
+// q/k/v and w1/w3 as one Linears node each save their input once (the linears shared it), the
+// attention norm passing the input through saves what RMSNorm saved, and w2's GEMM adding the
+// residual saves its input and weight, as linear. The head: the
 // final norm (fused) and, from the chunked LM head + cross-entropy, the gradient of its input
 // (dim, cb) instead of vocab-sized fp32 logits and gradients; its [vocab, dim] weight gradient
 // and [chunk, vocab] logits buffer do not grow with the tokens (a weight-sized term, next to
@@ -60,7 +66,8 @@ namespace fsdp {
 //     tape's matmul outputs that `none` does not keep, held until the block's backward ends:
 //     wo's and w2's (residual adds save nothing) and, with RoPE, q and k before the rotation
 //     (autograd keeps the rotated ones). q, k, v, w1 and w3 are in `none` already: the tape and
-//     the recomputed graph share them.
+//     the recomputed graph share them. w2's is the recomputed output itself where w2's GEMM
+//     adds the residual (fused kernels, no bias on w2), counted once.
 // Measured (fsdp train on a CPU, one rank, peak tensor bytes: GPT and Llama blocks, 1 to 4 of
 // them, fused and composite kernels; CheckpointingTest.SelectiveAndFullAgainstMeasuredPeaks in
 // tests/planner_test.cc):
@@ -85,8 +92,14 @@ BlockActivationBytes GptBlockActivationBytes(const ModelArgs& m, double cb) {
   const double kv = static_cast<double>(m.kv_dim());
   const bool swiglu = m.activation == Activation::kSwiglu;
   BlockActivationBytes b;
+  // Fused without a bias on w2, w2's GEMM adds the residual (Note [Residual stream gradients] in
+  // gpt.cc): the tape's w2 output is the block's output, which the next block or the head keeps
+  // as its input and the recompute returns as its output, so it adds nothing of its own.
+  const bool w2_output_is_block_output = Fused(m) && !HasBiases(m);
   b.none = NormBytes(m, cb) + (d + (swiglu ? (Fused(m) ? 3 : 4) : 2) * f) * cb;
-  b.selective = (d /*input*/ + (swiglu ? 2 : 1) * f /*w1, w3*/ + d /*w2*/) * cb;
+  b.selective =
+      (d /*input*/ + (swiglu ? 2 : 1) * f /*w1, w3*/ + (w2_output_is_block_output ? 0 : d) /*w2*/) *
+      cb;
   if (HasAttention(m)) {
     b.none += NormBytes(m, cb) + (3 * d + 2 * kv) * cb + 4.0 * m.n_heads;
     b.selective += (2 * d /*wq, wo*/ + 2 * kv /*wk, wv*/) * cb;
@@ -97,7 +110,7 @@ BlockActivationBytes GptBlockActivationBytes(const ModelArgs& m, double cb) {
   b.recompute_output = d * cb;
   const bool composite_rms = m.norm == NormKind::kRmsNorm && !Fused(m);
   if (composite_rms && cb < 4) b.recompute_input_unkept = d * cb;
-  b.selective_unkept = d * cb;  // w2
+  b.selective_unkept = w2_output_is_block_output ? 0 : d * cb;  // w2
   if (HasAttention(m)) {
     b.selective_unkept += d * cb;  // wo
     if (m.positions == Positions::kRope) b.selective_unkept += (d + kv) * cb;
