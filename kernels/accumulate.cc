@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/accumulate.h"
 #include "kernels/dispatch.h"
+#include "kernels/multi_tensor.h"
 
 namespace fsdp::kernels {
 namespace {
@@ -26,17 +27,9 @@ void AddPair(const at::Tensor& dst, const at::Tensor& src) { dst.add_(src.reshap
 }  // namespace
 
 void AccumulateInto(at::TensorList dsts, at::TensorList srcs) {
-  TORCH_CHECK(dsts.size() == srcs.size(), "accumulate: ", dsts.size(), " destinations but ",
-              srcs.size(), " sources");
+  CheckPairs(dsts, srcs, kName, "+=");
   if (dsts.empty()) return;
   const at::Tensor& like = dsts[0];
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    TORCH_CHECK(dsts[i].numel() == srcs[i].numel() && dsts[i].device() == like.device() &&
-                    srcs[i].device() == like.device(),
-                "accumulate: pair ", i, " (", dsts[i].sizes(), " on ", dsts[i].device(),
-                " += ", srcs[i].sizes(), " on ", srcs[i].device(), ") must have one numel, on ",
-                like.device());
-  }
   if (!OnCuda(like, kName)) {
     AccumulateIntoComposite(dsts, srcs);
     return;
@@ -62,8 +55,7 @@ void AccumulateInto(at::TensorList dsts, at::TensorList srcs) {
 }
 
 void AccumulateIntoComposite(at::TensorList dsts, at::TensorList srcs) {
-  TORCH_CHECK(dsts.size() == srcs.size(), "accumulate: ", dsts.size(), " destinations but ",
-              srcs.size(), " sources");
+  CheckPairCount(dsts, srcs, kName);
   for (size_t i = 0; i < dsts.size(); ++i) AddPair(dsts[i], srcs[i]);
 }
 

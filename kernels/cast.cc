@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/cast.h"
 #include "kernels/dispatch.h"
+#include "kernels/multi_tensor.h"
 
 namespace fsdp::kernels {
 namespace {
@@ -26,24 +27,12 @@ bool KernelTakes(const at::Tensor& dst, const at::Tensor& src) {
 
 void CopyPair(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
 
-void CheckCount(at::TensorList dsts, at::TensorList srcs) {
-  TORCH_CHECK(dsts.size() == srcs.size(), "cast: ", dsts.size(), " destinations but ", srcs.size(),
-              " sources");
-}
-
 }  // namespace
 
 void CastInto(at::TensorList dsts, at::TensorList srcs) {
-  CheckCount(dsts, srcs);
+  CheckPairs(dsts, srcs, kName, "=");
   if (dsts.empty()) return;
   const at::Tensor& like = dsts[0];
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    TORCH_CHECK(dsts[i].numel() == srcs[i].numel() && dsts[i].device() == like.device() &&
-                    srcs[i].device() == like.device(),
-                "cast: pair ", i, " (", dsts[i].sizes(), " on ", dsts[i].device(), " = ",
-                srcs[i].sizes(), " on ", srcs[i].device(), ") must have one numel, on ",
-                like.device());
-  }
   if (!OnCuda(like, kName)) {
     CastIntoComposite(dsts, srcs);
     return;
@@ -71,7 +60,7 @@ void CastInto(at::TensorList dsts, at::TensorList srcs) {
 }
 
 void CastIntoComposite(at::TensorList dsts, at::TensorList srcs) {
-  CheckCount(dsts, srcs);
+  CheckPairCount(dsts, srcs, kName);
   for (size_t i = 0; i < dsts.size(); ++i) CopyPair(dsts[i], srcs[i]);
 }
 

@@ -11,21 +11,17 @@
 #include <gtest/gtest.h>
 
 #include "tests/kernels_testing.h"
+#include "tests/multi_tensor_testing.h"
 
 namespace fsdp::kernels {
 namespace {
 
+using testing::Clones;
+using testing::Pairs;
+using testing::Place;
+
 // A list of pairs: sums [n] fp32 (large, so most additions round) and gradients of `dtype`,
 // some at an odd element offset in their buffer, some strided, some empty.
-struct Pairs {
-  std::vector<at::Tensor> dsts, srcs;
-};
-
-at::Tensor Offset(const at::Tensor& t, int64_t offset) {
-  at::Tensor buffer = at::empty({t.numel() + offset}, t.options());
-  return buffer.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
-}
-
 Pairs MakePairs(c10::Device device) {
   at::manual_seed(41);
   Pairs p;
@@ -34,8 +30,8 @@ Pairs MakePairs(c10::Device device) {
     const int64_t n = i % 13 == 12 ? 0 : 1 + (97 * i) % 20011;
     at::Tensor dst = (at::randn({n}) * 1000).to(device);
     at::Tensor src = at::randn({n}).to(device, dtypes[i % 3]);
-    if (i % 7 == 3) dst = Offset(dst, 1);
-    if (i % 5 == 2) src = Offset(src, 1);
+    if (i % 7 == 3) dst = Place(dst, 1);
+    if (i % 5 == 2) src = Place(src, 1);
     p.dsts.push_back(dst);
     p.srcs.push_back(src);
   }
@@ -45,12 +41,6 @@ Pairs MakePairs(c10::Device device) {
   p.dsts.push_back((at::randn({333}) * 100).to(device));
   p.srcs.push_back(at::randn({9, 37}).to(device, at::kDouble));
   return p;
-}
-
-std::vector<at::Tensor> Clones(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : ts) out.push_back(t.clone());
-  return out;
 }
 
 void ExpectBitwise(const std::vector<at::Tensor>& actual, const std::vector<at::Tensor>& expected,

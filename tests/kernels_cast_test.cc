@@ -17,13 +17,16 @@
 #include <gtest/gtest.h>
 
 #include "tests/kernels_testing.h"
+#include "tests/multi_tensor_testing.h"
 
 namespace fsdp::kernels {
 namespace {
 
-at::ScalarType Bits(at::ScalarType t) {
-  return t == at::kFloat ? at::kInt : t == at::kDouble ? at::kLong : at::kShort;
-}
+using testing::Bits;
+using testing::Clones;
+using testing::Pairs;
+using testing::Place;
+using testing::Versions;
 
 // fp32 bit patterns that conversions must get exactly right: NaNs, infinities, zeros,
 // denormals, bf16 and fp16 round-to-nearest-even ties and their neighbours, overflow.
@@ -48,15 +51,6 @@ at::Tensor Values(int64_t n, at::ScalarType dtype, c10::Device device) {
   return t.to(dtype).to(device);
 }
 
-at::Tensor Offset(const at::Tensor& t, int64_t offset) {
-  at::Tensor buffer = at::empty({t.numel() + offset}, t.options());
-  return buffer.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
-}
-
-struct Pairs {
-  std::vector<at::Tensor> dsts, srcs;
-};
-
 // Every dtype pair over 140 pairs (three tables of 48 for some pairs), odd sizes and empty
 // ones, some views at an odd element offset; then the pairs the kernel leaves to copy_.
 Pairs MakePairs(c10::Device device) {
@@ -68,8 +62,8 @@ Pairs MakePairs(c10::Device device) {
     const at::ScalarType dst_dtype = dtypes[i % 3], src_dtype = dtypes[(i / 3) % 3];
     at::Tensor dst = at::full({n}, -3.25, at::TensorOptions().dtype(dst_dtype).device(device));
     at::Tensor src = Values(n, src_dtype, device);
-    if (i % 7 == 3) dst = Offset(dst, 1);
-    if (i % 5 == 2) src = Offset(src, 1);
+    if (i % 7 == 3) dst = Place(dst, 1);
+    if (i % 5 == 2) src = Place(src, 1);
     p.dsts.push_back(dst);
     p.srcs.push_back(src);
   }
@@ -86,12 +80,6 @@ Pairs MakePairs(c10::Device device) {
   p.dsts.push_back(at::zeros({}, bf16));
   p.srcs.push_back(Values(1, at::kHalf, device).view({1, 1}));
   return p;
-}
-
-std::vector<at::Tensor> Clones(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : ts) out.push_back(t.clone());
-  return out;
 }
 
 // Bitwise equality per pair; with `nan_aside`, elements that are NaN in both are not compared.
@@ -118,8 +106,7 @@ void CheckAgainstCopy(c10::Device device) {
     expected[i].copy_(p.srcs[i].reshape(expected[i].sizes()));
   }
   std::vector<at::Tensor> actual = Clones(p.dsts);
-  std::vector<int64_t> versions;
-  for (const at::Tensor& a : actual) versions.push_back(a._version());
+  const std::vector<int64_t> versions = Versions(actual);
   CastInto(actual, p.srcs);
   ExpectBitwise(actual, expected, /*nan_aside=*/false, "copy_ on the same device");
   for (size_t i = 0; i < actual.size(); ++i) {

@@ -1,56 +1,32 @@
 #include "kernels/cuda/accumulate.h"
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/multi_tensor.cuh"
 
 namespace fsdp::kernels::cuda {
 namespace {
 
 // Note [Multi-tensor accumulation]
-// One launch adds up to kAccumulateTableSize pairs. Each pair is cut into chunks of kChunk
-// elements, one block per chunk; the pairs' pointers, sizes and first blocks travel in the
-// kernel's arguments (a Table, under the 4 KiB a launch's parameters may take), and a block
-// finds its pair by binary search over the first blocks (at most 6 steps). Within its chunk a
-// thread reads kPacks 16-byte packs of src (8 bf16/fp16, 4 floats) and the matching floats of
-// dst first, then adds and stores them: all its loads in flight at once. A pair whose dst and
-// src both start 16-byte aligned takes the packs (chunks start at multiples of kChunk, so every
-// pack stays aligned) and finishes its last chunk's tail element by element; any other pair
-// runs element by element (See Note [Vector accesses]). Pairs of zero elements get no block.
-// The sum is a + float(b) in fp32, rounded once: what at::add_ computes for an fp32 tensor and
-// a bf16/fp16/fp32 one (alpha 1).
+// One launch adds up to kAccumulateTableSize pairs, a block per kChunk elements of a pair (See
+// Note [Multi-tensor launches]). Within its chunk a thread of a vectorized pair reads kPacks
+// 16-byte packs of src (8 bf16/fp16, 4 floats) and the matching floats of dst first, then adds
+// and stores them: all its loads in flight at once; the last chunk's tail, and any other pair,
+// runs element by element. The sum is a + float(b) in fp32, rounded once: what at::add_
+// computes for an fp32 tensor and a bf16/fp16/fp32 one (alpha 1).
 
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = 8192;  // elements per block: 4 packs of 8, or 8 of 4, per thread
-constexpr int64_t kMaxBlocks = 2147483647;  // gridDim.x
 
-struct Table {
-  float* dst[kAccumulateTableSize];
-  const void* src[kAccumulateTableSize];
-  int64_t numel[kAccumulateTableSize];
-  int64_t first_block[kAccumulateTableSize];
-  bool vectorized[kAccumulateTableSize];
-  int count;
-};
-static_assert(sizeof(Table) <= 4096, "kernel parameters are limited to 4 KiB");
+using Table = MultiTensorTable<float, kAccumulateTableSize>;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) AccumulateKernel(Table table) {
-  const int64_t block = blockIdx.x;
-  int lo = 0, hi = table.count - 1;  // the last pair whose first block is <= this one
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int64_t begin = (block - table.first_block[lo]) * kChunk;
-  const int64_t rest = table.numel[lo] - begin;
-  const int64_t n = rest < kChunk ? rest : kChunk;
-  float* dst = table.dst[lo] + begin;
-  const T* src = static_cast<const T*>(table.src[lo]) + begin;
+  const MultiTensorChunk chunk = FindChunk<kChunk>(table, blockIdx.x);
+  const int64_t n = chunk.numel;
+  float* dst = table.dst[chunk.pair] + chunk.begin;
+  const T* src = static_cast<const T*>(table.src[chunk.pair]) + chunk.begin;
   int64_t done = 0;
-  if (table.vectorized[lo]) {
+  if (table.vectorized[chunk.pair]) {
     constexpr int kWidth = Vec16<T>::kSize;
     constexpr int kPacks = kChunk / (kThreads * kWidth);
     const int64_t packs = n / kWidth;
@@ -81,33 +57,10 @@ __global__ void __launch_bounds__(kThreads) AccumulateKernel(Table table) {
 
 template <typename T>
 LaunchStatus Launch(const AccumulatePair* pairs, int64_t count, cudaStream_t stream) {
-  Table table;
-  table.count = 0;
-  int64_t blocks = 0;
-  auto flush = [&]() -> LaunchStatus {
-    if (table.count == 0) return 0;
-    AccumulateKernel<T><<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(table);
-    table.count = 0;
-    blocks = 0;
+  return LaunchInTables<kChunk, Table>(pairs, count, [&](const Table& table, dim3 grid) {
+    AccumulateKernel<T><<<grid, kThreads, 0, stream>>>(table);
     return LastLaunchStatus();
-  };
-  for (int64_t i = 0; i < count; ++i) {
-    const AccumulatePair& pair = pairs[i];
-    if (pair.numel == 0) continue;
-    const int64_t need = (pair.numel + kChunk - 1) / kChunk;
-    if (need > kMaxBlocks) return static_cast<LaunchStatus>(cudaErrorInvalidValue);
-    if (table.count == kAccumulateTableSize || blocks + need > kMaxBlocks) {
-      if (LaunchStatus status = flush(); status != 0) return status;
-    }
-    const int c = table.count++;
-    table.dst[c] = pair.dst;
-    table.src[c] = pair.src;
-    table.numel[c] = pair.numel;
-    table.first_block[c] = blocks;
-    table.vectorized[c] = AlignedTo(pair.dst, 16) && AlignedTo(pair.src, 16);
-    blocks += need;
-  }
-  return flush();
+  });
 }
 
 }  // namespace

@@ -3,17 +3,15 @@
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/multi_tensor.cuh"
 
 namespace fsdp::kernels::cuda {
 namespace {
 
 // Note [Multi-tensor cast]
-// The launch structure of Note [Multi-tensor accumulation] (kernels/cuda/accumulate.cu): up to
-// kCastTableSize pairs per launch in the kernel's arguments, a block per kChunk elements of a
-// pair, found by binary search over the pairs' first blocks; a pair whose dst and src both
-// start 16-byte aligned moves whole packs, all of a thread's loads first, then its stores, and
-// its last chunk's tail element by element; any other pair runs element by element (See Note
-// [Vector accesses]). Pairs of zero elements get no block.
+// One launch casts up to kCastTableSize pairs, a block per kChunk elements of a pair (See Note
+// [Multi-tensor launches]); a thread of a vectorized pair moves whole packs, all its loads
+// first, then its stores; the last chunk's tail, and any other pair, runs element by element.
 // A pack is 32 bytes of the narrower dtype (16 elements with a bf16/fp16 side, 8 fp32 to fp32),
 // moved in 16-byte accesses, bf16/fp16 ones as four 32-bit words of two elements each. nvcc
 // 13.0 split other forms into 2- and 4-byte stores (the first 16-byte store at a thread's
@@ -26,18 +24,9 @@ namespace {
 // bf16 <-> fp16 too: the only rounding is the last one, as in ATen's static_cast.
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = 8192;            // elements per block: 2 packs of 16 (4 of 8) per thread
-constexpr int64_t kMaxBlocks = 2147483647;  // gridDim.x
+constexpr int64_t kChunk = 8192;  // elements per block: 2 packs of 16 (4 of 8) per thread
 
-struct Table {
-  void* dst[kCastTableSize];
-  const void* src[kCastTableSize];
-  int64_t numel[kCastTableSize];
-  int64_t first_block[kCastTableSize];
-  bool vectorized[kCastTableSize];
-  int count;
-};
-static_assert(sizeof(Table) <= 4096, "kernel parameters are limited to 4 KiB");
+using Table = MultiTensorTable<void, kCastTableSize>;
 
 // c10::BFloat16(float) as ATen's device code computes it: __float2bfloat16 (cvt.rn.bf16.f32)
 // from sm_80 on; c10's round_to_nearest_even before (its NaN is 0x7FC0, the instruction's and
@@ -153,23 +142,12 @@ constexpr int kWidthOf = 32 / (sizeof(D) < sizeof(S) ? sizeof(D) : sizeof(S));
 
 template <typename D, typename S>
 __global__ void __launch_bounds__(kThreads) CastKernel(Table table) {
-  const int64_t block = blockIdx.x;
-  int lo = 0, hi = table.count - 1;  // the last pair whose first block is <= this one
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int64_t begin = (block - table.first_block[lo]) * kChunk;
-  const int64_t rest = table.numel[lo] - begin;
-  const int64_t n = rest < kChunk ? rest : kChunk;
-  D* dst = static_cast<D*>(table.dst[lo]) + begin;
-  const S* src = static_cast<const S*>(table.src[lo]) + begin;
+  const MultiTensorChunk chunk = FindChunk<kChunk>(table, blockIdx.x);
+  const int64_t n = chunk.numel;
+  D* dst = static_cast<D*>(table.dst[chunk.pair]) + chunk.begin;
+  const S* src = static_cast<const S*>(table.src[chunk.pair]) + chunk.begin;
   int64_t done = 0;
-  if (table.vectorized[lo]) {
+  if (table.vectorized[chunk.pair]) {
     constexpr int kWidth = kWidthOf<D, S>;
     constexpr int kPacks = kChunk / (kThreads * kWidth);
     const int64_t packs = n / kWidth;
@@ -191,33 +169,10 @@ __global__ void __launch_bounds__(kThreads) CastKernel(Table table) {
 
 template <typename D, typename S>
 LaunchStatus Launch(const CastPair* pairs, int64_t count, cudaStream_t stream) {
-  Table table;
-  table.count = 0;
-  int64_t blocks = 0;
-  auto flush = [&]() -> LaunchStatus {
-    if (table.count == 0) return 0;
-    CastKernel<D, S><<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(table);
-    table.count = 0;
-    blocks = 0;
+  return LaunchInTables<kChunk, Table>(pairs, count, [&](const Table& table, dim3 grid) {
+    CastKernel<D, S><<<grid, kThreads, 0, stream>>>(table);
     return LastLaunchStatus();
-  };
-  for (int64_t i = 0; i < count; ++i) {
-    const CastPair& pair = pairs[i];
-    if (pair.numel == 0) continue;
-    const int64_t need = (pair.numel + kChunk - 1) / kChunk;
-    if (need > kMaxBlocks) return static_cast<LaunchStatus>(cudaErrorInvalidValue);
-    if (table.count == kCastTableSize || blocks + need > kMaxBlocks) {
-      if (LaunchStatus status = flush(); status != 0) return status;
-    }
-    const int c = table.count++;
-    table.dst[c] = pair.dst;
-    table.src[c] = pair.src;
-    table.numel[c] = pair.numel;
-    table.first_block[c] = blocks;
-    table.vectorized[c] = AlignedTo(pair.dst, 16) && AlignedTo(pair.src, 16);
-    blocks += need;
-  }
-  return flush();
+  });
 }
 
 }  // namespace

@@ -17,33 +17,19 @@
 #include "emulated/kernels/cuda/accumulate.h"
 #include "kernels/accumulate.h"
 #include "tests/cuda_emulation/emulator.h"
+#include "tests/cuda_emulation/multi_tensor_testing.h"
 
 namespace fsdp::kernels {
 namespace {
 
 namespace emulated = ::fsdp::kernels_emulated::cuda;
-
-emulated::DType Dt(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return emulated::DType::kFloat;
-    case at::kBFloat16:
-      return emulated::DType::kBFloat16;
-    case at::kHalf:
-      return emulated::DType::kHalf;
-    default:
-      break;
-  }
-  ADD_FAILURE() << "no kernel dtype for " << t;
-  return emulated::DType::kFloat;
-}
-
-// `fill` copied into a fresh buffer at element `offset` (1: off every 16-byte boundary, as
-// fp32/bf16/fp16 elements are narrower than 16 bytes).
-at::Tensor Place(const at::Tensor& fill, int64_t offset) {
-  at::Tensor buffer = at::empty({fill.numel() + offset}, fill.options());
-  return buffer.narrow(0, offset, fill.numel()).view(fill.sizes()).copy_(fill);
-}
+using testing::BitwiseEqual;
+using testing::Clones;
+using testing::EmulatedDType;
+using testing::ManySizes;
+using testing::Place;
+using testing::Schedules;
+using testing::Versions;
 
 // Sums large against the sources, so that most additions round; and the values whose sum
 // has a sign or class to get right.
@@ -59,11 +45,6 @@ at::Tensor Sources(int64_t n, at::ScalarType dtype) {
   const float specials[] = {-0.0f, -0.0f, -1.0f, 1e30f, 1e-30f};
   for (int64_t i = 0; i < n && i < 5; ++i) t[i] = specials[i];
   return t.to(dtype);
-}
-
-bool BitwiseEqual(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() &&
-         at::equal(a.contiguous().view(at::kInt), b.contiguous().view(at::kInt));
 }
 
 struct Case {
@@ -90,9 +71,7 @@ TEST_P(EmulatedAccumulateTest, EqualsAtAddBitwiseUnderEverySchedule) {
   std::vector<at::Tensor> expected;
   for (size_t i = 0; i < sums.size(); ++i) expected.push_back(sums[i].clone().add_(srcs[i]));
 
-  std::vector<at::Tensor> first;
-  for (fsdp_emu::Schedule s : {fsdp_emu::Schedule::kForward, fsdp_emu::Schedule::kReverse,
-                               fsdp_emu::Schedule::kShuffled, fsdp_emu::Schedule::kWarpByWarp}) {
+  for (fsdp_emu::Schedule s : Schedules(/*every=*/true)) {
     fsdp_emu::SetSchedule(s);
     std::vector<at::Tensor> dsts;
     std::vector<emulated::AccumulatePair> pairs;
@@ -101,7 +80,7 @@ TEST_P(EmulatedAccumulateTest, EqualsAtAddBitwiseUnderEverySchedule) {
       pairs.push_back({dsts[i].data_ptr<float>(), srcs[i].data_ptr(), srcs[i].numel()});
     }
     const int status = emulated::AccumulateInto(pairs.data(), static_cast<int64_t>(pairs.size()),
-                                                Dt(c.dtype), nullptr);
+                                                EmulatedDType(c.dtype), nullptr);
     ASSERT_EQ(status, 0) << "launch failed: " << fsdp_emu::LastErrorMessage();
     for (size_t i = 0; i < dsts.size(); ++i) {
       EXPECT_TRUE(BitwiseEqual(dsts[i], expected[i]))
@@ -111,13 +90,6 @@ TEST_P(EmulatedAccumulateTest, EqualsAtAddBitwiseUnderEverySchedule) {
     }
   }
   fsdp_emu::SetSchedule(fsdp_emu::Schedule::kForward);
-}
-
-std::vector<int64_t> ManySizes() {
-  std::vector<int64_t> sizes;  // 100 pairs: three launches of the 48-pair table
-  for (int64_t i = 0; i < 100; ++i) sizes.push_back(i % 10 == 9 ? 0 : 1 + 37 * i % 301);
-  sizes[50] = 8192 * 2 + 5;  // three chunks in the middle of the second table
-  return sizes;
 }
 
 // Sizes around a pack (8 or 4), a chunk (8192 elements) and two chunks; zero-size pairs.
@@ -157,13 +129,10 @@ TEST(EmulatedAccumulateFunctionTest, MixedListEqualsTheCompositeBitwise) {
   add(Place(Sums(100), 1), Place(Sources(100, at::kBFloat16), 3));    // misaligned views
   add(at::scalar_tensor(0.5f), Sources(1, at::kBFloat16).squeeze());  // 0-dim
 
-  std::vector<at::Tensor> expected;
-  for (const at::Tensor& d : dsts) expected.push_back(d.clone());
+  std::vector<at::Tensor> expected = Clones(dsts);
   fsdp::kernels::AccumulateIntoComposite(expected, srcs);
-  std::vector<at::Tensor> actual;
-  for (const at::Tensor& d : dsts) actual.push_back(d.clone());
-  std::vector<int64_t> versions;
-  for (const at::Tensor& a : actual) versions.push_back(a._version());
+  std::vector<at::Tensor> actual = Clones(dsts);
+  const std::vector<int64_t> versions = Versions(actual);
   fsdp::kernels_emulated::AccumulateInto(actual, srcs);
   for (size_t i = 0; i < dsts.size(); ++i) {
     EXPECT_TRUE(BitwiseEqual(actual[i], expected[i])) << "pair " << i;

@@ -25,33 +25,23 @@
 #include "emulated/kernels/cuda/cast.h"
 #include "kernels/cast.h"
 #include "tests/cuda_emulation/emulator.h"
+#include "tests/cuda_emulation/multi_tensor_testing.h"
 
 namespace fsdp::kernels {
 namespace {
 
 namespace emulated = ::fsdp::kernels_emulated::cuda;
-
-emulated::DType Dt(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return emulated::DType::kFloat;
-    case at::kBFloat16:
-      return emulated::DType::kBFloat16;
-    case at::kHalf:
-      return emulated::DType::kHalf;
-    default:
-      break;
-  }
-  ADD_FAILURE() << "no kernel dtype for " << t;
-  return emulated::DType::kFloat;
-}
+using testing::Bits;
+using testing::BitwiseEqual;
+using testing::EmulatedDType;
+using testing::ManySizes;
+using testing::Place;
+using testing::Schedules;
+using testing::Versions;
 
 const char* Name(at::ScalarType t) {
   return t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : "fp16";
 }
-
-// The integer type of a dtype's width, to compare and build bit patterns.
-at::ScalarType Bits(at::ScalarType t) { return t == at::kFloat ? at::kInt : at::kShort; }
 
 // Bit patterns at the start of each source: what each conversion has to get exactly right.
 std::vector<int64_t> Specials(at::ScalarType src) {
@@ -93,12 +83,6 @@ at::Tensor Source(int64_t n, at::ScalarType dtype) {
   return t;
 }
 
-// `fill` copied into a fresh buffer at element `offset`.
-at::Tensor Place(const at::Tensor& fill, int64_t offset) {
-  at::Tensor buffer = at::empty({fill.numel() + offset}, fill.options());
-  return buffer.narrow(0, offset, fill.numel()).copy_(fill);
-}
-
 // What ATen's copy_ gives on a GPU: the CPU's copy_ but for NaNs (See the top of the file).
 at::Tensor Expected(const at::Tensor& src, at::ScalarType dst) {
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(dst));
@@ -114,12 +98,6 @@ at::Tensor Expected(const at::Tensor& src, at::ScalarType dst) {
     bits.copy_(at::where(nan, src.view(at::kShort).to(at::kInt).bitwise_left_shift(16), bits));
   }
   return out;
-}
-
-bool BitwiseEqual(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
-         at::equal(a.contiguous().view(Bits(a.scalar_type())),
-                   b.contiguous().view(Bits(b.scalar_type())));
 }
 
 // The first element whose bits differ, for the message.
@@ -153,12 +131,7 @@ TEST_P(EmulatedCastTest, EqualsCopyBitwise) {
     srcs.push_back(Place(Source(c.sizes[i], c.src), i % 2 == 1 ? c.src_offset : 0));
     expected.push_back(Expected(srcs.back(), c.dst));
   }
-  std::vector<fsdp_emu::Schedule> schedules = {fsdp_emu::Schedule::kForward};
-  if (c.every_schedule) {
-    schedules.insert(schedules.end(), {fsdp_emu::Schedule::kReverse, fsdp_emu::Schedule::kShuffled,
-                                       fsdp_emu::Schedule::kWarpByWarp});
-  }
-  for (fsdp_emu::Schedule s : schedules) {
+  for (fsdp_emu::Schedule s : Schedules(c.every_schedule)) {
     fsdp_emu::SetSchedule(s);
     std::vector<at::Tensor> dsts;
     std::vector<emulated::CastPair> pairs;
@@ -169,7 +142,7 @@ TEST_P(EmulatedCastTest, EqualsCopyBitwise) {
       pairs.push_back({dsts[i].data_ptr(), srcs[i].data_ptr(), srcs[i].numel()});
     }
     const int status = emulated::CastInto(pairs.data(), static_cast<int64_t>(pairs.size()),
-                                          Dt(c.dst), Dt(c.src), nullptr);
+                                          EmulatedDType(c.dst), EmulatedDType(c.src), nullptr);
     ASSERT_EQ(status, 0) << "launch failed: " << fsdp_emu::LastErrorMessage();
     for (size_t i = 0; i < dsts.size(); ++i) {
       EXPECT_TRUE(BitwiseEqual(dsts[i], expected[i]))
@@ -182,13 +155,6 @@ TEST_P(EmulatedCastTest, EqualsCopyBitwise) {
 
 // Sizes around a pack (16 or 8 elements), a chunk (8192) and two chunks; zero-size pairs.
 const std::vector<int64_t> kOdd = {1, 7, 8, 9, 0, 15, 16, 17, 40, 1001, 8191, 8192, 8193, 0, 16389};
-
-std::vector<int64_t> ManySizes() {
-  std::vector<int64_t> sizes;  // 100 pairs: three launches of the 48-pair table
-  for (int64_t i = 0; i < 100; ++i) sizes.push_back(i % 10 == 9 ? 0 : 1 + 37 * i % 301);
-  sizes[50] = 8192 * 2 + 5;  // three chunks in the middle of the second table
-  return sizes;
-}
 
 std::vector<Case> Cases() {
   const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
@@ -262,8 +228,7 @@ TEST(EmulatedCastFunctionTest, MixedListEqualsTheCompositeBitwise) {
   fsdp::kernels::CastIntoComposite(expected, srcs);
   std::vector<at::Tensor> actual;
   for (const at::Tensor& d : dsts) actual.push_back(at::zeros_like(d));
-  std::vector<int64_t> versions;
-  for (const at::Tensor& a : actual) versions.push_back(a._version());
+  const std::vector<int64_t> versions = Versions(actual);
   fsdp::kernels_emulated::CastInto(actual, srcs);
   for (size_t i = 0; i < dsts.size(); ++i) {
     EXPECT_TRUE(BitwiseEqual(actual[i], expected[i]))
