@@ -82,14 +82,15 @@ class FsdpTrainable final : public TrainableModel {
         if (masters.count(p.unsafeGetTensorImpl()) == 0) return false;
       }
     }
+    const ModelStateBytes state_bytes = model_->model_state_bytes();  // gradients still there
     std::shared_ptr<PreparedStep> prepared = PrepareStep(optimizer);
     if (prepared == nullptr) return false;
+    state_bytes_ = state_bytes;
+    // The prepared step holds the gradient tensors; the .grad slots go now, before the host
+    // thread reads those tensors (zero_grad would detach_ them in place).
+    for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
     model_->StepOnHost(
         [prepared](const std::vector<at::Tensor>& unit_masters) { prepared->Run(unit_masters); });
-    state_bytes_ = model_->model_state_bytes();  // gradients still there, as in AfterStep
-    // The step holds the gradient tensors; the .grad slots go now, without zero_grad's
-    // detach_ on tensors the host thread is reading.
-    for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
     return true;
   }
   void FinishStep() override { model_->FinishHostStep(); }
