@@ -58,6 +58,7 @@ stage_order=(
   fsdp_2x4            # issue 14's offload baseline
   offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
+  offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
   big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
   ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
   offload_optimizer_2x4
@@ -77,7 +78,7 @@ stage_order=(
 # the offload path; the AC, overhead and deterministic rows were measured then).
 declare -A estimate=(
   [gpu_tests]=90 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [big_1gpu]=240 [ckpt_125m]=35
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [big_1gpu]=240 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [deterministic_2x4]=25 [composite_2x4]=25
@@ -88,7 +89,7 @@ case "$part" in
   speed) wanted=(gpu_tests sanitizer compare_2x4 kernels ckpt_125m compare_keep_2x4 profile_2x4
                  keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 fsdp_2x4 offload_params_2x4
-                 offload_params_keep_2x4
+                 offload_params_keep_2x4 offload_params_last_2x4
                  offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
 esac
@@ -275,6 +276,9 @@ big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
 # The planner's predictions that the table sets beside issue 14's runs.
 plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"
+plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
+plan plan_2x4_keep_last "$config" "${accum2x4[@]}" \
+  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
 [ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
 
 # One function per stage after gpu_tests, run in stage_order (Note [Stages in one call]).
@@ -310,6 +314,13 @@ stage_offload_params_2x4() { run offload_params_2x4 "${accum2x4[@]}" --set paral
 stage_offload_params_keep_2x4() {
   run offload_params_keep_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
     --set parallelism.reshard_between_micro_batches=false
+}
+# Offload params with the fewest copies (planner: the fastest offload row): units kept across
+# micro-batches (one load per step) and the micro-batches' gradients summed in bf16 on the
+# device until the last one sends them (training.grad_sync: last, Note [No-sync accumulation]).
+stage_offload_params_last_2x4() {
+  run offload_params_last_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
+    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
 }
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
@@ -395,7 +406,7 @@ peak_bytes, state_bytes = {}, {}
 for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "deterministic_2x4", "big_1gpu"):
+             "offload_params_last_2x4", "deterministic_2x4", "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(out, name + ".log")):
@@ -423,6 +434,7 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_optimizer_2x4", "fsdp_2x4", "the <= 15% state target is for params"),
                          ("offload_params_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_keep_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
+                         ("offload_params_last_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
     if name in medians and base in medians and peak_bytes.get(base) and medians[base]:
         line = (f"{name} / {base}: step {medians[name] / medians[base]:.3f}x, "
@@ -436,6 +448,8 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "fsdp_2x4": ("plan_2x4", "none", "none"),
              "offload_optimizer_2x4": ("plan_2x4", "none", "optimizer"),
              "offload_params_2x4": ("plan_2x4", "none", "params"),
+             "offload_params_keep_2x4": ("plan_2x4_keep", "none", "params"),
+             "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
              "big_1gpu": ("plan_big", None, None)}
 for name, (plan, ckpt, offload) in predicted.items():
     path = os.path.join(out, plan + ".plan.json")
@@ -453,6 +467,19 @@ for name, (plan, ckpt, offload) in predicted.items():
         print(f"{name}: plan {mem / 2**30:.2f} GiB / {step:.0f} ms, measured "
               f"{peak_bytes[name] / 2**30:.2f} GiB / {medians[name]:.0f} ms (memory "
               f"{100 * (mem / peak_bytes[name] - 1):+.0f}%, step {100 * (step / medians[name] - 1):+.0f}%)")
+# Where the offload runs' host time went (rank_stats' offload.per_step, docs/offload.md): the
+# host step (overlapped with the next forward: host_step_ms; in place: optimizer_step_ms), what
+# the forward waited for it, the waits for copies and the host additions.
+for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
+             "offload_params_last_2x4"):
+    stats = os.path.join(out, name, "rank_stats", "rank0.json")
+    if not os.path.exists(stats):
+        continue
+    per = json.load(open(stats)).get("offload", {}).get("per_step", {})
+    keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
+            "refresh_ms", "late_adds", "to_device_bytes", "to_host_bytes")
+    print(f"{name} per step: " + ", ".join(
+        f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
 for name in ("fsdp_2x4", "keep_2x4"):  # the overhead target (<= 3%) is read from keep_2x4
     if name in medians and "unwrapped_2x4" in medians:
         print(f"{name} over unwrapped_2x4: {100 * (medians[name] / medians['unwrapped_2x4'] - 1):+.2f}%")
