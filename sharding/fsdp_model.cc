@@ -509,6 +509,9 @@ void FsdpModel::StepOnHost(std::function<void(const std::vector<at::Tensor>&)> s
   TORCH_CHECK(ctx_.offload, "FsdpModel::StepOnHost: needs parallelism.offload");
   TORCH_CHECK(NumUnshardedUnits() == 0,
               "FsdpModel::StepOnHost: unsharded parameters kept past the step (stale copies)");
+  // A unit that no forward unsharded since the last step (unused in this one) still has its
+  // update or its push pending: finish them first.
+  FinishHostStep();
   // Forward order, so that the next forward's first unit is stepped first.
   std::vector<FsdpUnit*> order;
   if (order_final_) order = order_;
