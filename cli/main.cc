@@ -175,8 +175,28 @@ int Main(int argc, char** argv) {
   launch_cmd->add_option("--grace", grace_s,
                          "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str()->check(fsdp::IntAtLeast(0));
-  launch_cmd->add_option("--run-id", launch.run_id, "TORCHELASTIC_RUN_ID (random if unset)");
+  launch_cmd->add_option("--run-id", launch.run_id,
+                         "TORCHELASTIC_RUN_ID (random if unset); also --log-dir's RUN_ID folder");
   launch_cmd->add_flag("--no-prefix", no_prefix, "Do not prefix output lines with [rankN]:");
+  launch_cmd
+      ->add_option("--log-dir", launch.log_dir,
+                   "Also write each rank's stdout and stderr to "
+                   "DIR/RUN_ID/attempt_RESTART/LOCAL_RANK/{stdout,stderr}.log (a new "
+                   "attempt_ folder per restart; DIR/RUN_ID/node_N/attempt_... with "
+                   "--nnodes > 1), line by line as they arrive; the console still shows "
+                   "every line unless --redirects says otherwise")
+      ->type_name("DIR");
+  launch_cmd
+      ->add_option("--redirects,-r", launch.redirects,
+                   "With --log-dir: streams in the files only, off the console, as "
+                   "torchrun's: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "
+                   "LOCAL_RANK:VALUE,... (e.g. 0:3,1:2)")
+      ->type_name("VALUE");
+  launch_cmd
+      ->add_option("--tee,-t", launch.tee,
+                   "With --log-dir: streams on the console too, even if in --redirects "
+                   "(same values; --redirects 3 --tee 0:3 shows local rank 0 only)")
+      ->type_name("VALUE");
   std::vector<std::string> positional_program;
   launch_cmd->add_option("program", positional_program, "PROGRAM [ARGS...] (after --)");
 

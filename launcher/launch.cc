@@ -18,6 +18,7 @@
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
 #include "launcher/worker_group.h"
+#include "launcher/worker_logs.h"
 
 namespace fsdp {
 namespace {
@@ -477,6 +478,18 @@ absl::Status LaunchOptions::Validate() const {
     return absl::InvalidArgumentError(
         "no program given: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
   }
+  if (absl::Status streams = ParseConsoleStreams(redirects, tee, nproc_per_node).status();
+      !streams.ok()) {
+    return streams;
+  }
+  for (const auto& [option, value] : {std::pair("--redirects", &redirects), {"--tee", &tee}}) {
+    if (log_dir.empty() && !value->empty()) {
+      return absl::InvalidArgumentError(
+          StrCat(option, " ", *value,
+                 " needs --log-dir DIR: it chooses which of the ranks' lines, kept in files "
+                 "under DIR, the console shows too"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -487,6 +500,17 @@ int RunLaunch(const LaunchOptions& o) {
   }
   std::string run_id = o.run_id.empty() ? RandomRunId() : o.run_id;
   bool host_store = o.node_rank == 0;
+  std::unique_ptr<WorkerLogs> logs;
+  if (!o.log_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<WorkerLogs>> made =
+        WorkerLogs::Create(o.log_dir, run_id, o.node_rank, o.nnodes,
+                           *ParseConsoleStreams(o.redirects, o.tee, o.nproc_per_node));
+    if (!made.ok()) {
+      std::cerr << "fsdp launch: " << made.status().message() << "\n";
+      return 2;
+    }
+    logs = std::move(*made);
+  }
 
   // Node 0 hosts the agent store for the workers of every node; the other nodes' launchers are
   // clients of it.
@@ -532,7 +556,10 @@ int RunLaunch(const LaunchOptions& o) {
   std::string status;  // shown on the last line of stderr, below the workers' output
   auto sink = [&](const OutputLine& line) {
     std::lock_guard<std::mutex> lock(out_mu);
-    if (o.echo && !o.echo(line.rank, line.is_stderr, line.text)) {
+    const int local_rank = line.rank - o.node_rank * o.nproc_per_node;
+    if (logs) logs->Write(local_rank, line.is_stderr, line.text);
+    if ((logs && !logs->OnConsole(local_rank, line.is_stderr)) ||
+        (o.echo && !o.echo(line.rank, line.is_stderr, line.text))) {
       if (o.status_line) status = o.status_line(line.rank, line.text);
       return;
     }
@@ -553,6 +580,14 @@ int RunLaunch(const LaunchOptions& o) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } remove_failure_dir{failure_dir};
+  // The first failed rank's stderr file ends its headline when logs are kept.
+  auto with_log = [&](FailureHeadline h) {
+    if (logs) {
+      h.text += StrCat("; rank ", h.rank, "'s stderr: ",
+                       logs->Path(h.rank - o.node_rank * o.nproc_per_node, /*is_stderr=*/true));
+    }
+    return h;
+  };
   // Other nodes may still be stopping their ranks when this one has stopped its own.
   const std::chrono::milliseconds report_wait = o.grace + std::chrono::seconds(10);
   for (int attempt = 0;; ++attempt) {
@@ -571,7 +606,13 @@ int RunLaunch(const LaunchOptions& o) {
       std::cerr << "fsdp launch: starting " << o.nproc_per_node << " rank(s) on node "
                 << o.node_rank << " of " << o.nnodes << ", world size "
                 << o.nnodes * o.nproc_per_node << ", store " << o.master_addr << ":" << port
-                << "\n";
+                << (logs ? StrCat(", logs in ", logs->run_dir()) : "") << "\n";
+    }
+    if (logs) {
+      if (absl::Status made = logs->StartAttempt(attempt); !made.ok()) {
+        std::cerr << "fsdp launch: --log-dir: " << made.message() << "\n";
+        return 1;
+      }
     }
     WorkerGroup group(sink);
     if (absl::Status started = group.Start(specs); !started.ok()) {
@@ -604,9 +645,9 @@ int RunLaunch(const LaunchOptions& o) {
       mine = {128 + sig, true, false, NowNs(),
               StrCat("its launcher was interrupted by signal ", sig, " and stopped its ranks")};
     } else if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
-      FailureHeadline headline =
+      FailureHeadline headline = with_log(
           SummarizeFailures(result, failure_dir.empty() ? std::vector<FailureRecord>()
-                                                        : ReadFailureRecords(failure_dir));
+                                                        : ReadFailureRecords(failure_dir)));
       mine = {headline.code, headline.primary,
               FailureClassOfExitCode(headline.code) != FailureClass::kPreempted, headline.time_ns,
               headline.text};
@@ -621,7 +662,7 @@ int RunLaunch(const LaunchOptions& o) {
         if (!e.ok() && (recorded || !e.killed_by_us)) result.first_failure = e;
       }
       if (result.first_failure) {
-        FailureHeadline headline = SummarizeFailures(result, records);
+        FailureHeadline headline = with_log(SummarizeFailures(result, records));
         if (headline.primary) {
           mine = {headline.code, true,
                   FailureClassOfExitCode(headline.code) != FailureClass::kPreempted,

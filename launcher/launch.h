@@ -1,6 +1,7 @@
 // `fsdp launch`: torchrun's job for our programs. Starts --nproc-per-node local ranks with
-// torchrun's environment, prefixes their output with the rank, stops all of them when one
-// fails, and restarts the local group up to --max-restarts times.
+// torchrun's environment, prefixes their output with the rank (and keeps it in files with
+// --log-dir), stops all of them when one fails, and restarts the local group up to
+// --max-restarts times.
 //
 // Rendezvous: the launcher on node 0 hosts the TCPStore (torchrun's "agent store"), so the
 // port is held before any worker starts; workers see TORCHELASTIC_USE_AGENT_STORE=True and use
@@ -38,6 +39,12 @@ struct LaunchOptions {
   // a checkpoint, without it; capped by `grace`).
   std::chrono::milliseconds failure_grace{std::chrono::seconds(5)};
   bool prefix_output = true;
+  // Each local rank's stdout and stderr in files under log_dir, torchrun's layout (empty: no
+  // files); redirects / tee: torchrun's values, which streams the console leaves out / shows
+  // anyway (launcher/worker_logs.h, Note [Log files and the console]).
+  std::string log_dir;
+  std::string redirects;
+  std::string tee;
   bool announce = true;  // the "fsdp launch: starting N rank(s) ..." line
   std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
   std::vector<std::string> program;  // PROGRAM ARGS...
