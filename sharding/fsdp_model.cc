@@ -165,6 +165,9 @@ void FsdpModel::Prefetch(const FsdpUnit& current, int direction) {
   // memory sooner; with offload it would also make the compute stream wait for the copies
   // just issued above before the current unit's own work, so they would not overlap it.
   if (ctx_.num_shards == 1) return;
+  // These issue all-gathers, so whether they run must not depend on timing: with an overlapped
+  // host step in flight (Note [Overlapped host step]) the prefetched unit's Unshard waits for
+  // its update rather than being skipped while the update runs, as the copies above are.
   for (int step = 1; step <= depth; ++step) {
     FsdpUnit* unit = Neighbour(current, direction * step);
     if (unit == nullptr) return;
