@@ -301,6 +301,54 @@ std::vector<ActivationCheckpointing> CheckpointingCandidates(int num_blocks) {
   return modes;
 }
 
+namespace {
+
+// Note [Offload hint]
+// With offload and gradient accumulation, most of the step's host<->device traffic is repeated
+// per micro-batch: each unit's shard loaded for every gather (params) and each micro-batch's
+// gradients sent (params; optimizer offload sums them on the device already). Two settings cut
+// that to once per step at a cost in device memory: parallelism.reshard_between_micro_batches:
+// false keeps every unit's compute-dtype parameters from the first forward to the last backward
+// (Note [Keeping parameters across micro-batches]), and training.grad_sync: last sums the
+// micro-batches' unsharded gradients on the device in the compute dtype and reduces and sends
+// them once (Note [No-sync accumulation]: other roundings). The search does not vary them (they
+// are not layouts, and grad_sync changes the arithmetic), so when best offloads the
+// recommendation says what they would give on its layout, if it fits and is faster beyond the
+// planner's precision: both, else the first alone.
+std::string OffloadHint(const PlanRequest& request, const Prediction& best,
+                        const CountedModel& model) {
+  const RunConfig& config = request.config;
+  if (best.offload == Offload::kNone || config.training.grad_accum_steps < 2) return "";
+  struct Candidate {
+    bool keep, last;
+  };
+  for (Candidate c : {Candidate{true, true}, Candidate{true, false}}) {
+    PlanRequest r = WithModes(request, best.activation_checkpointing, best.offload);
+    std::vector<std::string> sets;
+    if (c.keep && config.parallelism.reshard_between_micro_batches) {
+      r.config.parallelism.reshard_between_micro_batches = false;
+      sets.push_back("parallelism.reshard_between_micro_batches=false");
+    }
+    if (c.last && config.training.grad_sync != GradSync::kLast) {
+      r.config.training.grad_sync = GradSync::kLast;
+      sets.push_back("training.grad_sync=last");
+    }
+    if (sets.empty()) continue;  // configured already
+    absl::StatusOr<Prediction> p = PredictCounted(r, best.layout, model);
+    if (!p.ok() || !p->fits || p->time.step_s >= (1 - kSpeedTie) * best.time.step_s) continue;
+    return fmt::format(
+        "\n(with offload {}: --set {} predicts {:.0f} ms per step instead of {:.0f}, {:.2f} GiB "
+        "on the device instead of {:.2f}: one host<->device copy of each unit's parameters{} "
+        "per step; see docs/offload.md)",
+        OffloadName(best.offload), StrJoin(sets, " --set "), 1e3 * p->time.step_s,
+        1e3 * best.time.step_s, p->memory.total / kGiB, best.memory.total / kGiB,
+        c.last ? " and gradients, summed on the device in the compute dtype," : "");
+  }
+  return "";
+}
+
+}  // namespace
+
 absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
   Recommendation rec;
   const CountedModel model = CountedModel::Of(request.config.model);
@@ -351,6 +399,7 @@ absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
       fmt::format("recommended: {} {}x{} with {}: --set {}", best.runs_as, best.layout.replicate,
                   best.layout.shard, Modes(best.activation_checkpointing, best.offload),
                   StrJoin(rec.overrides, " --set "));
+  rec.message += OffloadHint(request, best, model);  // Note [Offload hint]
   if (Effective(best.activation_checkpointing, model.num_blocks) ==
           Effective(ac, model.num_blocks) &&
       best.offload == offload) {

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_split.h"
 #include "common/strings.h"
 #include "models/gpt/gpt.h"
 #include "planner/cost_model.h"
@@ -1161,6 +1162,35 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
       EXPECT_NEAR(on.time.step_s - on.time.optimizer_s, off.time.step_s - off.time.optimizer_s, 1e-9);
     }
   }
+}
+
+// Note [Offload hint]: a recommendation that offloads under accumulation says what keeping the
+// units' parameters through the step (and summing the gradients on the device) would give on
+// its layout, when that fits and is faster; not when configured already, nor without
+// accumulation.
+TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
+  const std::regex hint(R"(with offload params: --set (.*) predicts ([0-9]+) ms per step instead of ([0-9]+))");
+  absl::StatusOr<Recommendation> rec = Recommend(
+      Request("llama3_8b_one_gpu", 1, 1, "h100", {"training.grad_accum_steps=4"}));
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  ASSERT_TRUE(rec->best.has_value());
+  ASSERT_EQ(rec->best->offload, Offload::kParams) << rec->message;
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(rec->message, match, hint)) << rec->message;
+  EXPECT_THAT(match[1].str(), HasSubstr("parallelism.reshard_between_micro_batches=false"));
+  EXPECT_LT(std::stoi(match[2]), std::stoi(match[3]));
+  // What it names, configured, is what the recommendation predicts: no hint any more.
+  std::vector<std::string> sets = {"training.grad_accum_steps=4"};
+  std::vector<std::string> named = absl::StrSplit(match[1].str(), " --set ");
+  sets.insert(sets.end(), named.begin(), named.end());
+  absl::StatusOr<Recommendation> again =
+      Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", sets));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_THAT(again->message, ::testing::Not(HasSubstr("with offload"))) << again->message;
+  // One micro-batch per step: nothing to copy less often.
+  rec = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100"));
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("with offload"))) << rec->message;
 }
 
 }  // namespace
