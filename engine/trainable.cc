@@ -73,15 +73,7 @@ class FsdpTrainable final : public TrainableModel {
     if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step) {
       return false;
     }
-    // Every parameter the optimizer steps must be one of the units' masters (the step runs
-    // unit by unit); else, and for optimizers without a prepared form, the step runs here.
-    std::unordered_set<const c10::TensorImpl*> masters;
-    for (const at::Tensor& p : model_->parameters()) masters.insert(p.unsafeGetTensorImpl());
-    for (const auto& group : optimizer.param_groups()) {
-      for (const at::Tensor& p : group.params()) {
-        if (masters.count(p.unsafeGetTensorImpl()) == 0) return false;
-      }
-    }
+    if (!StepsOnlyMasters(optimizer)) return false;
     const ModelStateBytes state_bytes = model_->model_state_bytes();  // gradients still there
     std::shared_ptr<PreparedStep> prepared = PrepareStep(optimizer);
     if (prepared == nullptr) return false;
@@ -94,6 +86,22 @@ class FsdpTrainable final : public TrainableModel {
     return true;
   }
   void FinishStep() override { model_->FinishHostStep(); }
+
+  // Whether every parameter `optimizer` steps is one of the units' masters (the overlapped step
+  // runs unit by unit; else it runs in place). Checked once per optimizer, not every step.
+  bool StepsOnlyMasters(const torch::optim::Optimizer& optimizer) {
+    if (checked_optimizer_ == &optimizer) return steps_only_masters_;
+    std::unordered_set<const c10::TensorImpl*> masters;
+    for (const at::Tensor& p : model_->parameters()) masters.insert(p.unsafeGetTensorImpl());
+    steps_only_masters_ = true;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const at::Tensor& p : group.params()) {
+        steps_only_masters_ = steps_only_masters_ && masters.count(p.unsafeGetTensorImpl()) > 0;
+      }
+    }
+    checked_optimizer_ = &optimizer;
+    return steps_only_masters_;
+  }
   ModelStateBytes model_state_bytes() const override { return state_bytes_; }
   absl::Status InitFromSafetensors(const std::string& path) override {
     return fsdp::InitFromSafetensors(path, *model_);
@@ -105,6 +113,8 @@ class FsdpTrainable final : public TrainableModel {
   std::unique_ptr<FsdpModel> model_;
   const bool sync_every_micro_batch_;
   ModelStateBytes state_bytes_;
+  const torch::optim::Optimizer* checked_optimizer_ = nullptr;  // StepsOnlyMasters' cache
+  bool steps_only_masters_ = false;
 };
 
 }  // namespace

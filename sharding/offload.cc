@@ -214,7 +214,6 @@ void HostOffload::PushShards(DeviceStreams& streams) {
     p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
     stats_.to_device_bytes += p->padded_shard.nbytes();
   }
-  push_pending_.clear();
   RecordHostToDevice();
 }
 
@@ -235,16 +234,13 @@ void HostOffload::RefreshComputeShards() {
 }
 
 bool HostOffload::LoadShards(std::vector<FsdpParam>& params, bool wait) {
-  if (!WaitForStepOf(params, wait)) return false;
+  // kOptimizer: not from a prefetch, whose copy-in stream was not ordered after the compute
+  // stream, which may still read the device shards (one rank: the parameters alias them).
+  if (mode_ == Offload::kOptimizer && !wait) return false;
+  std::optional<std::vector<FsdpParam*>> stepped = TakeStepped(params, wait);
+  if (!stepped) return false;
   if (mode_ == Offload::kOptimizer) {
-    // Not from a prefetch: its copy-in stream was not ordered after the compute stream, which
-    // may still read the device shards (one rank: the parameters alias them).
-    if (!wait) return false;
-    if (!push_pending_.empty()) {
-      std::vector<FsdpParam*> mine;
-      for (FsdpParam& p : params) mine.push_back(&p);
-      PushPending(std::move(mine));
-    }
+    Push(*stepped);
     return true;
   }
   if (mode_ != Offload::kParams) return true;
@@ -297,66 +293,66 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
       for (const auto& [compute, master] : casts) compute.copy_(master);
     };
     const uint64_t seq = EnqueueTask(std::move(task));
-    for (FsdpParam* p : group) {
-      step_task_[p] = seq;
-      if (mode_ == Offload::kOptimizer) push_pending_.push_back(p);
-    }
+    for (FsdpParam* p : group) step_task_[p] = seq;
   }
 }
 
-bool HostOffload::WaitForStepOf(std::vector<FsdpParam>& params, bool wait) {
-  if (step_task_.empty()) return true;
+std::optional<std::vector<FsdpParam*>> HostOffload::TakeStepped(std::vector<FsdpParam>& params,
+                                                                bool wait) {
+  std::vector<FsdpParam*> stepped;
   uint64_t seq = 0;
-  for (const FsdpParam& p : params) {
+  for (FsdpParam& p : params) {
     auto it = step_task_.find(&p);
-    if (it != step_task_.end()) seq = std::max(seq, it->second);
+    if (it == step_task_.end()) continue;
+    stepped.push_back(&p);
+    seq = std::max(seq, it->second);
   }
-  if (seq == 0) return true;
+  if (stepped.empty()) return stepped;
   if (!wait) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (finished_ < seq) return false;  // still stepping: the unit's own unshard will wait
+    if (finished_ < seq) return std::nullopt;  // still stepping: the unit's own unshard waits
   }
   {
     RECORD_FUNCTION("fsdp::offload_step_wait", std::vector<c10::IValue>());
     PhaseTimer timer(stats_.step_wait_s);
     WaitForTask(seq);  // rethrows the step's error
   }
-  for (const FsdpParam& p : params) step_task_.erase(&p);
-  return true;
+  for (FsdpParam* p : stepped) step_task_.erase(p);
+  return stepped;
 }
 
-void HostOffload::PushPending(std::vector<FsdpParam*> params) {
+void HostOffload::Push(const std::vector<FsdpParam*>& params) {
+  if (params.empty()) return;
   at::NoGradGuard no_grad;
-  bool issued = false;
   for (FsdpParam* p : params) {
-    auto it = std::find(push_pending_.begin(), push_pending_.end(), p);
-    if (it == push_pending_.end()) continue;
-    push_pending_.erase(it);
     p->padded_shard.copy_(p->host_shard, /*non_blocking=*/true);
     stats_.to_device_bytes += p->padded_shard.nbytes();
-    issued = true;
   }
-  if (issued) RecordHostToDevice();
+  RecordHostToDevice();
 }
 
 void HostOffload::FinishStep(DeviceStreams& streams) {
   if (!step_pending()) return;
   uint64_t seq = 0;
-  for (const auto& [p, task] : step_task_) seq = std::max(seq, task);
-  if (seq > 0) {
+  std::vector<FsdpParam*> stepped;
+  for (const auto& [p, task] : step_task_) {
+    seq = std::max(seq, task);
+    stepped.push_back(p);
+  }
+  {
     RECORD_FUNCTION("fsdp::offload_step_wait", std::vector<c10::IValue>());
     PhaseTimer timer(stats_.step_wait_s);
     WaitForTask(seq);
   }
   step_task_.clear();
-  if (push_pending_.empty()) return;
+  if (mode_ != Offload::kOptimizer) return;
   // As PushShards: the copy-in stream waits for the compute stream first.
   streams.BeginCopyIn();
   RECORD_FUNCTION("fsdp::offload_push", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.push_s);
   std::optional<c10::StreamGuard> on_copy_in;
   if (streams.enabled()) on_copy_in.emplace(*streams.copy_in());
-  PushPending(push_pending_);
+  Push(stepped);
 }
 
 void HostOffload::ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams) {
@@ -444,9 +440,9 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
     // Synchronous copies; the adder does the same additions as without offload (collectives.cc).
     if (narrow) {
       p.host_compute_grad.copy_(g);
-      Enqueue(p, {add ? grad : p.host_grad, p.host_compute_grad, add, nullptr});
+      Enqueue(p, {add ? grad : p.host_grad, p.host_compute_grad, add, nullptr, {}});
     } else if (add) {
-      Enqueue(p, {grad, g, /*add=*/true, nullptr});  // g is not written again: kept by the task
+      Enqueue(p, {grad, g, /*add=*/true, nullptr, {}});  // g is not written again: kept by the task
     } else {
       p.host_grad.copy_(g);
     }
@@ -476,7 +472,7 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   auto copied = std::make_shared<c10::Event>(device_.type());
   copied->record(*to_host_);
   in_flight_.push_back(InFlight{g, copied});
-  if (narrow || add) Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied)});
+  if (narrow || add) Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied), {}});
   if (!add) grad = p.host_grad;  // not to be read before WaitForCopies
 }
 

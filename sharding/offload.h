@@ -173,7 +173,7 @@ class HostOffload {
   // stream): afterwards the masters and device shards are those of a step run in place.
   void FinishStep(DeviceStreams& streams);
   // Whether a step queued by StepInOrder has groups not loaded or pushed since.
-  bool step_pending() const { return !step_task_.empty() || !push_pending_.empty(); }
+  bool step_pending() const { return !step_task_.empty(); }
   // kParams: frees the device shards of `params` (through `streams`' stash: Note [Copy-in
   // stream]).
   void ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams);
@@ -265,10 +265,11 @@ class HostOffload {
   void Enqueue(FsdpParam& p, HostTask task);
   // Queues `task` for no parameter; returns its number.
   uint64_t EnqueueTask(HostTask task);
-  // StepInOrder's wait in LoadShards: true when `params` have no step in flight any more.
-  bool WaitForStepOf(std::vector<FsdpParam>& params, bool wait);
-  // kOptimizer: copies the stepped masters of `params` still to be pushed (current stream).
-  void PushPending(std::vector<FsdpParam*> params);
+  // StepInOrder's wait in LoadShards: those of `params` with an update queued, once it ran
+  // (waiting for it; `wait` false: nullopt while it runs), their entries in step_task_ gone.
+  std::optional<std::vector<FsdpParam*>> TakeStepped(std::vector<FsdpParam>& params, bool wait);
+  // kOptimizer: copies the masters of `params` into their device shards (current stream).
+  void Push(const std::vector<FsdpParam*>& params);
   // Blocks until the adder finished the `seq`-th task queued (1-based); rethrows its error.
   void WaitForTask(uint64_t seq);
   // The adder's loop; FinishOnHost runs one task on it.
@@ -290,10 +291,9 @@ class HostOffload {
   std::vector<InFlight> in_flight_;               // CUDA only
   std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
   std::map<FsdpParam*, uint64_t> last_task_;      // p's last task queued, until WaitForCopies
-  // StepInOrder: each parameter's step task, until LoadShards or FinishStep waited for it;
-  // kOptimizer: the parameters whose stepped masters are not in their device shards yet.
-  std::map<const FsdpParam*, uint64_t> step_task_;
-  std::vector<FsdpParam*> push_pending_;
+  // StepInOrder: each parameter's update task, until LoadShards or FinishStep waited for it
+  // and, with kOptimizer, copied the updated master into its device shard.
+  std::map<FsdpParam*, uint64_t> step_task_;
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;
   std::mutex mutex_;
