@@ -415,7 +415,10 @@ for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tens
     recs = [json.loads(l) for l in open(path) if l.strip()]
     steps = [r for r in recs if "step_ms" in r]
     ms = statistics.median(r["step_ms"] for r in steps[5:] or steps) if steps else float("nan")
-    mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]
+    # A record's mfu and step_time_s are its log window's (training.log_interval steps, the
+    # first step's warm-up included); scaled to the median step, MFU is the median step's.
+    window = [r for r in recs if r.get("mfu") is not None and r.get("step_time_s")]
+    mfu = [r["mfu"] * 1000 * r["step_time_s"] / ms for r in window[-1:]]
     peak_bytes[name] = max((r.get("peak_mem_bytes", 0) for r in recs), default=0)
     peak = peak_bytes[name] / 2**30
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
