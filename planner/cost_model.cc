@@ -35,6 +35,12 @@ constexpr double kHostAccumulateBytesPerParam = 16;
 // the .grad: 2 + 2 + 4.
 constexpr double kHostAccumulateNarrowBytesPerParam = 12;
 constexpr double kHostConvertNarrowBytesPerParam = 8;
+// Host work that converts between dtypes (the bf16 gradients' conversion and additions, the
+// refresh of the bf16 shards: ATen's copy_ and our chunked AddConverted) reached half the
+// bandwidth of the fused AdamW per byte on the H100 machine (2026-11-26, llama_1b: the refresh's
+// 6 bytes per parameter in 74 ms, the conversion's 8 in 93 ms, against AdamW's 32 in 197 ms):
+// counted at this many times their bytes.
+constexpr double kHostCastCost = 2;
 // Bytes a recomputed activation byte moves (written again, its inputs read again).
 constexpr double kRecomputeTrafficPasses = 2;
 // Usable share of host memory for pinned offload buffers: the OS, the page cache and the
@@ -396,7 +402,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // in the gradients), so neither has a copy, and there is no reduce buffer.
   const bool one_shard = s == 1 && r == 1;
   const bool aliased = one_shard && cb == 4;
-  const double gathered = aliased ? 0 : cb;  // bytes of a gathered parameter value
+  // Offload params with one shard loads each shard in the compute dtype, and the unsharded
+  // parameters alias it (Note [CPU offload] in sharding/offload.h): counted in mem.params.
+  const bool loaded_is_gathered = one_shard && offload == Offload::kParams && loaded_bytes == cb;
+  const double gathered = aliased || loaded_is_gathered ? 0 : cb;  // a gathered value's bytes
   // Accumulating, the shard's gradient exists already and the block's new one is added to it.
   const double unit_grad = aliased && rb == 4 && t.grad_accum_steps == 1 ? 0 : block * cb;
   mem.unsharded_units = root * (gathered + cb) + blocks_unsharded * block * gathered +
@@ -473,6 +482,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   time.recompute_s = accum * recompute_micro;
   double host_bw = cpu_profile ? hw.memory_bw : hw.host_memory_bw;
   host_bw /= ranks_on_node;
+  if (hw.host_rank_bw > 0) host_bw = std::min(host_bw, hw.host_rank_bw);
   double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
   if (offload == Offload::kNone) {
     time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
@@ -483,12 +493,13 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     const double adds = hybrid || no_sync || sums_on_device ? 0 : accum - 1;
     const double accumulate =
         narrow_grads_to_host
-            ? adds * kHostAccumulateNarrowBytesPerParam + kHostConvertNarrowBytesPerParam
+            ? (adds * kHostAccumulateNarrowBytesPerParam + kHostConvertNarrowBytesPerParam) *
+                  kHostCastCost
             : adds * kHostAccumulateBytesPerParam;
     const double accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
     // Offload params with a narrower compute dtype: the cast of the shards after the step.
     const double refresh = offload == Offload::kParams && loaded_bytes < 4
-                               ? padded_total / n * (4 + loaded_bytes)
+                               ? padded_total / n * (4 + loaded_bytes) * kHostCastCost
                                : 0;
     host_step_s = host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0;
     time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);

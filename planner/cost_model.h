@@ -64,6 +64,9 @@ struct Hardware {
   // memory_bytes itself: one pool).
   double host_memory_bytes = 0;
   double host_memory_bw = 0;  // bytes/s (the host optimizer step is bound by it)
+  // bytes/s one rank's host work reaches at most, however idle the node (its threads' share of
+  // cores and memory channels); 0: no such limit, only host_memory_bw shared by the ranks.
+  double host_rank_bw = 0;
   double host_link_bw = 0;    // bytes/s per device and direction (PCIe), effective
   std::string source;         // where the numbers come from (data sheet, calibration)
 };

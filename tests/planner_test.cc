@@ -1170,8 +1170,10 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
 // accumulation.
 TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
   const std::regex hint(R"(with offload params: --set (.*) predicts ([0-9]+) ms per step instead of ([0-9]+))");
-  absl::StatusOr<Recommendation> rec = Recommend(
-      Request("llama3_8b_one_gpu", 1, 1, "h100", {"training.grad_accum_steps=4"}));
+  // 36 layers (9.1B parameters): optimizer offload's fp32 shards and gradient sums no longer fit
+  // one H100, so the recommendation offloads the parameters.
+  absl::StatusOr<Recommendation> rec = Recommend(Request(
+      "llama3_8b_one_gpu", 1, 1, "h100", {"training.grad_accum_steps=4", "model.n_layers=36"}));
   ASSERT_TRUE(rec.ok()) << rec.status();
   ASSERT_TRUE(rec->best.has_value());
   ASSERT_EQ(rec->best->offload, Offload::kParams) << rec->message;
@@ -1180,7 +1182,7 @@ TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
   EXPECT_THAT(match[1].str(), HasSubstr("parallelism.reshard_between_micro_batches=false"));
   EXPECT_LT(std::stoi(match[2]), std::stoi(match[3]));
   // What it names, configured, is what the recommendation predicts: no hint any more.
-  std::vector<std::string> sets = {"training.grad_accum_steps=4"};
+  std::vector<std::string> sets = {"training.grad_accum_steps=4", "model.n_layers=36"};
   std::vector<std::string> named = absl::StrSplit(match[1].str(), " --set ");
   sets.insert(sets.end(), named.begin(), named.end());
   absl::StatusOr<Recommendation> again =
@@ -1188,7 +1190,7 @@ TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_THAT(again->message, ::testing::Not(HasSubstr("with offload"))) << again->message;
   // One micro-batch per step: nothing to copy less often.
-  rec = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100"));
+  rec = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", {"model.n_layers=36"}));
   ASSERT_TRUE(rec.ok()) << rec.status();
   EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("with offload"))) << rec->message;
 }
