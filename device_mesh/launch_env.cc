@@ -1,7 +1,12 @@
 #include "device_mesh/launch_env.h"
-#include "common/strings.h"
 
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
 #include "common/status.h"
+#include "common/strings.h"
 
 namespace fsdp {
 namespace {
@@ -88,6 +93,30 @@ absl::StatusOr<LaunchEnv> FromTorchrun(const EnvLookup& env) {
   return out;
 }
 
+// SLURM_TASKS_PER_NODE: the tasks on each node of the step, in node order, compressed as
+// "4(x2)", "4,3" or "2(x3),1". nullopt when it is not of that form.
+std::optional<std::vector<int>> ParseTasksPerNode(const std::string& value) {
+  std::vector<int> counts;
+  std::vector<std::string> items = absl::StrSplit(value, ',');
+  for (const std::string& item : items) {
+    int repeat = 1;
+    std::string count = item;
+    if (size_t open = item.find('('); open != std::string::npos) {
+      if (item.size() < open + 4 || item.compare(open, 2, "(x") != 0 || item.back() != ')') {
+        return std::nullopt;
+      }
+      std::optional<int> r = ParseInt(item.substr(open + 2, item.size() - open - 3));
+      if (!r || *r < 1) return std::nullopt;
+      repeat = *r;
+      count = item.substr(0, open);
+    }
+    std::optional<int> c = ParseInt(count);
+    if (!c || *c < 1) return std::nullopt;
+    counts.insert(counts.end(), repeat, *c);
+  }
+  return counts;
+}
+
 absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& env) {
   LaunchEnv out;
   out.source = "slurm";
@@ -95,20 +124,34 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& env) {
   FSDP_ASSIGN_OR_RETURN(out.world_size, GetIntEnv(env, "SLURM_NTASKS", 1));
   FSDP_RETURN_IF_ERROR(CheckRankBelow("SLURM_PROCID", out.rank, "SLURM_NTASKS", out.world_size));
   FSDP_ASSIGN_OR_RETURN(out.local_rank, GetIntEnv(env, "SLURM_LOCALID"));
-  // SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; SLURM_TASKS_PER_NODE looks like
-  // "4(x2)" or "4,3".
+  // SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; otherwise SLURM_TASKS_PER_NODE
+  // has each node's count (ParseTasksPerNode), and this node's is the one at SLURM_NODEID or,
+  // without it, that of the node holding this rank when ranks fill the nodes in order (srun's
+  // default block distribution).
   FSDP_ASSIGN_OR_RETURN(std::optional<int> per_node,
                         GetOptionalIntEnv(env, "SLURM_NTASKS_PER_NODE", 1));
+  FSDP_ASSIGN_OR_RETURN(std::optional<int> node, GetOptionalIntEnv(env, "SLURM_NODEID"));
   if (!per_node) {
-    if (auto tpn = env("SLURM_TASKS_PER_NODE")) {
-      std::optional<int> value = ParseInt(tpn->substr(0, tpn->find_first_of("(,")));
-      if (value && *value > 0) per_node = *value;
+    std::optional<std::vector<int>> counts;
+    if (auto tpn = env("SLURM_TASKS_PER_NODE")) counts = ParseTasksPerNode(*tpn);
+    if (counts && !node) {
+      for (int i = 0, first = 0; i < static_cast<int>(counts->size()); ++i) {
+        first += (*counts)[i];
+        if (out.rank < first) {
+          node = i;
+          break;
+        }
+      }
+    }
+    if (counts && node && *node < static_cast<int>(counts->size())) {
+      per_node = (*counts)[*node];
+    } else if (counts) {
+      per_node = counts->front();  // fewer tasks than ranks: not a layout srun writes
     }
   }
   out.local_world_size = per_node.value_or(out.world_size);
   FSDP_RETURN_IF_ERROR(CheckRankBelow("SLURM_LOCALID", out.local_rank, "tasks per node",
                                       out.local_world_size));
-  FSDP_ASSIGN_OR_RETURN(std::optional<int> node, GetOptionalIntEnv(env, "SLURM_NODEID"));
   out.node_rank = node.value_or(out.rank / out.local_world_size);
 
   std::string default_addr;

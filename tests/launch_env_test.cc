@@ -256,16 +256,33 @@ TEST(ParseLaunchEnvTest, SlurmTasksPerNodeForms) {
     int want_local_world;
   };
   for (const Case& c :
-       {Case{{{"SLURM_TASKS_PER_NODE", "4(x2)"}}, 4}, Case{{{"SLURM_TASKS_PER_NODE", "4,3"}}, 4},
-        Case{{{"SLURM_TASKS_PER_NODE", "2"}}, 2}, Case{{{"SLURM_TASKS_PER_NODE", "garbage"}}, 8},
-        Case{{{"SLURM_TASKS_PER_NODE", "0"}}, 8},
+       {Case{{{"SLURM_TASKS_PER_NODE", "4(x2)"}}, 4},
+        // Rank 5 is the second of node 1's three tasks (ranks 4-6), then the first of node 2's.
+        Case{{{"SLURM_TASKS_PER_NODE", "4,3"}}, 3}, Case{{{"SLURM_TASKS_PER_NODE", "2(x3),1"}}, 2},
+        Case{{{"SLURM_TASKS_PER_NODE", "2"}}, 2},  // 2 tasks in all, rank 5: the first count
+        Case{{{"SLURM_TASKS_PER_NODE", "garbage"}}, 8}, Case{{{"SLURM_TASKS_PER_NODE", "0"}}, 8},
+        Case{{{"SLURM_TASKS_PER_NODE", "4(x0)"}}, 8}, Case{{{"SLURM_TASKS_PER_NODE", "4(2)"}}, 8},
+        Case{{{"SLURM_TASKS_PER_NODE", "4,"}}, 8},
         Case{{{"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_TASKS_PER_NODE", "4(x2)"}}, 2},
         Case{{}, 8}}) {
     LaunchEnv env =
         ParseOk(With(With(Slurm(), {{"SLURM_TASKS_PER_NODE", ""}, {"SLURM_NODEID", ""}}), c.extra));
     EXPECT_EQ(env.local_world_size, c.want_local_world);
-    EXPECT_EQ(env.node_rank, 5 / c.want_local_world);
   }
+}
+
+TEST(ParseLaunchEnvTest, SlurmUnevenNodesTakeTheirOwnCount) {
+  // srun -n7 -N4: "2(x3),1". The last node's only task has local world 1, by SLURM_NODEID or,
+  // without it, by where rank 6 falls; node 1 has 2.
+  Vars last = With(Slurm(), {{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "7"}, {"SLURM_LOCALID", "0"},
+                             {"SLURM_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_NODEID", "3"}});
+  EXPECT_THAT(Ranks(ParseOk(last)), ElementsAre(6, 7, 0, 1, 3));
+  EXPECT_THAT(Ranks(ParseOk(With(last, {{"SLURM_NODEID", ""}}))), ElementsAre(6, 7, 0, 1, 3));
+  Vars second = With(last, {{"SLURM_PROCID", "3"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", ""}});
+  EXPECT_THAT(Ranks(ParseOk(second)), ElementsAre(3, 7, 1, 2, 1));
+  // A local id beyond its node's count is refused, naming both.
+  EXPECT_THAT(Parse(With(last, {{"SLURM_LOCALID", "1"}})),
+              InvalidArgumentWith(HasSubstr("SLURM_LOCALID=1 is not below tasks per node=1")));
 }
 
 TEST(ParseLaunchEnvTest, SlurmPortAndAddressFallbacks) {
