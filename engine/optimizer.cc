@@ -204,6 +204,21 @@ class MultiTensorAdam final : public Base {
     }
   }
 
+  // One slice of a prepared fused step (PreparedStep::RunSlice): `steps` hold the counts after
+  // this update already (RunBatch adds 1 to them first).
+  static void RunFusedSlice(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList steps, const Options& o) {
+    at::NoGradGuard no_grad;
+    const auto [beta1, beta2] = o.betas();
+    if constexpr (kDecoupledDecay) {
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
+                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    } else {
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
+                       o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    }
+  }
+
   bool fused() const { return fused_; }
 
  private:
@@ -240,10 +255,15 @@ class PreparedAdamStep final : public PreparedStep {
   PreparedAdamStep(std::vector<std::pair<Batch, Options>> batches, bool fused)
       : batches_(std::move(batches)), fused_(fused) {
     for (size_t b = 0; b < batches_.size(); ++b) {
-      const std::vector<at::Tensor>& params = batches_[b].first.params;
-      for (size_t i = 0; i < params.size(); ++i) {
-        params_.push_back(params[i]);
-        where_.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(b, i));
+      const Batch& batch = batches_[b].first;
+      for (size_t i = 0; i < batch.params.size(); ++i) {
+        params_.push_back(batch.params[i]);
+        where_.emplace(batch.params[i].unsafeGetTensorImpl(), std::make_pair(b, i));
+        // RunSlice's step: the count after this update (RunBatch adds 1 to steps[i] in place).
+        if (fused_) {
+          after_steps_.push_back(at::full({}, static_cast<double>(batch.step_values[i]),
+                                          batch.steps[i].options()));
+        }
       }
     }
   }
@@ -277,10 +297,44 @@ class PreparedAdamStep final : public PreparedStep {
 
   size_t remaining() const override { return where_.size(); }
 
+  bool CanRunSlices(const at::Tensor& param) const override {
+    return fused_ && where_.count(param.unsafeGetTensorImpl()) > 0 && param.is_contiguous();
+  }
+
+  void RunSlice(const at::Tensor& param, int64_t begin, int64_t n) const override {
+    auto it = where_.find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(fused_ && it != where_.end(), "PreparedStep::RunSlice: not a slice it can run");
+    const auto& [b, i] = it->second;
+    const Batch& all = batches_[b].first;
+    auto slice = [&](const at::Tensor& t) { return t.view(-1).narrow(0, begin, n); };
+    const at::Tensor tensors[] = {slice(all.params[i]), slice(all.grads[i]),
+                                  slice(all.exp_avgs[i]), slice(all.exp_avg_sqs[i]),
+                                  after_steps_[FlatIndex(b, i)]};
+    Optimizer::RunFusedSlice(at::TensorList(&tensors[0], 1), at::TensorList(&tensors[1], 1),
+                             at::TensorList(&tensors[2], 1), at::TensorList(&tensors[3], 1),
+                             at::TensorList(&tensors[4], 1), batches_[b].second);
+  }
+
+  void SlicesDone(const at::Tensor& param) override {
+    auto it = where_.find(param.unsafeGetTensorImpl());
+    TORCH_CHECK(it != where_.end(), "PreparedStep::SlicesDone: not a parameter it steps");
+    const auto& [b, i] = it->second;
+    // The step tensor as RunBatch leaves it (the optimizer's cache expects the new count).
+    batches_[b].first.steps[i].add_(1.0);
+    where_.erase(it);
+  }
+
  private:
+  size_t FlatIndex(size_t b, size_t i) const {
+    size_t flat = i;
+    for (size_t k = 0; k < b; ++k) flat += batches_[k].first.params.size();
+    return flat;
+  }
+
   std::vector<std::pair<Batch, Options>> batches_;
   bool fused_;
   std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> after_steps_;  // fused: per parameter (params_' order)
   std::unordered_map<c10::TensorImpl*, std::pair<size_t, size_t>> where_;  // (batch, index)
 };
 
@@ -462,6 +516,14 @@ std::unique_ptr<torch::optim::Optimizer> BuildOptimizer(const OptimizerOptions& 
 
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+void PreparedStep::RunSlice(const at::Tensor& /*param*/, int64_t /*begin*/, int64_t /*n*/) const {
+  TORCH_CHECK(false, "PreparedStep::RunSlice: this step does not run slices (CanRunSlices)");
+}
+
+void PreparedStep::SlicesDone(const at::Tensor& /*param*/) {
+  TORCH_CHECK(false, "PreparedStep::SlicesDone: this step does not run slices (CanRunSlices)");
 }
 
 std::unique_ptr<PreparedStep> PrepareStep(torch::optim::Optimizer& optimizer) {

@@ -70,20 +70,38 @@ class FsdpTrainable final : public TrainableModel {
     state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
   }
   bool StepOverlapped(torch::optim::Optimizer& optimizer) override {
-    if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step) {
+    if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step ||
+        !StepsOnlyMasters(optimizer)) {
+      model_->MaterializeDeferredGradients();  // optimizer.step() reads the .grads
       return false;
     }
-    if (!StepsOnlyMasters(optimizer)) return false;
     const ModelStateBytes state_bytes = model_->model_state_bytes();  // gradients still there
     std::shared_ptr<PreparedStep> prepared = PrepareStep(optimizer);
-    if (prepared == nullptr) return false;
+    if (prepared == nullptr) {
+      model_->MaterializeDeferredGradients();
+      return false;
+    }
     state_bytes_ = state_bytes;
     // The prepared step holds the gradient tensors; the .grad slots go now, before the host
     // thread reads those tensors (zero_grad would detach_ them in place).
     for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
-    model_->StepOnHost(
-        [prepared](const std::vector<at::Tensor>& unit_masters) { prepared->Run(unit_masters); });
+    HostStep step;
+    step.run = [prepared](const std::vector<at::Tensor>& unit_masters) {
+      prepared->Run(unit_masters);
+    };
+    // Note [Deferred gradient conversion] (sharding/offload.h): deferred gradients in slices.
+    step.can_run_slices = [prepared](const at::Tensor& p) { return prepared->CanRunSlices(p); };
+    step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
+      prepared->RunSlice(p, begin, n);
+    };
+    step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
+    model_->StepOnHost(std::move(step));
     return true;
+  }
+  void AllowDeferredGradients() override {
+    const FsdpOptions& options = model_->context().options;
+    model_->set_offload_defer_conversion(options.offload == Offload::kParams &&
+                                         options.offload_overlap_step);
   }
   void FinishStep() override { model_->FinishHostStep(); }
 

@@ -45,6 +45,11 @@ class TrainableModel {
   // done nothing, when this model does not overlap its steps (no offload, the option off, an
   // optimizer without a prepared form). The caller still calls optimizer.zero_grad().
   virtual bool StepOverlapped(torch::optim::Optimizer& optimizer) { return false; }
+  // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
+  // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
+  // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when
+  // it returns false, before it does. A no-op where nothing is deferred.
+  virtual void AllowDeferredGradients() {}
   // Waits for an overlapped step to finish (before anything but the next step's forward reads
   // or writes the parameters or the optimizer's state). A no-op otherwise.
   virtual void FinishStep() {}

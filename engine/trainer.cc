@@ -343,6 +343,8 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
   RECORD_FUNCTION("fsdp::train_step", std::vector<c10::IValue>());
   StepOutput out;
   out.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  // Every step below ends with StepOverlapped after ClipGradNorm, or zero_grad.
+  trained.AllowDeferredGradients();
   for (int m = 0; m < t.grad_accum_steps; ++m) {
     RECORD_FUNCTION("fsdp::micro_batch", std::vector<c10::IValue>());
     trained.BeginMicroBatch(m, static_cast<int>(t.grad_accum_steps));
@@ -812,7 +814,9 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"refresh_s", o.refresh_s},
                      {"host_step_s", o.host_step_s},
                      {"step_wait_s", o.step_wait_s},
-                     {"overlapped_steps", o.overlapped_steps}};
+                     {"overlapped_steps", o.overlapped_steps},
+                     {"deferred_steps", o.deferred_steps},
+                     {"deferred_materialized", o.deferred_materialized}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];
     for (const auto& [key, value] : offload_stats.items()) {

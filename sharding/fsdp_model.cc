@@ -495,6 +495,20 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 }
 
 at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
+  // Deferred gradients (Note [Deferred gradient conversion] in offload.h): the norm from their
+  // contributions, the multiplication left to the host step.
+  if (ctx_.offload && ctx_.offload->has_deferred()) {
+    std::vector<FsdpParam*> with_grad;
+    for (const auto& unit : units_) {
+      for (FsdpParam& p : unit->params()) {
+        if (p.requires_grad && p.sharded.grad().defined()) with_grad.push_back(&p);
+      }
+    }
+    if (std::optional<at::Tensor> norm =
+            ctx_.offload->ClipDeferred(with_grad, max_norm, ctx_.device)) {
+      return *norm;
+    }
+  }
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
@@ -509,6 +523,12 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
 }
 
 void FsdpModel::StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step) {
+  HostStep whole;
+  whole.run = std::move(step);
+  StepOnHost(std::move(whole));
+}
+
+void FsdpModel::StepOnHost(HostStep step) {
   TORCH_CHECK(ctx_.offload, "FsdpModel::StepOnHost: needs parallelism.offload");
   TORCH_CHECK(NumUnshardedUnits() == 0,
               "FsdpModel::StepOnHost: unsharded parameters kept past the step (stale copies)");

@@ -181,6 +181,19 @@ class FsdpModel {
   void set_offload_accumulate_on_device(bool on_device) {
     if (ctx_.offload) ctx_.offload->set_accumulate_on_device(on_device);
   }
+  // Offload params, one shard: true leaves a gradient that lands on the host alone in the
+  // compute dtype until the step, which converts, clips and steps it in one pass (Note [Deferred
+  // gradient conversion] in offload.h). Only for a caller that steps through StepOnHost(HostStep)
+  // after ClipGradNorm, or calls MaterializeDeferredGradients before reading the .grads
+  // otherwise (engine/trainer.cc's TrainStep does). A no-op without offload.
+  void set_offload_defer_conversion(bool defer) {
+    if (ctx_.offload) ctx_.offload->set_defer_conversion(defer);
+  }
+  // The .grads of deferred gradients written (multiplied by the clipping coefficient when
+  // ClipGradNorm ran since their backward). A no-op without any.
+  void MaterializeDeferredGradients() {
+    if (ctx_.offload) ctx_.offload->MaterializeDeferred();
+  }
   // Unshard() calls (all-gathers, or casts with one shard) on units with parameters so far.
   int64_t unshards() const { return ctx_.unshards; }
 
@@ -200,6 +213,8 @@ class FsdpModel {
   // stepping and CopyShardsToDevice; FinishHostStep (also called by CopyShardsToDevice) waits
   // for all of it. See Note [Overlapped host step] (engine/trainable.cc).
   void StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step);
+  // The same with slices for deferred gradients (HostStep, offload.h).
+  void StepOnHost(HostStep step);
   // Waits for StepOnHost's step; then the masters and the device shards are as after
   // CopyShardsToDevice. A no-op without one in flight. Call before reading or writing the
   // masters or the optimizer state (checkpoints do).

@@ -89,6 +89,20 @@ void AddConverted(const at::Tensor& dst, const at::Tensor& src) {
   });
 }
 
+// ClipGradientsByNorm's term for one gradient (sharding/fsdp_model.cc), computed from `g` (the
+// compute dtype, on the device) as it would be from its exact conversion to fp32: on CUDA its
+// fp32 L2 norm; on a CPU device the sum of squares of its fp32 conversion, the same ops on the
+// same values as the host's, so the same bits (Note [Deferred gradient conversion]).
+at::Tensor ClipContribution(const at::Tensor& g) {
+  if (g.is_cuda()) return at::_foreach_norm({g}, 2, at::kFloat)[0];
+  return g.to(at::kFloat).pow(2).sum();
+}
+
+// Elements per slice of a deferred parameter's step: its fp32 gradient, master and moments
+// (16 bytes an element) ~1 MiB, within a core's L2; a multiple of 16 elements (Note [Prepared
+// steps]).
+constexpr int64_t kStepSlice = int64_t{1} << 18;
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c10::Device device,
@@ -264,29 +278,47 @@ bool HostOffload::LoadShards(std::vector<FsdpParam>& params, bool wait) {
 // ---- the optimizer step, overlapped -----------------------------------------------------------
 
 void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups,
-                              std::function<void(const std::vector<at::Tensor>&)> step) {
+                              HostStep step) {
   TORCH_CHECK(!step_pending(), "HostOffload: a host step is already in flight");
   // Copies still reading the host shards or their compute copies (a load for an all-gather that
   // never came) finish before the adder writes them.
   if (to_device_done_) to_device_done_->synchronize();
   ++stats_.overlapped_steps;
-  auto shared_step =
-      std::make_shared<std::function<void(const std::vector<at::Tensor>&)>>(std::move(step));
+  auto shared_step = std::make_shared<HostStep>(std::move(step));
+  // Note [Deferred gradient conversion]: the clipping coefficient for the deferred gradients
+  // (the device's, copied for the host: read on the adder once the copy is done).
+  at::Tensor scale = std::exchange(clipped_, false) ? clip_scale_host_ : at::Tensor();
+  std::shared_ptr<c10::Event> scale_ready = scale.defined() ? clip_scale_ready_ : nullptr;
   for (const std::vector<FsdpParam*>& group : groups) {
     if (group.empty()) continue;
     std::vector<at::Tensor> masters;
     std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (host_compute_shard, host_shard)
-    for (const FsdpParam* p : group) {
+    std::vector<FsdpParam*> sliced, converted;  // deferred: stepped in slices, or converted first
+    for (FsdpParam* p : group) {
+      if (deferred_.erase(p) > 0) {
+        if (shared_step->can_run_slices && shared_step->can_run_slices(p->sharded)) {
+          sliced.push_back(p);
+          continue;
+        }
+        converted.push_back(p);
+      }
       masters.push_back(p->sharded);
       if (mode_ == Offload::kParams && p->host_compute_shard.defined()) {
         casts.emplace_back(p->host_compute_shard, p->host_shard);
       }
     }
+    stats_.deferred_steps += static_cast<int64_t>(sliced.size());
+    stats_.deferred_materialized += static_cast<int64_t>(converted.size());
     HostTask task;
-    task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts)] {
+    task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts),
+                sliced = std::move(sliced), converted = std::move(converted), scale,
+                scale_ready] {
       RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.host_step_s);
-      (*shared_step)(masters);
+      if (scale_ready && (!sliced.empty() || !converted.empty())) scale_ready->synchronize();
+      for (FsdpParam* p : converted) ConvertDeferred(*p, scale);
+      shared_step->run(masters);
+      for (FsdpParam* p : sliced) StepDeferred(*p, *shared_step, scale);
       if (casts.empty()) return;
       PhaseTimer refresh(stats_.refresh_s);
       // The cast the device does without offload, as RefreshComputeShards.
@@ -295,6 +327,107 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
     const uint64_t seq = EnqueueTask(std::move(task));
     for (FsdpParam* p : group) step_task_[p] = seq;
   }
+}
+
+void HostOffload::ConvertDeferred(FsdpParam& p, const at::Tensor& scale) {
+  at::NoGradGuard no_grad;
+  p.host_grad.copy_(p.host_compute_grad.view(p.host_grad.sizes()));  // exact: a wider dtype
+  if (scale.defined()) p.host_grad.mul_(scale);  // clipping's multiplication
+}
+
+void HostOffload::StepDeferred(FsdpParam& p, const HostStep& step, const at::Tensor& scale) {
+  at::NoGradGuard no_grad;
+  const at::Tensor master = p.sharded.view(-1);
+  const at::Tensor grad = p.host_grad.view(-1);
+  const at::Tensor landed = p.host_compute_grad.view(-1);
+  const at::Tensor compute =
+      p.host_compute_shard.defined() ? p.host_compute_shard.view(-1) : at::Tensor();
+  const int64_t n = master.numel();
+  // Slices on ATen's intra-op threads, each converted, clipped, stepped and cast while it is in
+  // the core's cache; the ops inside run on the calling thread (nested in parallel_for).
+  at::parallel_for(0, (n + kStepSlice - 1) / kStepSlice, 1, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      const int64_t begin = s * kStepSlice;
+      const int64_t len = std::min(kStepSlice, n - begin);
+      at::Tensor g = grad.narrow(0, begin, len);
+      g.copy_(landed.narrow(0, begin, len));
+      if (scale.defined()) g.mul_(scale);
+      step.run_slice(p.sharded, begin, len);
+      if (compute.defined()) compute.narrow(0, begin, len).copy_(master.narrow(0, begin, len));
+    }
+  });
+  // The compute copy's padding rows: the cast of the master's, as the refresh does.
+  if (compute.defined() && compute.numel() > n) {
+    const int64_t pad = compute.numel() - n;
+    compute.narrow(0, n, pad).copy_(p.host_shard.view(-1).narrow(0, n, pad));
+  }
+  step.slices_done(p.sharded);
+}
+
+std::optional<at::Tensor> HostOffload::ClipDeferred(const std::vector<FsdpParam*>& with_grad,
+                                                    double max_norm, c10::Device device) {
+  at::NoGradGuard no_grad;
+  clipped_ = false;
+  // Entries of parameters without a gradient now are stale (a step skipped after their
+  // backward): their .grad was reset.
+  std::map<const FsdpParam*, at::Tensor> current;
+  bool all = !with_grad.empty();
+  for (FsdpParam* p : with_grad) {
+    auto it = deferred_.find(p);
+    if (it == deferred_.end()) {
+      all = false;
+      continue;
+    }
+    current.insert(*it);
+  }
+  deferred_ = std::move(current);
+  if (!all) {
+    MaterializeDeferred();
+    return std::nullopt;
+  }
+  // ClipGradientsByNorm's arithmetic (sharding/fsdp_model.cc) on the contributions, in the
+  // parameters' order; one shard, so nothing to sum over ranks.
+  at::Tensor sum_sq;
+  if (device.is_cuda()) {
+    std::vector<at::Tensor> norms;
+    for (FsdpParam* p : with_grad) norms.push_back(deferred_.at(p));
+    sum_sq = at::stack(norms).square().sum();
+  } else {
+    sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    for (FsdpParam* p : with_grad) sum_sq += deferred_.at(p);
+  }
+  at::Tensor norm = sum_sq.sqrt();
+  clip_scale_ = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  if (device.is_cuda()) {
+    if (!clip_scale_host_.defined()) {
+      clip_scale_host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    }
+    clip_scale_host_.copy_(clip_scale_, /*non_blocking=*/true);
+    const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+    clip_scale_ready_ = std::make_shared<c10::Event>(device.type());
+    clip_scale_ready_->record(impl->getStream(device));
+  } else {
+    clip_scale_host_ = clip_scale_;
+    clip_scale_ready_.reset();
+  }
+  clipped_ = true;
+  return norm;
+}
+
+void HostOffload::MaterializeDeferred() {
+  if (deferred_.empty()) return;
+  at::Tensor scale;
+  if (std::exchange(clipped_, false)) {
+    if (clip_scale_ready_) clip_scale_ready_->synchronize();
+    scale = clip_scale_host_;
+  }
+  for (auto& [p, contribution] : deferred_) {
+    FsdpParam& param = *const_cast<FsdpParam*>(p);
+    if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
+    ConvertDeferred(param, scale);
+    ++stats_.deferred_materialized;
+  }
+  deferred_.clear();
 }
 
 std::optional<std::vector<FsdpParam*>> HostOffload::TakeStepped(std::vector<FsdpParam>& params,
@@ -436,11 +569,25 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
     PhaseTimer timer(stats_.wait_s);
     WaitForTask(last->second);
   }
+  // Note [Deferred gradient conversion]: a deferred gradient is converted before a second one
+  // lands over it (accumulation on the host); an entry whose .grad was reset since is stale.
+  if (auto it = deferred_.find(&p); it != deferred_.end()) {
+    if (add) {
+      ConvertDeferred(p, at::Tensor());
+      ++stats_.deferred_materialized;
+    }
+    deferred_.erase(it);
+  }
+  const bool defer = defer_conversion_ && narrow && !add;
+  if (defer) {
+    deferred_[&p] = ClipContribution(g);
+    clipped_ = false;  // a new backward: the last coefficient is not these gradients'
+  }
   if (!device_.is_cuda()) {
     // Synchronous copies; the adder does the same additions as without offload (collectives.cc).
     if (narrow) {
       p.host_compute_grad.copy_(g);
-      Enqueue(p, {add ? grad : p.host_grad, p.host_compute_grad, add, nullptr, {}});
+      if (!defer) Enqueue(p, {add ? grad : p.host_grad, p.host_compute_grad, add, nullptr, {}});
     } else if (add) {
       Enqueue(p, {grad, g, /*add=*/true, nullptr, {}});  // g is not written again: kept by the task
     } else {
@@ -472,7 +619,11 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   auto copied = std::make_shared<c10::Event>(device_.type());
   copied->record(*to_host_);
   in_flight_.push_back(InFlight{g, copied});
-  if (narrow || add) Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied), {}});
+  if (defer) {
+    Enqueue(p, {at::Tensor(), target, false, std::move(copied), {}});  // the landing only
+  } else if (narrow || add) {
+    Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied), {}});
+  }
   if (!add) grad = p.host_grad;  // not to be read before WaitForCopies
 }
 
@@ -534,6 +685,7 @@ void HostOffload::FinishOnHost(const HostTask& task) {
     return;
   }
   if (task.copied) task.copied->synchronize();
+  if (!task.dst.defined()) return;  // a deferred gradient's landing (see SendToHost)
   RECORD_FUNCTION("fsdp::offload_host_add", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.add_s);
   if (!task.add) {

@@ -89,6 +89,32 @@
 // a master the host optimizer is about to write. Nothing pinned is allocated after wrapping,
 // except each parameter's staging buffer, once, the first time accumulation needs it on CUDA.
 //
+// Note [Deferred gradient conversion]
+// With kParams and one shard the host does three passes over every parameter's bytes per step
+// besides AdamW: the bf16 gradient's conversion into the fp32 .grad (the adder), clipping's
+// norm and multiplication (the training thread), and the bf16 refresh after the update; on the
+// H100 machine they took longer than AdamW itself (docs/offload.md). set_defer_conversion(true)
+// (the trainer's, with the overlapped step: engine/trainable.cc) folds them into the step:
+//   - a gradient that lands on the host alone (no sum with an earlier micro-batch's: one
+//     micro-batch per step, grad_sync last) stays in bf16 in host_compute_grad; p's .grad
+//     (host_grad) is left unwritten ("deferred"). Its clipping contribution is computed on the
+//     device from the gradient being sent, with the ops ClipGradientsByNorm would use on the
+//     converted values (CUDA: its fp32 L2 norm; a CPU device: the sum of squares of its fp32
+//     conversion, the host computation's own ops on the same values, so the same bits);
+//   - ClipDeferred gives the norm from those, in the parameters' order, and keeps the clipping
+//     coefficient instead of multiplying;
+//   - the step (StepInOrder, when the optimizer runs slices: engine/optimizer.h) goes through each
+//     deferred parameter a chunk at a time on ATen's intra-op threads: the chunk of host_grad is
+//     written from host_compute_grad (exact) and multiplied by the coefficient (clipping's
+//     multiplication), the chunk's AdamW update runs on it, and the chunk of host_compute_shard is
+//     cast from the updated master, each while the chunk is in cache. The values are those of the
+//     three passes, bit for bit (elementwise ops, slices at multiples of 16 elements: Note
+//     [Prepared steps]); .grad holds the clipped gradient afterwards, as it would have.
+//   - Anything else that needs the fp32 .grads first calls MaterializeDeferred (the in-place
+//     step, an optimizer that cannot run slices), and a second gradient for a deferred parameter
+//     (host accumulation) converts the first before it lands.
+// Host bytes per parameter with AdamW: ~30 instead of ~56.
+//
 //   FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
 //   options.offload = Offload::kParams;
 //   auto sharded = FsdpModel::Wrap(model, mesh, units, options).value();
@@ -129,6 +155,16 @@ struct ModelStateBytes {
                        // gradient buffers
 };
 
+// The optimizer's step as StepInOrder runs it: engine/optimizer.h's PreparedStep given as
+// functions (sharding/ does not depend on engine/). `run` updates whole masters; the others
+// are optional: the slices of Note [Deferred gradient conversion].
+struct HostStep {
+  std::function<void(const std::vector<at::Tensor>&)> run;
+  std::function<bool(const at::Tensor&)> can_run_slices;
+  std::function<void(const at::Tensor&, int64_t, int64_t)> run_slice;  // master, begin, n
+  std::function<void(const at::Tensor&)> slices_done;
+};
+
 class HostOffload {
  public:
   // Moves `params`' masters to host memory as Note [CPU offload] says (mode kOptimizer or
@@ -166,8 +202,9 @@ class HostOffload {
   // order), `step(masters of the group)` and, with kParams, the cast of the group's masters into
   // host_compute_shard; LoadShards then waits for a group's step before its first copy. Call
   // after the end of backward (WaitForCopies), with every master's .grad final.
-  void StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups,
-                   std::function<void(const std::vector<at::Tensor>&)> step);
+  // Deferred gradients of the group (Note [Deferred gradient conversion]) are converted,
+  // clipped and stepped a chunk at a time when `step` runs slices; otherwise converted first.
+  void StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups, HostStep step);
   // Waits for every step StepInOrder queued (rethrowing its error) and, with kOptimizer, copies
   // the masters not copied yet into their device shards (copy-in stream, after the compute
   // stream): afterwards the masters and device shards are those of a step run in place.
@@ -182,6 +219,21 @@ class HostOffload {
   void WaitForShardsOnCurrentStream();
 
   // ---- gradients ------------------------------------------------------------------------------
+  // Note [Deferred gradient conversion]: whether a gradient landing on the host alone stays in
+  // the compute dtype until the step (kParams, one shard). Off by default.
+  void set_defer_conversion(bool defer) { defer_conversion_ = defer; }
+  bool has_deferred() const { return !deferred_.empty(); }
+  // After WaitForCopies. When every one of `with_grad` (the parameters whose .grad is defined,
+  // in FsdpModel::parameters()' order) is deferred: their gradients' norm on `device` (as
+  // ClipGradientsByNorm's), the clipping coefficient for max_norm kept for the step. Otherwise
+  // converts the deferred ones (MaterializeDeferred) and returns nullopt: the caller clips the
+  // .grads as usual.
+  std::optional<at::Tensor> ClipDeferred(const std::vector<FsdpParam*>& with_grad,
+                                         double max_norm, c10::Device device);
+  // Converts every deferred gradient into its .grad, multiplied by the coefficient ClipDeferred
+  // kept, if any (what clipping would have done to it). On the calling thread.
+  void MaterializeDeferred();
+
   // Whether the gradients of the backwards that follow stay on the device (p.device_grad) or,
   // false (the default), go to the host, with any sum kept on the device before them. Note [CPU
   // offload], "Accumulating on the device".
@@ -237,6 +289,10 @@ class HostOffload {
     double host_step_s = 0;
     double step_wait_s = 0;
     int64_t overlapped_steps = 0;  // StepInOrder calls
+    // Note [Deferred gradient conversion]: gradients converted, clipped and stepped in one pass
+    // by the host step, and those converted apart (MaterializeDeferred, a second gradient).
+    int64_t deferred_steps = 0;
+    int64_t deferred_materialized = 0;
   };
   const Stats& stats() const { return stats_; }
 
@@ -275,6 +331,10 @@ class HostOffload {
   // The adder's loop; FinishOnHost runs one task on it.
   void RunAdder();
   void FinishOnHost(const HostTask& task);
+  // Note [Deferred gradient conversion]: p's .grad from its landed gradient, times `scale` when
+  // defined; and the sliced pass of StepInOrder's job over one parameter.
+  void ConvertDeferred(FsdpParam& p, const at::Tensor& scale);
+  void StepDeferred(FsdpParam& p, const HostStep& step, const at::Tensor& scale);
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
@@ -306,6 +366,15 @@ class HostOffload {
   int64_t loaded_bytes_ = 0;
   int64_t peak_loaded_bytes_ = 0;
   bool accumulate_on_device_ = false;
+  // Note [Deferred gradient conversion]: p -> its clipping contribution (on the device), until
+  // the step converted it or MaterializeDeferred did; the coefficient ClipDeferred computed
+  // (device) and its copy for the host (pinned on CUDA, ready once clip_scale_ready_ is).
+  bool defer_conversion_ = false;
+  std::map<const FsdpParam*, at::Tensor> deferred_;
+  at::Tensor clip_scale_;
+  at::Tensor clip_scale_host_;
+  std::shared_ptr<c10::Event> clip_scale_ready_;
+  bool clipped_ = false;  // ClipDeferred ran since the deferred gradients landed
   Stats stats_;
 };
 

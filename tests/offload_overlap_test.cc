@@ -279,5 +279,101 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
   }
 }
 
+// Note [Deferred gradient conversion] (sharding/offload.h) through fsdp train: offload params on
+// one rank with bf16 compute, where gradients land on the host in bf16. With the overlapped step
+// a gradient that lands alone is converted, clipped and stepped in one pass; a second one (host
+// accumulation) converts the first on landing; the step in place converts as it lands. All three
+// give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
+// below the norms) and off.
+TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
+  namespace fs = std::filesystem;
+  struct Case {
+    std::vector<std::string> sets;
+    bool deferred_steps;  // stepped in one pass (else converted on a second gradient's landing)
+  };
+  const Case cases[] = {
+      {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true},
+      {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
+       true},
+      {{"training.grad_accum_steps=2", "training.max_grad_norm=0"}, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(StrJoin(c.sets, " "));
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=4", "training.log_interval=1", "training.eval_interval=0",
+                   "parallelism.nproc=1", "training.micro_batch_size=2", "model.n_layers=2",
+                   "training.mixed_precision=bf16", "parallelism.offload=params",
+                   "checkpoint.enabled=true", "checkpoint.interval=2"});
+      sets.insert(sets.end(), c.sets.begin(), c.sets.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+    };
+    std::string one_pass_dir = testing::FreshTempDir("deferred-on"),
+                in_place_dir = testing::FreshTempDir("deferred-off");
+    testing::TrainRun one_pass = train(one_pass_dir, {});
+    ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
+    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
+    ASSERT_EQ(one_pass.losses.size(), 4u) << one_pass.result.Output();
+    EXPECT_EQ(one_pass.losses, in_place.losses);
+    const nlohmann::json& on = one_pass.rank0_stats["offload"];
+    const nlohmann::json& off = in_place.rank0_stats["offload"];
+    if (c.deferred_steps) {
+      // Every trainable parameter of every step went through the one pass.
+      EXPECT_GT(on["deferred_steps"].get<int64_t>(), 0) << on.dump();
+      EXPECT_EQ(on["deferred_steps"].get<int64_t>() % 4, 0) << on.dump();
+      EXPECT_EQ(on["deferred_materialized"], 0) << on.dump();
+      EXPECT_EQ(on["host_adds"], 0) << on.dump();
+    } else {
+      EXPECT_EQ(on["deferred_steps"], 0) << on.dump();
+      EXPECT_GT(on["deferred_materialized"].get<int64_t>(), 0) << on.dump();
+    }
+    EXPECT_EQ(off["deferred_steps"], 0) << off.dump();
+    EXPECT_EQ(off["deferred_materialized"], 0) << off.dump();
+    for (int step : {2, 4}) {
+      const std::string path = "/checkpoints/" + ckpt::StepDirName(step) + "/rank00000.bin";
+      std::ifstream a(one_pass_dir + path, std::ios::binary);
+      std::ifstream b(in_place_dir + path, std::ios::binary);
+      ASSERT_TRUE(a && b) << path;
+      std::string bytes_a((std::istreambuf_iterator<char>(a)), {});
+      std::string bytes_b((std::istreambuf_iterator<char>(b)), {});
+      EXPECT_FALSE(bytes_a.empty());
+      EXPECT_TRUE(bytes_a == bytes_b) << path;
+    }
+    fs::remove_all(one_pass_dir);
+    fs::remove_all(in_place_dir);
+  }
+}
+
+// The same on a GPU (one rank, NCCL): the contributions are the device's fp32 norms and the
+// coefficient reaches the host through pinned memory after an event, so the norm is rounded
+// differently from the in-place run's (the host's sums of squares): close, not the same bits.
+TEST(OffloadOverlapCudaTest, DeferredGradientsTrainAsTheStepInPlaceOnTheGpu) {
+  FSDP_SKIP_WITHOUT_GPU();
+  for (const char* accumulation : {"training.grad_accum_steps=1", "training.grad_sync=last"}) {
+    SCOPED_TRACE(accumulation);
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=4", "training.log_interval=1", "training.eval_interval=0",
+                   "parallelism.nproc=1", "training.device=cuda", "parallelism.backend=nccl",
+                   "training.micro_batch_size=2", "training.grad_accum_steps=2",
+                   "model.n_layers=2", "training.mixed_precision=bf16",
+                   "parallelism.offload=params", "training.max_grad_norm=0.05", accumulation});
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+    };
+    testing::TrainRun one_pass = train(testing::FreshTempDir("deferred-cuda-on"), {});
+    ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
+    testing::TrainRun in_place = train(testing::FreshTempDir("deferred-cuda-off"),
+                                       {"parallelism.offload_overlap_step=false"});
+    ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
+    ASSERT_EQ(one_pass.losses.size(), 4u) << one_pass.result.Output();
+    for (const auto& [step, loss] : in_place.losses) {
+      EXPECT_NEAR(one_pass.losses.at(step), loss, 1e-4 * std::abs(loss)) << "step " << step;
+    }
+    EXPECT_GT(one_pass.rank0_stats["offload"]["deferred_steps"].get<int64_t>(), 0)
+        << one_pass.rank0_stats.dump();
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
