@@ -183,16 +183,9 @@ class MultiTensorAdam final : public Base {
       return;
     }
     at::_foreach_add_(b.steps, 1.0);
-    const auto [beta1, beta2] = o.betas();
     auto fused = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList steps) {
-      if constexpr (kDecoupledDecay) {
-        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
-                          o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
-      } else {
-        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, o.lr(), beta1, beta2,
-                         o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
-      }
+      RunFused(params, grads, exp_avgs, exp_avg_sqs, steps, o);
     };
     if (b.device.is_cpu()) {
       ForEachCpuTensor(b, [&](size_t i) {
@@ -204,9 +197,9 @@ class MultiTensorAdam final : public Base {
     }
   }
 
-  // One slice of a prepared fused step (PreparedStep::RunSlice): `steps` hold the counts after
-  // this update already (RunBatch adds 1 to them first).
-  static void RunFusedSlice(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+  // ATen's fused kernel on these lists; `steps` hold the counts after this update (RunBatch
+  // adds 1 to them first; PreparedStep::RunSlice passes its own).
+  static void RunFused(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                             at::TensorList exp_avg_sqs, at::TensorList steps, const Options& o) {
     at::NoGradGuard no_grad;
     const auto [beta1, beta2] = o.betas();
@@ -310,7 +303,7 @@ class PreparedAdamStep final : public PreparedStep {
     const at::Tensor tensors[] = {slice(all.params[i]), slice(all.grads[i]),
                                   slice(all.exp_avgs[i]), slice(all.exp_avg_sqs[i]),
                                   after_steps_[FlatIndex(b, i)]};
-    Optimizer::RunFusedSlice(at::TensorList(&tensors[0], 1), at::TensorList(&tensors[1], 1),
+    Optimizer::RunFused(at::TensorList(&tensors[0], 1), at::TensorList(&tensors[1], 1),
                              at::TensorList(&tensors[2], 1), at::TensorList(&tensors[3], 1),
                              at::TensorList(&tensors[4], 1), batches_[b].second);
   }
