@@ -64,7 +64,8 @@ nlohmann::json ReferenceSpec(const RunConfig& c, int world, int steps, const std
         {"min_lr", c.lr_scheduler.min_lr}}},
       {"parallelism",
        {{"strategy", c.Value("parallelism.strategy")}, {"replicate", replicate}, {"shard", shard},
-        {"reshard_between_micro_batches", c.parallelism.reshard_between_micro_batches}}},
+        {"reshard_between_micro_batches", c.parallelism.reshard_between_micro_batches},
+        {"offload", c.Value("parallelism.offload")}}},
       {"init", init},
       {"batches",
        {{"file", batches}, {"steps", steps}, {"grad_accum_steps", c.training.grad_accum_steps},
@@ -194,7 +195,15 @@ int RunCompare(const CompareOptions& o) {
                  "training.grad_sync: every\n";
     return 2;
   }
-  const bool unwrapped = o.unwrapped.value_or(nproc == 1);
+  // The plain model has no shards to offload: by default it is left out of an offload run.
+  const bool offloads = config->parallelism.offload != Offload::kNone;
+  const bool unwrapped = o.unwrapped.value_or(nproc == 1 && !offloads);
+  if (unwrapped && offloads) {
+    std::cerr << "fsdp bench compare: --unwrapped runs the plain model, which cannot offload "
+                 "(parallelism.offload "
+              << config->Value("parallelism.offload") << "); drop --unwrapped\n";
+    return 2;
+  }
   if (unwrapped && nproc != 1) {
     std::cerr << "fsdp bench compare: --unwrapped runs the plain model on one rank, so it needs "
                  "--nproc 1 (got "

@@ -552,6 +552,15 @@ def train(args, spec, reference=False):
     t, o = spec["training"], spec["optimizer"]
     p = spec["parallelism"]
     keep_between = not bool(p.get("reshard_between_micro_batches", True))
+    # parallelism.offload: params is FSDP2's CPUOffloadPolicy (sharded parameters, gradients
+    # and the optimizer step on the host); FSDP2 has no optimizer-only offload.
+    offload = p.get("offload", "none")
+    if offload not in ("none", "params", "optimizer"):
+        die(f"parallelism.offload '{offload}' is not valid; valid: none, optimizer, params")
+    if offload == "optimizer" and not reference and mode not in ONE_RANK_MODES:
+        die("parallelism.offload optimizer has no FSDP2 equivalent: CPUOffloadPolicy offloads "
+            "the parameters, their gradients and the optimizer step (parallelism.offload params); "
+            "compare that, or use --reference eager")
     cfg = Config(spec["model"])
     steps = int(t["steps"])
     ga = int(t["grad_accum_steps"])
@@ -630,7 +639,10 @@ def train(args, spec, reference=False):
             forward = torch.compile(model)
     elif not reference:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        offload_kw = {}
+        if offload == "params":
+            offload_kw["offload_policy"] = CPUOffloadPolicy(pin_memory=on_cuda)
         if replicate == 1:
             mesh = init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
             shard_group = mesh.get_group("shard") if shard > 1 else None
@@ -648,10 +660,12 @@ def train(args, spec, reference=False):
         root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        output_dtype=torch.float32 if mp == "bf16" else None)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_mp)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_mp,
+                        **offload_kw)
         # The root unit stays unsharded from forward to backward (fsdp.cpp's PostForward, and
         # FSDP2's own default for the root).
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=root_mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=root_mp,
+                    **offload_kw)
         meter.install()
     ref_bf16 = reference and mp == "bf16"  # emulated: bf16 copies of the parameters
 
@@ -671,7 +685,8 @@ def train(args, spec, reference=False):
                 f"{mode}: the plain model{' + torch.compile' if mode == 'compile' else ''}, "
                 f"fused {o.get('name', 'adamw')}, no host sync per step" if single else
                 f"{mode}: FSDP2 on {world} rank(s), mesh (replicate={replicate}, shard={shard}), "
-                f"strategy {strategy}, " + ("fused optimizer, no host sync per step" if fast else
+                f"strategy {strategy}, "
+                + ("CPUOffloadPolicy, " if offload == "params" else "") + ("fused optimizer, no host sync per step" if fast else
                 f"{o.get('implementation', 'fused')} optimizer, loss read every step"))
         nparams = sum(q.numel() for q in params)
         where = torch.cuda.get_device_name(device) if on_cuda else "cpu"

@@ -74,4 +74,23 @@ each, keep = ([json.loads(l)["comm_bytes"] for l in open(f)] for f in sys.argv[1
 assert all(k < e for k, e in zip(keep, each)), f"comm bytes per step: keep {keep}, each micro-batch {each}"
 print(f"test_fsdp2_reference: keeping the parameters gathers {keep[-1]} bytes per step, not {each[-1]}")
 EOF
+# parallelism.offload: params: FSDP2's CPUOffloadPolicy, the same losses; optimizer: refused,
+# naming what FSDP2 has instead.
+"$python" - "$work/inputs/spec.json" "$work/inputs" <<'EOF'
+import json, sys
+spec = json.load(open(sys.argv[1]))
+for mode in ("params", "optimizer"):
+    spec["parallelism"]["offload"] = mode
+    json.dump(spec, open(f"{sys.argv[2]}/spec_offload_{mode}.json", "w"))
+EOF
+"${launch[@]}" "$script" --spec "$work/inputs/spec_offload_params.json" --out "$work/fsdp2_offload" \
+  > "$work/offload.log"
+grep -q "CPUOffloadPolicy" "$work/offload.log" || { cat "$work/offload.log"; exit 1; }
+"$python" "$script" --compare "$work/fsdp2_offload/metrics.jsonl" "$work/reference/metrics.jsonl" --rtol "$rtol"
+if "${launch[@]}" "$script" --spec "$work/inputs/spec_offload_optimizer.json" \
+     --out "$work/fsdp2_offload_opt" > "$work/offload_opt.log" 2>&1; then
+  echo "test_fsdp2_reference: offload optimizer was not refused" >&2
+  exit 1
+fi
+grep -q "no FSDP2 equivalent" "$work/offload_opt.log" || { cat "$work/offload_opt.log"; exit 1; }
 echo "test_fsdp2_reference: PASS"

@@ -59,6 +59,7 @@ stage_order=(
   offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
+  compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
   big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
   ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
   offload_optimizer_2x4
@@ -78,7 +79,7 @@ stage_order=(
 # the offload path; the AC, overhead and deterministic rows were measured then).
 declare -A estimate=(
   [gpu_tests]=90 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [big_1gpu]=240 [ckpt_125m]=35
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=240 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [deterministic_2x4]=25 [composite_2x4]=25
@@ -89,7 +90,7 @@ case "$part" in
   speed) wanted=(gpu_tests sanitizer compare_2x4 kernels ckpt_125m compare_keep_2x4 profile_2x4
                  keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 fsdp_2x4 offload_params_2x4
-                 offload_params_keep_2x4 offload_params_last_2x4
+                 offload_params_keep_2x4 offload_params_last_2x4 compare_offload_2x4
                  offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
 esac
@@ -300,6 +301,15 @@ stage_compare_keep_2x4() {
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare_keep.log" 2>&1 ||
     log "bench compare (keep) failed (see $out/compare_keep.log)"
 }
+# Issue 14 against its anchor: offload params (fsdp.cpp's default offload settings) beside FSDP2
+# with CPUOffloadPolicy (its parameters, gradients and AdamW on the host), same batches. Fewer
+# steps: FSDP2's host step is slow.
+stage_compare_offload_2x4() {
+  bounded "$bin" bench compare "$config" --nproc 1 --steps 10 --warmup 3 --repeats 1 \
+    --reference fsdp2 --no-plot --out "$out/compare_offload" \
+    --set parallelism.offload=params "${accum2x4[@]}" "${kernels[@]}" \
+    >"$out/compare_offload.log" 2>&1 || log "bench compare (offload) failed (see $out/compare_offload.log)"
+}
 # Issue 14: activation checkpointing at micro-batch 8 (its targets are against base_8x1), and
 # offload at 2 x 4 (against fsdp_2x4).
 stage_base_8x1() { run base_8x1 "${mb8[@]}"; }
@@ -486,7 +496,8 @@ for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep
 for name in ("fsdp_2x4", "keep_2x4"):  # the overhead target (<= 3%) is read from keep_2x4
     if name in medians and "unwrapped_2x4" in medians:
         print(f"{name} over unwrapped_2x4: {100 * (medians[name] / medians['unwrapped_2x4'] - 1):+.2f}%")
-for folder, label in (("compare", "bench"), ("compare_keep", "keep")):
+for folder, label in (("compare", "bench"), ("compare_keep", "keep"),
+                      ("compare_offload", "offload")):
     compare = os.path.join(out, folder, "compare.json")
     if not os.path.exists(compare):
         continue

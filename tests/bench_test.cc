@@ -227,6 +227,29 @@ TEST(BenchCompare, EagerOnOneRank) {
   fs::remove_all(dir);
 }
 
+// Offload params against FSDP2 with CPUOffloadPolicy (the same losses), with no unwrapped run by
+// default (the plain model cannot offload) and --unwrapped refused, naming the key.
+TEST(BenchCompare, OffloadAgainstFsdp2CpuOffloadPolicy) {
+  std::string dir = FreshTempDir("compare-offload");
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
+                                "--nproc", "1", "--steps", "4", "--warmup", "1", "--no-plot",
+                                "--reference", "fsdp2", "--out", dir, "--set",
+                                "parallelism.offload=params"},
+                               {}, std::chrono::seconds(240));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  nlohmann::json report = ReadJson(dir + "/compare.json");
+  EXPECT_EQ(report["references"]["fsdp2"]["loss_check"], "PASS") << report.dump(1);
+  EXPECT_EQ(report["engines"].size(), 2u) << report.dump(1);  // fsdp.cpp, fsdp2
+  EXPECT_TRUE(r.StdoutHas("CPUOffloadPolicy")) << r.Output();
+  fs::remove_all(dir);
+  CommandResult refused = RunCommand(
+      {FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml", "--nproc", "1",
+       "--unwrapped", "--set", "parallelism.offload=params"},
+      {}, std::chrono::seconds(60));
+  EXPECT_EQ(refused.exit.code, 2) << refused.Output();
+  EXPECT_TRUE(refused.StderrHas("cannot offload (parallelism.offload params)")) << refused.Output();
+}
+
 TEST(BenchCompare, UnknownReferenceModeIsAnError) {
   CommandResult r = RunCommand({FsdpBinary(), "bench", "compare", SourceDir() + "/configs/default.yaml",
                                 "--reference", "fsdp2,torchtitan"},
