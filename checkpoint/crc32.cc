@@ -1,8 +1,12 @@
 #include "checkpoint/crc32.h"
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -90,6 +94,29 @@ uint32_t Crc32(uint32_t crc, const void* data, size_t n) {
 
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t nbytes_b) {
   return MultModP(ZeroBytesOperator(nbytes_b), crc_a) ^ crc_b;
+}
+
+uint32_t Crc32Parallel(const void* data, size_t n, int threads) {
+  constexpr size_t kBlock = size_t{8} << 20;
+  if (threads <= 1 || n < 2 * kBlock) return Crc32(0, data, n);
+  const auto* p = static_cast<const unsigned char*>(data);
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<uint32_t> crcs(blocks);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t b = next++; b < blocks; b = next++) {
+      crcs[b] = Crc32(0, p + b * kBlock, std::min(kBlock, n - b * kBlock));
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < blocks; ++t) helpers.emplace_back(work);
+  work();
+  for (std::thread& t : helpers) t.join();
+  uint32_t crc = crcs[0];
+  for (size_t b = 1; b < blocks; ++b) {
+    crc = Crc32Combine(crc, crcs[b], std::min(kBlock, n - b * kBlock));
+  }
+  return crc;
 }
 
 std::string CrcHex(uint32_t crc) { return fmt::format("0x{:08x}", crc); }

@@ -212,6 +212,21 @@ TEST(Crc32Test, CombineIsTheCrcOfTheConcatenation) {
   EXPECT_EQ(Crc32Combine(Crc32(0, bytes.data(), 17), crc_b, n), crc_ab);
 }
 
+// Crc32Parallel: the serial CRC on any thread count, for lengths around its block size (8 MiB)
+// and tails of every size class.
+TEST(Crc32Test, ParallelEqualsSerial) {
+  std::mt19937 rng(13);
+  std::vector<unsigned char> bytes((size_t{8} << 20) * 5 + 777);
+  for (unsigned char& c : bytes) c = static_cast<unsigned char>(rng());
+  for (size_t n : {size_t{0}, size_t{5}, (size_t{8} << 20) * 2 - 1, (size_t{8} << 20) * 2,
+                   (size_t{8} << 20) * 3 + 1, bytes.size()}) {
+    const uint32_t serial = Crc32(0, bytes.data(), n);
+    for (int threads : {1, 2, 3, 8}) {
+      EXPECT_EQ(Crc32Parallel(bytes.data(), n, threads), serial) << n << " bytes, " << threads;
+    }
+  }
+}
+
 TEST_F(CheckpointFormatTest, RoundTripAndResharding) {
   std::vector<ModelTensor> model = TestModel();
   Save(120, model);
