@@ -60,10 +60,10 @@ stage_order=(
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
   compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
-  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
-  ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
   offload_optimizer_2x4
   compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
+  ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
+  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
   profile_2x4         # issue 13: the per-kernel-class profile
   keep_2x4            # issue 13: the wrapper's overhead <= 3% (against unwrapped_2x4)
   unwrapped_2x4
@@ -74,12 +74,15 @@ stage_order=(
   composite_2x4
   per_tensor_2x4
 )
-# Seconds, from the stages' times on an H200 on 2026-11-26 (20 steps each; the build took 123 s),
-# rounded up. The order: what the next GPU session most needs (stop 28 rewrote the kernels and
-# the offload path; the AC, overhead and deterministic rows were measured then).
+# Seconds, from the stages' times on an H200 and an H100 on 2026-11-26 (20 steps each; the build
+# took 123 and 131 s; on the H100 gpu_tests 80 s before the deferred-conversion GPU test, big_1gpu
+# 98 s), compare_offload_2x4 a guess (FSDP2's host step),
+# rounded up. The order: what the next GPU session most needs (stop 30 measured every stage
+# but compare_keep, deterministic, composite and per_tensor on an H100; since then the offload
+# path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
-  [gpu_tests]=90 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=240 [ckpt_125m]=35
+  [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [deterministic_2x4]=25 [composite_2x4]=25
