@@ -29,6 +29,9 @@ constexpr int64_t kAlignment = 64;
 // After ShardWriter::Finish: no more Add, no second Finish.
 constexpr int kFinishedFd = -2;
 
+// Chunks from this size on have their CRC computed beside the write (ShardWriter::Add).
+constexpr int64_t kCrcAsideBytes = int64_t{4} << 20;
+
 // Threads for a chunk's CRC: a quarter of the machine's, at most 4, so that an asynchronous
 // save beside training takes little of the cores (one on a machine of up to 7).
 int CrcThreads() {
@@ -125,15 +128,20 @@ absl::Status ShardWriter::Add(const std::string& name, const at::Tensor& rows, i
   chunk.nbytes = static_cast<int64_t>(cpu.nbytes());
   chunk.row_begin = row_begin;
   chunk.row_end = row_begin + num_rows;
-  // The checksum on other threads while this one writes the same bytes (the write mostly
-  // copies them into the page cache): ~2 GB/s per thread for the CRC, so on one thread it took
-  // longer than the write of a large chunk.
-  std::future<uint32_t> crc = std::async(std::launch::async, [&cpu] {
-    return Crc32Parallel(cpu.const_data_ptr(), cpu.nbytes(), CrcThreads());
-  });
-  const absl::Status written = WriteAll(fd_, cpu.const_data_ptr(), cpu.nbytes(), path);
-  chunk.crc32 = crc.get();
-  FSDP_RETURN_IF_ERROR(written);
+  // A large chunk's checksum on other threads while this one writes the same bytes (the write
+  // mostly copies them into the page cache): ~2 GB/s per thread for the CRC, so on one thread
+  // it took longer than the write. A small one here: a thread costs more than its CRC.
+  if (chunk.nbytes < kCrcAsideBytes) {
+    chunk.crc32 = Crc32(0, cpu.const_data_ptr(), cpu.nbytes());
+    FSDP_RETURN_IF_ERROR(WriteAll(fd_, cpu.const_data_ptr(), cpu.nbytes(), path));
+  } else {
+    std::future<uint32_t> crc = std::async(std::launch::async, [&cpu] {
+      return Crc32Parallel(cpu.const_data_ptr(), cpu.nbytes(), CrcThreads());
+    });
+    const absl::Status written = WriteAll(fd_, cpu.const_data_ptr(), cpu.nbytes(), path);
+    chunk.crc32 = crc.get();
+    FSDP_RETURN_IF_ERROR(written);
+  }
   // The file's CRC from the chunk's: one pass over the bytes, not two.
   file_crc_ = Crc32Combine(file_crc_, chunk.crc32, static_cast<uint64_t>(chunk.nbytes));
   size_ += chunk.nbytes;

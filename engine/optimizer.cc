@@ -200,7 +200,7 @@ class MultiTensorAdam final : public Base {
   // ATen's fused kernel on these lists; `steps` hold the counts after this update (RunBatch
   // adds 1 to them first; PreparedStep::RunSlice passes its own).
   static void RunFused(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                            at::TensorList exp_avg_sqs, at::TensorList steps, const Options& o) {
+                       at::TensorList exp_avg_sqs, at::TensorList steps, const Options& o) {
     at::NoGradGuard no_grad;
     const auto [beta1, beta2] = o.betas();
     if constexpr (kDecoupledDecay) {
@@ -251,12 +251,13 @@ class PreparedAdamStep final : public PreparedStep {
       const Batch& batch = batches_[b].first;
       for (size_t i = 0; i < batch.params.size(); ++i) {
         params_.push_back(batch.params[i]);
-        where_.emplace(batch.params[i].unsafeGetTensorImpl(), std::make_pair(b, i));
+        Entry entry{b, i, {}};
         // RunSlice's step: the count after this update (RunBatch adds 1 to steps[i] in place).
         if (fused_) {
-          after_steps_.push_back(at::full({}, static_cast<double>(batch.step_values[i]),
-                                          batch.steps[i].options()));
+          entry.after_step = at::full({}, static_cast<double>(batch.step_values[i]),
+                                      batch.steps[i].options());
         }
+        where_.emplace(batch.params[i].unsafeGetTensorImpl(), std::move(entry));
       }
     }
   }
@@ -268,7 +269,7 @@ class PreparedAdamStep final : public PreparedStep {
     for (const at::Tensor& p : params) {
       auto it = where_.find(p.unsafeGetTensorImpl());
       if (it == where_.end()) continue;  // not stepped, or stepped already
-      picked[it->second.first].push_back(it->second.second);
+      picked[it->second.batch].push_back(it->second.index);
       where_.erase(it);
     }
     for (size_t b = 0; b < batches_.size(); ++b) {
@@ -297,38 +298,36 @@ class PreparedAdamStep final : public PreparedStep {
   void RunSlice(const at::Tensor& param, int64_t begin, int64_t n) const override {
     auto it = where_.find(param.unsafeGetTensorImpl());
     TORCH_CHECK(fused_ && it != where_.end(), "PreparedStep::RunSlice: not a slice it can run");
-    const auto& [b, i] = it->second;
+    const Entry& e = it->second;
+    const size_t b = e.batch, i = e.index;
     const Batch& all = batches_[b].first;
     auto slice = [&](const at::Tensor& t) { return t.view(-1).narrow(0, begin, n); };
     const at::Tensor tensors[] = {slice(all.params[i]), slice(all.grads[i]),
                                   slice(all.exp_avgs[i]), slice(all.exp_avg_sqs[i]),
-                                  after_steps_[FlatIndex(b, i)]};
+                                  e.after_step};
     Optimizer::RunFused(at::TensorList(&tensors[0], 1), at::TensorList(&tensors[1], 1),
-                             at::TensorList(&tensors[2], 1), at::TensorList(&tensors[3], 1),
-                             at::TensorList(&tensors[4], 1), batches_[b].second);
+                        at::TensorList(&tensors[2], 1), at::TensorList(&tensors[3], 1),
+                        at::TensorList(&tensors[4], 1), batches_[b].second);
   }
 
   void SlicesDone(const at::Tensor& param) override {
     auto it = where_.find(param.unsafeGetTensorImpl());
     TORCH_CHECK(it != where_.end(), "PreparedStep::SlicesDone: not a parameter it steps");
-    const auto& [b, i] = it->second;
     // The step tensor as RunBatch leaves it (the optimizer's cache expects the new count).
-    batches_[b].first.steps[i].add_(1.0);
+    batches_[it->second.batch].first.steps[it->second.index].add_(1.0);
     where_.erase(it);
   }
 
  private:
-  size_t FlatIndex(size_t b, size_t i) const {
-    size_t flat = i;
-    for (size_t k = 0; k < b; ++k) flat += batches_[k].first.params.size();
-    return flat;
-  }
+  struct Entry {
+    size_t batch, index;    // in batches_
+    at::Tensor after_step;  // fused: the count after this update, for RunSlice
+  };
 
   std::vector<std::pair<Batch, Options>> batches_;
   bool fused_;
   std::vector<at::Tensor> params_;
-  std::vector<at::Tensor> after_steps_;  // fused: per parameter (params_' order)
-  std::unordered_map<c10::TensorImpl*, std::pair<size_t, size_t>> where_;  // (batch, index)
+  std::unordered_map<c10::TensorImpl*, Entry> where_;
 };
 
 template <typename Optimizer, typename Options>

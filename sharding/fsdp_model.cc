@@ -464,34 +464,51 @@ void FsdpModel::ApplyModuleZeroGrad() {
   }
 }
 
-at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
-                               c10::Device device, ProcessGroup* sum_over) {
+// On CUDA, multi-tensor kernels (a few launches for all gradients of a dtype, not four per
+// gradient: ~590 launches and 3.3 ms per llama_1b step on an H200): each gradient's norm in
+// fp32, whatever its dtype, then the sum of their squares. On the CPU, where a launch costs
+// nothing, each gradient's sum of squares directly (no square root and square again: the
+// bf16 parity tests' 1e-4 tolerance against a single-process reference was set with these
+// sums, and the other rounding moved a bf16 cast at step 7 of full_shard_w3_bf16 past it).
+std::vector<at::Tensor> ClipNormTerms(const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
-  // On CUDA, multi-tensor kernels (a few launches for all gradients of a dtype, not four per
-  // gradient: ~590 launches and 3.3 ms per llama_1b step on an H200): each gradient's norm in
-  // fp32, whatever its dtype, then the sum of their squares. On the CPU, where a launch costs
-  // nothing, each gradient's sum of squares directly (no square root and square again: the
-  // bf16 parity tests' 1e-4 tolerance against a single-process reference was set with these
-  // sums, and the other rounding moved a bf16 cast at step 7 of full_shard_w3_bf16 past it).
-  const bool multi_tensor = !grads.empty() && grads.front().is_cuda();
-  at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-  if (multi_tensor) {
-    sum_sq = at::stack(at::_foreach_norm(grads, 2, at::kFloat)).square().sum();
+  if (!grads.empty() && grads.front().is_cuda()) return at::_foreach_norm(grads, 2, at::kFloat);
+  std::vector<at::Tensor> terms;
+  terms.reserve(grads.size());
+  for (const at::Tensor& g : grads) terms.push_back(g.to(at::kFloat).pow(2).sum());
+  return terms;
+}
+
+ClipNorm ClipNormFromTerms(const std::vector<at::Tensor>& terms, double max_norm,
+                           c10::Device device, ProcessGroup* sum_over) {
+  at::NoGradGuard no_grad;
+  at::Tensor sum_sq;
+  if (!terms.empty() && terms.front().is_cuda()) {
+    sum_sq = at::stack(terms).square().sum();
   } else {
-    for (const at::Tensor& g : grads) sum_sq += g.to(at::kFloat).pow(2).sum();
+    sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    for (const at::Tensor& t : terms) sum_sq += t;
   }
   if (sum_over != nullptr) sum_over->AllReduce(sum_sq)->wait();
   // All on the device: no host synchronisation (the caller may read the norm when it logs).
-  at::Tensor norm = sum_sq.sqrt();
-  at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-  if (!multi_tensor) {
-    for (const at::Tensor& g : grads) g.mul_(coef.to(g.scalar_type()));
-    return norm;
+  ClipNorm clip;
+  clip.norm = sum_sq.sqrt();
+  clip.coef = (max_norm / (clip.norm + 1e-6)).clamp_max(1.0);
+  return clip;
+}
+
+at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
+                               c10::Device device, ProcessGroup* sum_over) {
+  at::NoGradGuard no_grad;
+  const ClipNorm clip = ClipNormFromTerms(ClipNormTerms(grads), max_norm, device, sum_over);
+  if (grads.empty() || !grads.front().is_cuda()) {
+    for (const at::Tensor& g : grads) g.mul_(clip.coef.to(g.scalar_type()));
+    return clip.norm;
   }
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const at::Tensor& g : grads) by_dtype[g.scalar_type()].push_back(g);
-  for (auto& [dtype, group] : by_dtype) at::_foreach_mul_(group, coef.to(dtype));
-  return norm;
+  for (auto& [dtype, group] : by_dtype) at::_foreach_mul_(group, clip.coef.to(dtype));
+  return clip.norm;
 }
 
 at::Tensor FsdpModel::ClipGradNorm(double max_norm) {

@@ -63,6 +63,17 @@ struct MemoryStats {
 // given, sums the squares over that group (ranks holding disjoint pieces of the gradients).
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
                                c10::Device device, ProcessGroup* sum_over);
+// Its two halves, for gradients whose terms are computed apart (Note [Deferred gradient
+// conversion] in offload.h): each gradient's term of the norm (on CUDA its fp32 2-norm, else the
+// fp32 sum of its squares), and the norm and coefficient from the terms in the gradients'
+// order (on `device`, summed over `sum_over` when given).
+std::vector<at::Tensor> ClipNormTerms(const std::vector<at::Tensor>& grads);
+struct ClipNorm {
+  at::Tensor norm;  // before clipping
+  at::Tensor coef;  // min(max_norm / (norm + 1e-6), 1)
+};
+ClipNorm ClipNormFromTerms(const std::vector<at::Tensor>& terms, double max_norm,
+                           c10::Device device, ProcessGroup* sum_over);
 
 // Note [Rank-identical prefetch]
 // Which unit to all-gather next, and whether to skip one, must be a pure function of state that

@@ -15,6 +15,7 @@
 #include "common/logging.h"
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
+#include "sharding/fsdp_model.h"
 
 namespace fsdp {
 namespace {
@@ -87,15 +88,6 @@ void AddConverted(const at::Tensor& dst, const at::Tensor& src) {
       d.narrow(0, i, n).add_(part);
     }
   });
-}
-
-// ClipGradientsByNorm's term for one gradient (sharding/fsdp_model.cc), computed from `g` (the
-// compute dtype, on the device) as it would be from its exact conversion to fp32: on CUDA its
-// fp32 L2 norm; on a CPU device the sum of squares of its fp32 conversion, the same ops on the
-// same values as the host's, so the same bits (Note [Deferred gradient conversion]).
-at::Tensor ClipContribution(const at::Tensor& g) {
-  if (g.is_cuda()) return at::_foreach_norm({g}, 2, at::kFloat)[0];
-  return g.to(at::kFloat).pow(2).sum();
 }
 
 // Elements per slice of a deferred parameter's step: its fp32 gradient, master and moments
@@ -370,48 +362,35 @@ std::optional<at::Tensor> HostOffload::ClipDeferred(const std::vector<FsdpParam*
   clipped_ = false;
   // Entries of parameters without a gradient now are stale (a step skipped after their
   // backward): their .grad was reset.
-  std::map<const FsdpParam*, at::Tensor> current;
-  bool all = !with_grad.empty();
+  std::erase_if(deferred_,
+                [](const auto& entry) { return !entry.first->sharded.grad().defined(); });
+  // ClipGradientsByNorm's arithmetic on the terms, in the parameters' order; one shard, so
+  // nothing to sum over ranks.
+  std::vector<at::Tensor> terms;
   for (FsdpParam* p : with_grad) {
     auto it = deferred_.find(p);
-    if (it == deferred_.end()) {
-      all = false;
-      continue;
-    }
-    current.insert(*it);
+    if (it == deferred_.end()) break;
+    terms.push_back(it->second);
   }
-  deferred_ = std::move(current);
-  if (!all) {
+  if (terms.empty() || terms.size() != with_grad.size()) {
     MaterializeDeferred();
     return std::nullopt;
   }
-  // ClipGradientsByNorm's arithmetic (sharding/fsdp_model.cc) on the contributions, in the
-  // parameters' order; one shard, so nothing to sum over ranks.
-  at::Tensor sum_sq;
-  if (device.is_cuda()) {
-    std::vector<at::Tensor> norms;
-    for (FsdpParam* p : with_grad) norms.push_back(deferred_.at(p));
-    sum_sq = at::stack(norms).square().sum();
-  } else {
-    sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-    for (FsdpParam* p : with_grad) sum_sq += deferred_.at(p);
-  }
-  at::Tensor norm = sum_sq.sqrt();
-  clip_scale_ = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  const ClipNorm clip = ClipNormFromTerms(terms, max_norm, device, /*sum_over=*/nullptr);
   if (device.is_cuda()) {
     if (!clip_scale_host_.defined()) {
       clip_scale_host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
     }
-    clip_scale_host_.copy_(clip_scale_, /*non_blocking=*/true);
+    clip_scale_host_.copy_(clip.coef, /*non_blocking=*/true);
     const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
     clip_scale_ready_ = std::make_shared<c10::Event>(device.type());
     clip_scale_ready_->record(impl->getStream(device));
   } else {
-    clip_scale_host_ = clip_scale_;
+    clip_scale_host_ = clip.coef;
     clip_scale_ready_.reset();
   }
   clipped_ = true;
-  return norm;
+  return clip.norm;
 }
 
 void HostOffload::MaterializeDeferred() {
@@ -580,7 +559,7 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   }
   const bool defer = defer_conversion_ && narrow && !add;
   if (defer) {
-    deferred_[&p] = ClipContribution(g);
+    deferred_[&p] = ClipNormTerms({g}).front();  // on the device, from the bf16 values
     clipped_ = false;  // a new backward: the last coefficient is not these gradients'
   }
   if (!device_.is_cuda()) {

@@ -366,12 +366,11 @@ class HostOffload {
   int64_t loaded_bytes_ = 0;
   int64_t peak_loaded_bytes_ = 0;
   bool accumulate_on_device_ = false;
-  // Note [Deferred gradient conversion]: p -> its clipping contribution (on the device), until
-  // the step converted it or MaterializeDeferred did; the coefficient ClipDeferred computed
-  // (device) and its copy for the host (pinned on CUDA, ready once clip_scale_ready_ is).
+  // Note [Deferred gradient conversion]: p -> its term of the clipping norm (ClipNormTerms, on
+  // the device), until the step converted it or MaterializeDeferred did; the coefficient
+  // ClipDeferred computed, for the host (pinned on CUDA, ready once clip_scale_ready_ is).
   bool defer_conversion_ = false;
   std::map<const FsdpParam*, at::Tensor> deferred_;
-  at::Tensor clip_scale_;
   at::Tensor clip_scale_host_;
   std::shared_ptr<c10::Event> clip_scale_ready_;
   bool clipped_ = false;  // ClipDeferred ran since the deferred gradients landed

@@ -36,6 +36,17 @@ constexpr int kSteps = 3;
 constexpr int kMicroBatches = 2;
 constexpr int64_t kGlobalBatch = 8;
 
+// Two files (checkpoints of two runs) exist, are not empty and hold the same bytes.
+void ExpectSameBytes(const std::string& path_a, const std::string& path_b) {
+  std::ifstream a(path_a, std::ios::binary);
+  std::ifstream b(path_b, std::ios::binary);
+  ASSERT_TRUE(a && b) << path_a << " / " << path_b;
+  std::string bytes_a((std::istreambuf_iterator<char>(a)), {});
+  std::string bytes_b((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_FALSE(bytes_a.empty());
+  EXPECT_TRUE(bytes_a == bytes_b) << path_a << " / " << path_b;
+}
+
 struct RunResult {
   std::vector<double> losses, eval_losses;
   std::map<std::string, torch::Tensor> masters;
@@ -256,13 +267,8 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
     for (int step : {2, 4, 5}) {
       const std::string name = ckpt::StepDirName(step);
       for (const char* file : {"rank00000.bin", "rank00001.bin"}) {
-        std::ifstream a(overlapped_dir + "/checkpoints/" + name + "/" + file, std::ios::binary);
-        std::ifstream b(in_place_dir + "/checkpoints/" + name + "/" + file, std::ios::binary);
-        ASSERT_TRUE(a && b) << name << "/" << file;
-        std::string bytes_a((std::istreambuf_iterator<char>(a)), {});
-        std::string bytes_b((std::istreambuf_iterator<char>(b)), {});
-        EXPECT_FALSE(bytes_a.empty());
-        EXPECT_TRUE(bytes_a == bytes_b) << name << "/" << file;
+        const std::string path = "/checkpoints/" + name + "/" + file;
+        ExpectSameBytes(overlapped_dir + path, in_place_dir + path);
       }
     }
     // Resuming from step 2 with the overlapped step continues exactly.
@@ -332,13 +338,7 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
     EXPECT_EQ(off["deferred_materialized"], 0) << off.dump();
     for (int step : {2, 4}) {
       const std::string path = "/checkpoints/" + ckpt::StepDirName(step) + "/rank00000.bin";
-      std::ifstream a(one_pass_dir + path, std::ios::binary);
-      std::ifstream b(in_place_dir + path, std::ios::binary);
-      ASSERT_TRUE(a && b) << path;
-      std::string bytes_a((std::istreambuf_iterator<char>(a)), {});
-      std::string bytes_b((std::istreambuf_iterator<char>(b)), {});
-      EXPECT_FALSE(bytes_a.empty());
-      EXPECT_TRUE(bytes_a == bytes_b) << path;
+      ExpectSameBytes(one_pass_dir + path, in_place_dir + path);
     }
     fs::remove_all(one_pass_dir);
     fs::remove_all(in_place_dir);

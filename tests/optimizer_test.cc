@@ -263,6 +263,22 @@ TEST(MultiTensorOptimizerTest, ResumesFromAnotherOptimizersState) {
 // Note [Prepared steps]: a prepared step run in parts, on another thread, after the optimizer's
 // learning rate changed and its .grad slots were reset, equals step() bit for bit, parameter by
 // parameter, and leaves the same state; only Adam and AdamW (fused, foreach) have one.
+// Parameters `a` of `opt_a` and `b` of `opt_b` equal bit for bit after `step`, with their
+// states: step counters and every state tensor.
+void ExpectSameStep(torch::optim::Optimizer& opt_a, const std::vector<at::Tensor>& a,
+                    torch::optim::Optimizer& opt_b, const std::vector<at::Tensor>& b, int step) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i << " step " << step;
+    auto& sa = *opt_a.state().at(a[i].unsafeGetTensorImpl());
+    auto& sb = *opt_b.state().at(b[i].unsafeGetTensorImpl());
+    EXPECT_EQ(*StepCounter(sa), *StepCounter(sb));
+    std::vector<OptimizerStateTensor> ta = StateTensors(sa), tb = StateTensors(sb);
+    for (size_t j = 0; j < ta.size(); ++j) {
+      EXPECT_TRUE(at::equal(*ta[j].tensor, *tb[j].tensor)) << ta[j].name << " " << i;
+    }
+  }
+}
+
 TEST(PreparedStepTest, RunInPartsOnAnotherThreadEqualsStepBitwise) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
     for (auto implementation :
@@ -303,16 +319,7 @@ TEST(PreparedStepTest, RunInPartsOnAnotherThreadEqualsStepBitwise) {
         host.join();
         EXPECT_EQ(prepared->remaining(), 0u);
         SetLearningRate(*prepared_opt, 1e-2);
-        for (size_t i = 0; i < a.size(); ++i) {
-          EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i << " step " << step;
-          auto& sa = *in_place->state().at(a[i].unsafeGetTensorImpl());
-          auto& sb = *prepared_opt->state().at(b[i].unsafeGetTensorImpl());
-          EXPECT_EQ(*StepCounter(sa), *StepCounter(sb));
-          std::vector<OptimizerStateTensor> ta = StateTensors(sa), tb = StateTensors(sb);
-          for (size_t j = 0; j < ta.size(); ++j) {
-            EXPECT_TRUE(at::equal(*ta[j].tensor, *tb[j].tensor)) << ta[j].name << " " << i;
-          }
-        }
+        ExpectSameStep(*in_place, a, *prepared_opt, b, step);
       }
       EXPECT_GT(MaxDiff(init, b), 1e-3) << "the parameters did not move";
     }
@@ -366,16 +373,7 @@ TEST(PreparedStepTest, FusedSlicesEqualStepBitwise) {
         EXPECT_FALSE(prepared->CanRunSlices(p));
       }
       EXPECT_EQ(prepared->remaining(), 0u);
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i << " step " << step;
-        auto& sa = *in_place->state().at(a[i].unsafeGetTensorImpl());
-        auto& sb = *sliced->state().at(b[i].unsafeGetTensorImpl());
-        EXPECT_EQ(*StepCounter(sa), *StepCounter(sb));
-        std::vector<OptimizerStateTensor> ta = StateTensors(sa), tb = StateTensors(sb);
-        for (size_t j = 0; j < ta.size(); ++j) {
-          EXPECT_TRUE(at::equal(*ta[j].tensor, *tb[j].tensor)) << ta[j].name << " " << i;
-        }
-      }
+      ExpectSameStep(*in_place, a, *sliced, b, step);
     }
   }
   std::vector<at::Tensor> p = Trainable(Params());
