@@ -393,6 +393,8 @@ std::vector<Section> Sections(RunConfig& c) {
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
         {"offload", Enum(&c.parallelism.offload, OffloadNames())},
         {"offload_overlap_step", &c.parallelism.offload_overlap_step},
+        {"offload_delayed_update", &c.parallelism.offload_delayed_update},
+        {"offload_delayed_update_warmup", &c.parallelism.offload_delayed_update_warmup},
         {"collective_timeout_s", &c.parallelism.collective_timeout_s}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
@@ -842,6 +844,20 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
       "must be none with parallelism.strategy none (offload moves FSDP shards); use full_shard "
       "or no_shard on one rank",
       {"parallelism.strategy"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      !c.parallelism.offload_delayed_update || c.parallelism.offload != Offload::kNone,
+      "parallelism.offload_delayed_update",
+      "needs parallelism.offload: optimizer or params (it delays the host's update); set it "
+      "false, or offload",
+      {"parallelism.offload"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      !c.parallelism.offload_delayed_update || c.parallelism.offload_overlap_step,
+      "parallelism.offload_delayed_update",
+      "needs parallelism.offload_overlap_step: true (the delayed update is an overlapped step "
+      "that the next step does not wait for)",
+      {"parallelism.offload_overlap_step"}));
+  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("parallelism.offload_delayed_update_warmup",
+                                          c.parallelism.offload_delayed_update_warmup, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
   return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
@@ -1121,6 +1137,7 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   options.activation_checkpointing = config.training.activation_checkpointing;
   options.offload = config.parallelism.offload;
   options.offload_overlap_step = config.parallelism.offload_overlap_step;
+  options.offload_delayed_update = config.parallelism.offload_delayed_update;
   options.reshard_between_micro_batches = config.parallelism.reshard_between_micro_batches;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {

@@ -167,6 +167,12 @@ struct ParallelismSection {
   // With offload: the host optimizer step overlaps the next forward, a unit at a time
   // (FsdpOptions::offload_overlap_step); false: it runs before the next forward.
   bool offload_overlap_step = true;
+  // With offload: from step offload_delayed_update_warmup on, the host's update of each step
+  // runs through the next step, which uses the parameters from before it (one step stale;
+  // DeepSpeed's delayed parameter update). Checkpoints, evaluations and the end of training
+  // see every update (sharding/offload.h: Note [Delayed parameter update]).
+  bool offload_delayed_update = false;
+  int64_t offload_delayed_update_warmup = 0;
   // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
   // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.
   int64_t collective_timeout_s = 600;

@@ -69,7 +69,7 @@ class FsdpTrainable final : public TrainableModel {
     model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
     state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
   }
-  bool StepOverlapped(torch::optim::Optimizer& optimizer) override {
+  bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) override {
     if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step ||
         !StepsOnlyMasters(optimizer)) {
       model_->MaterializeDeferredGradients();  // optimizer.step() reads the .grads
@@ -95,7 +95,7 @@ class FsdpTrainable final : public TrainableModel {
       prepared->RunSlice(p, begin, n);
     };
     step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
-    model_->StepOnHost(std::move(step));
+    model_->StepOnHost(std::move(step), delayed && model_->context().offload->can_delay());
     return true;
   }
   void AllowDeferredGradients() override {

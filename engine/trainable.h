@@ -44,7 +44,12 @@ class TrainableModel {
   // (Note [Overlapped host step] in trainable.cc) and returns true, or returns false, having
   // done nothing, when this model does not overlap its steps (no offload, the option off, an
   // optimizer without a prepared form). The caller still calls optimizer.zero_grad().
-  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer) { return false; }
+  // `delayed`: the next step's forward and backward use the parameters from before this update
+  // (parallelism.offload_delayed_update; Note [Delayed parameter update] in
+  // sharding/offload.h); ignored where the model cannot delay it.
+  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed = false) {
+    return false;
+  }
   // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
   // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
   // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when

@@ -337,9 +337,10 @@ struct StepOutput {
                            // overlapped (Note [Overlapped host step]): preparing and queueing it)
 };
 
+// `delayed`: the update may run through the next step (parallelism.offload_delayed_update).
 absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
                                      torch::optim::Optimizer& optimizer, DataLoader& loader,
-                                     const TrainingSection& t, c10::Device device) {
+                                     const TrainingSection& t, c10::Device device, bool delayed) {
   RECORD_FUNCTION("fsdp::train_step", std::vector<c10::IValue>());
   StepOutput out;
   out.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -370,6 +371,9 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
   }
   out.nonfinite = out.loss.isfinite().logical_not() | out.grad_norm.isfinite().logical_not();
   if (t.on_nonfinite == OnNonFinite::kSkip && out.nonfinite.item<bool>()) {
+    // A delayed update still pending from the step before becomes visible now, as it would at
+    // this step's update (Note [Delayed parameter update] in sharding/offload.h).
+    if (delayed) trained.FinishStep();
     optimizer.zero_grad();
     out.skipped = true;
     return out;
@@ -379,7 +383,7 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
     const auto start = std::chrono::steady_clock::now();
     // See Note [Overlapped host step] (trainable.cc): with offload the step may overlap the
     // next forward; optimizer_s is then the time to prepare and queue it.
-    const bool overlapped = trained.StepOverlapped(optimizer);
+    const bool overlapped = trained.StepOverlapped(optimizer, delayed);
     if (!overlapped) optimizer.step();
     out.optimizer_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -738,7 +742,11 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     profiler.BeforeStep(step);
     metrics.BeginStep();
     const int64_t epoch = loader.position().epoch;
-    FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t, device));
+    // See Note [Delayed parameter update] (sharding/offload.h).
+    const bool delayed = config.parallelism.offload_delayed_update &&
+                         step >= config.parallelism.offload_delayed_update_warmup;
+    FSDP_ASSIGN_OR_RETURN(StepOutput out,
+                          TrainStep(*model, *trained, *optimizer, loader, t, device, delayed));
     optimizer_s += out.optimizer_s;
     if (rank == 0 && loader.position().epoch > epoch && !epoch_noted) {
       std::cout << fmt::format(
@@ -787,6 +795,8 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
       return StopOnTerm(checkpointer, done, t.steps, rank);
     }
     if (eval_due) {
+      // A delayed update is visible to evaluations (and to the steps after them).
+      if (config.parallelism.offload_delayed_update) trained->FinishStep();
       FSDP_ASSIGN_OR_RETURN(double val_loss,
                             Evaluate(*model, loader, t.eval_batches, ctx->world(), device));
       metrics.RecordEval(done, val_loss);
@@ -816,7 +826,8 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"step_wait_s", o.step_wait_s},
                      {"overlapped_steps", o.overlapped_steps},
                      {"deferred_steps", o.deferred_steps},
-                     {"deferred_materialized", o.deferred_materialized}};
+                     {"deferred_materialized", o.deferred_materialized},
+                     {"delayed_steps", o.delayed_steps}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];
     for (const auto& [key, value] : offload_stats.items()) {

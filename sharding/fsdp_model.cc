@@ -545,7 +545,7 @@ void FsdpModel::StepOnHost(std::function<void(const std::vector<at::Tensor>&)> s
   StepOnHost(std::move(whole));
 }
 
-void FsdpModel::StepOnHost(HostStep step) {
+void FsdpModel::StepOnHost(HostStep step, bool delayed) {
   TORCH_CHECK(ctx_.offload, "FsdpModel::StepOnHost: needs parallelism.offload");
   TORCH_CHECK(NumUnshardedUnits() == 0,
               "FsdpModel::StepOnHost: unsharded parameters kept past the step (stale copies)");
@@ -563,7 +563,7 @@ void FsdpModel::StepOnHost(HostStep step) {
     std::vector<FsdpParam*>& group = groups.emplace_back();
     for (FsdpParam& p : unit->params()) group.push_back(&p);
   }
-  ctx_.offload->StepInOrder(groups, std::move(step));
+  ctx_.offload->StepInOrder(groups, std::move(step), delayed);
 }
 
 void FsdpModel::FinishHostStep() {

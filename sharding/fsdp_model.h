@@ -224,8 +224,11 @@ class FsdpModel {
   // stepping and CopyShardsToDevice; FinishHostStep (also called by CopyShardsToDevice) waits
   // for all of it. See Note [Overlapped host step] (engine/trainable.cc).
   void StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step);
-  // The same with slices for deferred gradients (HostStep, offload.h).
-  void StepOnHost(HostStep step);
+  // The same with slices for deferred gradients (HostStep, offload.h). `delayed` (needs
+  // FsdpOptions::offload_delayed_update): the next forward and backward do not wait for it
+  // and use the parameters from before it; it becomes visible at the next StepOnHost or
+  // FinishHostStep (Note [Delayed parameter update] in offload.h).
+  void StepOnHost(HostStep step, bool delayed = false);
   // Waits for StepOnHost's step; then the masters and the device shards are as after
   // CopyShardsToDevice. A no-op without one in flight. Call before reading or writing the
   // masters or the optimizer state (checkpoints do).

@@ -33,12 +33,18 @@ struct FsdpParam {
   at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
                             // (offload: host_shard's real rows, Note [CPU offload])
   at::Tensor host_shard;    // offload only: padded_shard's layout in host memory
-  at::Tensor host_compute_shard;  // offload params, compute dtype narrower than the shard's:
-                                  // host_shard cast to it, what is loaded (Note [CPU offload])
+  at::Tensor host_compute_shard;  // offload params, compute dtype narrower than the shard's
+                                  // (or any, with a delayed update): host_shard cast to it,
+                                  // what is loaded (Note [CPU offload])
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
   at::Tensor host_compute_grad;  // offload params, one shard, trainable, compute dtype narrower:
                                  // sharded's shape in the compute dtype, host; where each
                                  // backward's gradient lands before host_grad (Note [CPU offload])
+  // Offload with a delayed update (Note [Delayed parameter update] in offload.h): the second
+  // buffer of each of the two above, written by the update in flight while the next step reads
+  // (host_compute_shard) or writes (host_compute_grad) the first.
+  at::Tensor host_compute_shard_spare;
+  at::Tensor host_compute_grad_spare;
   at::Tensor device_grad;   // offload, between backwards that accumulate on the device:
                             // sharded's shape and dtype, on the device (Note [CPU offload])
   bool requires_grad = false;

@@ -99,15 +99,18 @@ constexpr int64_t kStepSlice = int64_t{1} << 18;
 
 absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c10::Device device,
                                                                  std::vector<FsdpParam*> params,
-                                                                 bool one_shard) {
+                                                                 bool one_shard, bool delayed) {
   TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
   std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
+  offload->can_delay_ = delayed;
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
-  // and, with one shard, its gradient's landing buffer there.
+  // and, with one shard, its gradient's landing buffer there; with a delayed update (Note
+  // [Delayed parameter update]) the compute-dtype copy whatever the dtype, and a second of each.
   struct Slot {
     int64_t shard = 0, grad = -1, compute = -1, compute_grad = -1;
+    int64_t compute_spare = -1, compute_grad_spare = -1;
   };
   std::map<c10::ScalarType, int64_t> numel;
   std::vector<Slot> slots;
@@ -122,11 +125,13 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     Slot slot;
     slot.shard = place(dtype, p->padded_shard.numel());
     if (p->requires_grad) slot.grad = place(dtype, p->sharded.numel());
-    if (mode == Offload::kParams &&
-        c10::elementSize(p->compute_dtype) < c10::elementSize(dtype)) {
+    const bool narrower = c10::elementSize(p->compute_dtype) < c10::elementSize(dtype);
+    if (mode == Offload::kParams && (narrower || delayed)) {
       slot.compute = place(p->compute_dtype, p->padded_shard.numel());
-      if (one_shard && p->requires_grad) {
+      if (delayed) slot.compute_spare = place(p->compute_dtype, p->padded_shard.numel());
+      if (narrower && one_shard && p->requires_grad) {
         slot.compute_grad = place(p->compute_dtype, p->sharded.numel());
+        if (delayed) slot.compute_grad_spare = place(p->compute_dtype, p->sharded.numel());
       }
     }
     slots.push_back(slot);
@@ -162,6 +167,15 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     if (slots[i].compute_grad >= 0) {
       p.host_compute_grad =
           Carve(offload->arenas_.at(p.compute_dtype), slots[i].compute_grad, p.sharded.sizes());
+    }
+    if (slots[i].compute_spare >= 0) {
+      p.host_compute_shard_spare = Carve(offload->arenas_.at(p.compute_dtype),
+                                         slots[i].compute_spare, p.padded_shard.sizes());
+      p.host_compute_shard_spare.copy_(p.host_shard);
+    }
+    if (slots[i].compute_grad_spare >= 0) {
+      p.host_compute_grad_spare = Carve(offload->arenas_.at(p.compute_dtype),
+                                        slots[i].compute_grad_spare, p.sharded.sizes());
     }
     if (mode == Offload::kParams) p.padded_shard.reset();  // loaded before each all-gather
   }
@@ -201,7 +215,7 @@ HostOffload::~HostOffload() {
 void HostOffload::RecordHostToDevice() {
   if (!device_.is_cuda()) return;
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
-  to_device_done_.emplace(device_.type());
+  to_device_done_ = std::make_shared<c10::Event>(device_.type());
   to_device_done_->record(impl->getStream(device_));
 }
 
@@ -270,70 +284,94 @@ bool HostOffload::LoadShards(std::vector<FsdpParam>& params, bool wait) {
 // ---- the optimizer step, overlapped -----------------------------------------------------------
 
 void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups,
-                              HostStep step) {
+                              HostStep step, bool delayed) {
   TORCH_CHECK(!step_pending(), "HostOffload: a host step is already in flight");
+  TORCH_CHECK(!delayed || can_delay_,
+              "HostOffload: a delayed step needs FsdpOptions::offload_delayed_update");
   // Copies still reading the host shards or their compute copies (a load for an all-gather that
-  // never came) finish before the adder writes them.
-  if (to_device_done_) to_device_done_->synchronize();
+  // never came; offload optimizer's push of the last delayed update) finish before the adder
+  // writes them: the adder waits for them, the training thread goes on.
+  std::shared_ptr<c10::Event> loads_done = to_device_done_;
   ++stats_.overlapped_steps;
+  if (delayed) ++stats_.delayed_steps;
+  step_delayed_ = delayed;
   auto shared_step = std::make_shared<HostStep>(std::move(step));
   // Note [Deferred gradient conversion]: the clipping coefficient for the deferred gradients
   // (the device's, copied for the host: read on the adder once the copy is done).
   at::Tensor scale = std::exchange(clipped_, false) ? clip_scale_host_ : at::Tensor();
   std::shared_ptr<c10::Event> scale_ready = scale.defined() ? clip_scale_ready_ : nullptr;
-  for (const std::vector<FsdpParam*>& group : groups) {
+  // A deferred gradient: where it landed, and the loaded copy its updated master is cast into.
+  struct Deferred {
+    FsdpParam* p;
+    at::Tensor landed, compute;
+  };
+  // A delayed step runs the groups in the order the next backward sends their gradients.
+  std::vector<const std::vector<FsdpParam*>*> order;
+  for (const std::vector<FsdpParam*>& group : groups) order.push_back(&group);
+  if (delayed) std::reverse(order.begin(), order.end());
+  bool first = true;
+  for (const std::vector<FsdpParam*>* group_ptr : order) {
+    const std::vector<FsdpParam*>& group = *group_ptr;
     if (group.empty()) continue;
     std::vector<at::Tensor> masters;
-    std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (host_compute_shard, host_shard)
-    std::vector<FsdpParam*> sliced, converted;  // deferred: stepped in slices, or converted first
+    std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (loaded copy, host_shard)
+    std::vector<Deferred> sliced, converted;  // deferred: stepped in slices, or converted first
     for (FsdpParam* p : group) {
+      // The loaded copy the update writes: with a delayed step, the one the loads do not read.
+      const at::Tensor& compute = delayed ? p->host_compute_shard_spare : p->host_compute_shard;
       if (deferred_.erase(p) > 0) {
+        Deferred d{p, p->host_compute_grad, mode_ == Offload::kParams ? compute : at::Tensor()};
         if (shared_step->can_run_slices && shared_step->can_run_slices(p->sharded)) {
-          sliced.push_back(p);
+          sliced.push_back(std::move(d));
           continue;
         }
-        converted.push_back(p);
+        converted.push_back(std::move(d));
       }
       masters.push_back(p->sharded);
-      if (mode_ == Offload::kParams && p->host_compute_shard.defined()) {
-        casts.emplace_back(p->host_compute_shard, p->host_shard);
-      }
+      if (mode_ == Offload::kParams && compute.defined()) casts.emplace_back(compute, p->host_shard);
     }
     stats_.deferred_steps += static_cast<int64_t>(sliced.size());
     stats_.deferred_materialized += static_cast<int64_t>(converted.size());
     HostTask task;
     task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts),
                 sliced = std::move(sliced), converted = std::move(converted), scale,
-                scale_ready] {
+                scale_ready, loads_done = first ? loads_done : nullptr] {
       RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.host_step_s);
+      if (loads_done) loads_done->synchronize();
       if (scale_ready && (!sliced.empty() || !converted.empty())) scale_ready->synchronize();
-      for (FsdpParam* p : converted) ConvertDeferred(*p, scale);
+      for (const Deferred& d : converted) ConvertDeferred(*d.p, d.landed, scale);
       shared_step->run(masters);
-      for (FsdpParam* p : sliced) StepDeferred(*p, *shared_step, scale);
+      for (const Deferred& d : sliced) StepDeferred(*d.p, d.landed, d.compute, *shared_step, scale);
       if (casts.empty()) return;
       PhaseTimer refresh(stats_.refresh_s);
       // The cast the device does without offload, as RefreshComputeShards.
       for (const auto& [compute, master] : casts) compute.copy_(master);
     };
+    first = false;
     const uint64_t seq = EnqueueTask(std::move(task));
     for (FsdpParam* p : group) step_task_[p] = seq;
   }
+  // Note [Delayed parameter update]: the next backward's gradients land in the other buffer.
+  if (delayed) {
+    for (FsdpParam* p : params_) std::swap(p->host_compute_grad, p->host_compute_grad_spare);
+  }
 }
 
-void HostOffload::ConvertDeferred(FsdpParam& p, const at::Tensor& scale) {
+void HostOffload::ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& scale) {
   at::NoGradGuard no_grad;
-  p.host_grad.copy_(p.host_compute_grad.view(p.host_grad.sizes()));  // exact: a wider dtype
+  p.host_grad.copy_(landed.view(p.host_grad.sizes()));  // exact: a wider dtype
   if (scale.defined()) p.host_grad.mul_(scale);  // clipping's multiplication
 }
 
-void HostOffload::StepDeferred(FsdpParam& p, const HostStep& step, const at::Tensor& scale) {
+void HostOffload::StepDeferred(FsdpParam& p, const at::Tensor& landed_grad,
+                               const at::Tensor& compute_shard, const HostStep& step,
+                               const at::Tensor& scale) {
   at::NoGradGuard no_grad;
   const at::Tensor master = p.sharded.view(-1);
   const at::Tensor grad = p.host_grad.view(-1);
-  const at::Tensor landed = p.host_compute_grad.view(-1);
-  const at::Tensor compute =
-      p.host_compute_shard.defined() ? p.host_compute_shard.view(-1) : at::Tensor();
+  const at::Tensor landed = landed_grad.view(-1);
+  const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
   // Slices on ATen's intra-op threads, each converted, clipped, stepped and cast while it is in
   // the core's cache; the ops inside run on the calling thread (nested in parallel_for).
@@ -403,7 +441,7 @@ void HostOffload::MaterializeDeferred() {
   for (auto& [p, contribution] : deferred_) {
     FsdpParam& param = *const_cast<FsdpParam*>(p);
     if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
-    ConvertDeferred(param, scale);
+    ConvertDeferred(param, param.host_compute_grad, scale);
     ++stats_.deferred_materialized;
   }
   deferred_.clear();
@@ -412,6 +450,8 @@ void HostOffload::MaterializeDeferred() {
 std::optional<std::vector<FsdpParam*>> HostOffload::TakeStepped(std::vector<FsdpParam>& params,
                                                                 bool wait) {
   std::vector<FsdpParam*> stepped;
+  // Note [Delayed parameter update]: the loads read the copies from before it; FinishStep.
+  if (step_delayed_) return stepped;
   uint64_t seq = 0;
   for (FsdpParam& p : params) {
     auto it = step_task_.find(&p);
@@ -431,6 +471,15 @@ std::optional<std::vector<FsdpParam*>> HostOffload::TakeStepped(std::vector<Fsdp
   }
   for (FsdpParam* p : stepped) step_task_.erase(p);
   return stepped;
+}
+
+void HostOffload::WaitForDelayedStep(FsdpParam& p) {
+  if (!step_delayed_) return;
+  auto it = step_task_.find(&p);
+  if (it == step_task_.end()) return;
+  RECORD_FUNCTION("fsdp::offload_step_wait", std::vector<c10::IValue>());
+  PhaseTimer timer(stats_.step_wait_s);
+  WaitForTask(it->second);
 }
 
 void HostOffload::Push(const std::vector<FsdpParam*>& params) {
@@ -457,6 +506,10 @@ void HostOffload::FinishStep(DeviceStreams& streams) {
     WaitForTask(seq);
   }
   step_task_.clear();
+  // Note [Delayed parameter update]: the copies the update wrote are the ones to load now.
+  if (std::exchange(step_delayed_, false) && mode_ == Offload::kParams) {
+    for (FsdpParam* p : params_) std::swap(p->host_compute_shard, p->host_compute_shard_spare);
+  }
   if (mode_ != Offload::kOptimizer) return;
   // As PushShards: the copy-in stream waits for the compute stream first.
   streams.BeginCopyIn();
@@ -552,11 +605,13 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   // lands over it (accumulation on the host); an entry whose .grad was reset since is stale.
   if (auto it = deferred_.find(&p); it != deferred_.end()) {
     if (add) {
-      ConvertDeferred(p, at::Tensor());
+      ConvertDeferred(p, p.host_compute_grad, at::Tensor());
       ++stats_.deferred_materialized;
     }
     deferred_.erase(it);
   }
+  // Note [Delayed parameter update]: host_grad is the .grad a delayed update may still read.
+  if (!narrow && !add) WaitForDelayedStep(p);
   const bool defer = defer_conversion_ && narrow && !add;
   if (defer) {
     deferred_[&p] = ClipNormTerms({g}).front();  // on the device, from the bf16 values

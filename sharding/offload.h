@@ -115,6 +115,34 @@
 //     (host accumulation) converts the first before it lands.
 // Host bytes per parameter with AdamW: ~30 instead of ~56.
 //
+// Note [Delayed parameter update]
+// The overlapped step (Note [Overlapped host step], engine/trainable.cc) hides only what the
+// next forward's first units take: their loads wait for their update. On a host whose AdamW
+// takes about as long as the device's whole step, the step is the two in series. With
+// FsdpOptions::offload_delayed_update the trainer may queue a step "delayed" (StepInOrder's
+// `delayed`; DeepSpeed's ZeRO-Offload calls it the one-step delayed parameter update): the
+// next step's loads do not wait for it, so step i+1's forward and backward use the parameters
+// from before update i (one step stale) while the host runs update i, and only step i+1's end of
+// backward (WaitForCopies: the adder's queue) waits for it. Update i then becomes visible at
+// the next StepInOrder or FinishStep (FsdpModel::FinishHostStep: checkpoints, evaluations, the
+// end of training, CopyShardsToDevice), so after those the next step sees every update so far:
+// a run resumed from a checkpoint continues exactly as the run that saved it did.
+// What step i+1 reads while update i writes has a second buffer:
+//   params     the loaded copies: host_compute_shard is what loads read, host_compute_shard_spare
+//              what the update casts the new masters into; FinishStep swaps them. With a
+//              delayed update the host keeps these copies in the compute dtype whatever it is
+//              (fp32 compute too: the masters themselves are being written). The gradients'
+//              landing buffers (host_compute_grad, one shard) swap as the update is queued: it
+//              reads the buffer step i's gradients landed in, step i+1's land in the other.
+//   optimizer  the device shards are step i+1's; FinishStep copies the updated masters into
+//              them (as without the delay, one step later).
+// A gradient written straight into p's fp32 host_grad (several shards, fp32 compute, offload
+// optimizer) first waits for p's update (its .grad is that buffer: stats' step_wait_s), so
+// the delayed update runs the groups in backward order, the order the next backward sends
+// them. Host memory (pinned on CUDA): + the compute-dtype copy per parameter (2 bytes with bf16
+// compute, 8 with fp32, which had none) and + the landing buffer (2 bytes, one shard) with
+// offload params; nothing with offload optimizer.
+//
 //   FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
 //   options.offload = Offload::kParams;
 //   auto sharded = FsdpModel::Wrap(model, mesh, units, options).value();
@@ -173,9 +201,10 @@ class HostOffload {
   // naming parallelism.offload when the host memory cannot be allocated.
   // `one_shard`: gradients reach AccumulateGrad/SendComputeGrad unreduced (one shard, no
   // replicas), so kParams allocates host_compute_grad for them.
+  // `delayed`: allocates the second buffers of Note [Delayed parameter update].
   static absl::StatusOr<std::unique_ptr<HostOffload>> Create(Offload mode, c10::Device device,
                                                              std::vector<FsdpParam*> params,
-                                                             bool one_shard);
+                                                             bool one_shard, bool delayed = false);
   ~HostOffload();
 
   Offload mode() const { return mode_; }
@@ -204,13 +233,19 @@ class HostOffload {
   // after the end of backward (WaitForCopies), with every master's .grad final.
   // Deferred gradients of the group (Note [Deferred gradient conversion]) are converted,
   // clipped and stepped a chunk at a time when `step` runs slices; otherwise converted first.
-  void StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups, HostStep step);
+  // `delayed` (Create's `delayed` only): loads do not wait for it, it becomes visible at the next
+  // StepInOrder or FinishStep (Note [Delayed parameter update]); the groups run in reverse.
+  void StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups, HostStep step,
+                   bool delayed = false);
   // Waits for every step StepInOrder queued (rethrowing its error) and, with kOptimizer, copies
   // the masters not copied yet into their device shards (copy-in stream, after the compute
-  // stream): afterwards the masters and device shards are those of a step run in place.
+  // stream): afterwards the masters and device shards are those of a step run in place. A
+  // delayed step's loaded copies become the ones loads read.
   void FinishStep(DeviceStreams& streams);
   // Whether a step queued by StepInOrder has groups not loaded or pushed since.
   bool step_pending() const { return !step_task_.empty(); }
+  // Whether Create allocated the second buffers of Note [Delayed parameter update].
+  bool can_delay() const { return can_delay_; }
   // kParams: frees the device shards of `params` (through `streams`' stash: Note [Copy-in
   // stream]).
   void ReleaseShards(std::vector<FsdpParam>& params, DeviceStreams& streams);
@@ -293,6 +328,8 @@ class HostOffload {
     // by the host step, and those converted apart (MaterializeDeferred, a second gradient).
     int64_t deferred_steps = 0;
     int64_t deferred_materialized = 0;
+    // Note [Delayed parameter update]: StepInOrder calls with `delayed` (of overlapped_steps).
+    int64_t delayed_steps = 0;
   };
   const Stats& stats() const { return stats_; }
 
@@ -326,6 +363,9 @@ class HostOffload {
   std::optional<std::vector<FsdpParam*>> TakeStepped(std::vector<FsdpParam>& params, bool wait);
   // kOptimizer: copies the masters of `params` into their device shards (current stream).
   void Push(const std::vector<FsdpParam*>& params);
+  // Note [Delayed parameter update]: before p's fp32 host_grad is written, its delayed update
+  // (which reads it) is waited for.
+  void WaitForDelayedStep(FsdpParam& p);
   // Blocks until the adder finished the `seq`-th task queued (1-based); rethrows its error.
   void WaitForTask(uint64_t seq);
   // The adder's loop; FinishOnHost runs one task on it.
@@ -333,8 +373,11 @@ class HostOffload {
   void FinishOnHost(const HostTask& task);
   // Note [Deferred gradient conversion]: p's .grad from its landed gradient, times `scale` when
   // defined; and the sliced pass of StepInOrder's job over one parameter.
-  void ConvertDeferred(FsdpParam& p, const at::Tensor& scale);
-  void StepDeferred(FsdpParam& p, const HostStep& step, const at::Tensor& scale);
+  // `landed`: where its gradient landed (host_compute_grad when queued); `compute`: the
+  // loaded copy to cast the updated master into (undefined: none).
+  void ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& scale);
+  void StepDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& compute,
+                    const HostStep& step, const at::Tensor& scale);
 
   struct InFlight {
     at::Tensor device_source;  // kept alive until the copy reading it is done
@@ -347,13 +390,15 @@ class HostOffload {
   std::map<c10::ScalarType, at::Tensor> arenas_;  // 1-D each: shards (host and compute
                                                   // copies) and gradient buffers
   std::optional<c10::Stream> to_host_;            // CUDA only: device->host copies
-  std::optional<c10::Event> to_device_done_;      // CUDA only: the last host->device copies
+  std::shared_ptr<c10::Event> to_device_done_;    // CUDA only: the last host->device copies
   std::vector<InFlight> in_flight_;               // CUDA only
   std::map<FsdpParam*, at::Tensor> staging_;      // CUDA only: pinned, the shard's shape
   std::map<FsdpParam*, uint64_t> last_task_;      // p's last task queued, until WaitForCopies
   // StepInOrder: each parameter's update task, until LoadShards or FinishStep waited for it
   // and, with kOptimizer, copied the updated master into its device shard.
   std::map<FsdpParam*, uint64_t> step_task_;
+  bool can_delay_ = false;     // Create's `delayed`
+  bool step_delayed_ = false;  // the step in step_task_ was queued delayed
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;
   std::mutex mutex_;

@@ -96,6 +96,12 @@ struct FsdpOptions {
   // thread while the next forward starts (Note [Overlapped host step], engine/trainable.cc):
   // the same values, bit for bit; false steps on the training thread before the next forward.
   bool offload_overlap_step = true;
+  // With offload and the overlapped step: the host's update of step i may run through step i+1,
+  // whose forward and backward use the parameters from before it (one step stale; DeepSpeed's
+  // ZeRO-Offload "delayed parameter update"). A change of the arithmetic: the trainer uses it
+  // only for the steps the config asks (parallelism.offload_delayed_update); this allocates its
+  // second host buffers. See Note [Delayed parameter update] in offload.h.
+  bool offload_delayed_update = false;
   // false: a unit's unsharded parameters, once gathered (cast, with one shard) in a training
   // forward, stay until a backward that the caller marks as its step's last
   // (FsdpModel::set_reshard_after_backward): under gradient accumulation every unit is gathered

@@ -404,6 +404,21 @@ TEST(RunConfigParseTest, CrossKeyErrorsPointAtWhereEitherKeyWasSet) {
                                   "optimizer.lr = 0.0001, got 0.0003"));
   EXPECT_THAT(ParseError("run:\n  seed: 1\ndata:\n  source: tokens\n"),
               InvalidArgumentWith("t.yaml:4: data.path: required for data.source 'tokens'"));
+  // Note [Delayed parameter update]: only with offload, and only as an overlapped step.
+  EXPECT_THAT(ParseError("parallelism:\n  offload_delayed_update: true\n"),
+              InvalidArgumentWith(HasSubstr("t.yaml:2: parallelism.offload_delayed_update: needs "
+                                            "parallelism.offload: optimizer or params")));
+  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n",
+                         {"parallelism.offload_overlap_step=false"}),
+              InvalidArgumentWith(HasSubstr("t.yaml:3: parallelism.offload_delayed_update: needs "
+                                            "parallelism.offload_overlap_step: true")));
+  EXPECT_THAT(ParseError("", {"parallelism.offload=params",
+                              "parallelism.offload_delayed_update_warmup=-1"}),
+              InvalidArgumentWith(HasSubstr("parallelism.offload_delayed_update_warmup: must be "
+                                            ">= 0, got -1")));
+  EXPECT_TRUE(Parse("parallelism:\n  offload: optimizer\n  offload_delayed_update: true\n"
+                    "  offload_delayed_update_warmup: 40\n")
+                  .ok());
 }
 
 TEST(RunConfigParseTest, ValidRopeAndTokenConfigs) {

@@ -1,0 +1,270 @@
+// The delayed parameter update with CPU offload (Note [Delayed parameter update] in
+// sharding/offload.h) on real ranks: each step's forward and backward use the parameters from
+// before the previous step's update, which runs on the host meanwhile. The engine's run equals,
+// bit for bit, a reference the test computes with the same model wrapped without offload,
+// whose masters it sets by hand to the stale values for each forward and back to the newest
+// for each update (offload params and optimizer, fp32 and bf16 compute, one and two
+// micro-batches, 1 and 2 ranks); and through `fsdp train`: the warm-up steps train as without
+// the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
+#include <filesystem>
+#include <map>
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/format.h"
+#include "common/strings.h"
+#include "engine/optimizer.h"
+#include "sharding/fsdp_model.h"
+#include "tests/multirank.h"
+#include "tests/train_run.h"
+#include "tests/tiny_gpt.h"
+
+namespace fsdp {
+namespace {
+
+using testing::TinyGpt;
+using testing::TinyGptConfig;
+
+constexpr int kSteps = 4;
+constexpr int64_t kGlobalBatch = 8;
+
+struct Case {
+  Offload offload;
+  bool bf16;
+  int micro_batches;
+};
+
+std::string Name(const Case& c) {
+  return StrCat(OffloadName(c.offload), c.bf16 ? " bf16" : " fp32", " ", c.micro_batches,
+                " micro-batches");
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> masters;
+  HostOffload::Stats stats;
+};
+
+// The model of every run: same weights on every call (seeded), wrapped with `options`.
+struct Wrapped {
+  TinyGptConfig config;
+  TinyGpt model{nullptr};
+  std::unique_ptr<FsdpModel> fsdp;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+Wrapped Wrap(const Case& c, bool offload, DeviceMesh& mesh) {
+  Wrapped w;
+  w.config.layers = 3;
+  torch::manual_seed(1234);
+  w.model = TinyGpt(w.config);
+  FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
+  if (offload) {
+    options.offload = c.offload;
+    options.offload_delayed_update = true;
+  }
+  if (c.bf16) {
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
+    options.mixed_precision.output_dtype = at::kFloat;
+  }
+  auto units = SelectUnits(*w.model, {.module_types = {"fsdp::testing::BlockImpl"}});
+  w.fsdp = *FsdpModel::Wrap(w.model.ptr(), mesh, units, options);
+  w.optimizer = BuildOptimizer({.kind = OptimizerKind::kAdamW, .lr = 1e-2, .weight_decay = 0.1},
+                               w.fsdp->parameters());
+  return w;
+}
+
+// One step's forward and backward on this rank's micro-batches; the summed loss.
+double ForwardBackward(Wrapped& w, const Case& c, int step, int rank, int world) {
+  torch::manual_seed(500 + step);
+  torch::Tensor x = torch::randint(w.config.vocab, {kGlobalBatch, w.config.seq});
+  torch::Tensor y = torch::randint(w.config.vocab, {kGlobalBatch, w.config.seq});
+  const int64_t micro = kGlobalBatch / world / c.micro_batches;
+  double loss_sum = 0;
+  for (int m = 0; m < c.micro_batches; ++m) {
+    const int64_t begin = (rank * c.micro_batches + m) * micro;
+    torch::Tensor logits = w.model->forward(x.narrow(0, begin, micro));
+    torch::Tensor loss = torch::nn::functional::cross_entropy(
+                             logits.reshape({-1, w.config.vocab}),
+                             y.narrow(0, begin, micro).reshape({-1})) /
+                         c.micro_batches;
+    loss.backward();
+    loss_sum += loss.item<double>();
+  }
+  return loss_sum;
+}
+
+std::map<std::string, torch::Tensor> Masters(FsdpModel& fsdp) {
+  std::map<std::string, torch::Tensor> masters;
+  for (const auto& [name, shard] : fsdp.named_parameters()) masters[name] = shard.detach().clone();
+  return masters;
+}
+
+void SetMasters(FsdpModel& fsdp, const std::map<std::string, torch::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  for (const auto& [name, shard] : fsdp.named_parameters()) shard.copy_(values.at(name));
+}
+
+// The engine: the trainer's sequence (clip, prepared step through StepOnHost, delayed).
+RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank) {
+  Wrapped w = Wrap(c, /*offload=*/true, mesh);
+  w.fsdp->set_offload_defer_conversion(true);  // as the trainer: every step goes through StepOnHost
+  RunResult run;
+  for (int step = 0; step < kSteps; ++step) {
+    run.losses.push_back(ForwardBackward(w, c, step, rank, mesh.shape().num_ranks()));
+    w.fsdp->ClipGradNorm(0.5);
+    std::shared_ptr<PreparedStep> prepared = PrepareStep(*w.optimizer);
+    EXPECT_NE(prepared, nullptr);
+    if (prepared == nullptr) return run;
+    for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
+    HostStep host_step;
+    host_step.run = [prepared](const std::vector<at::Tensor>& masters) { prepared->Run(masters); };
+    host_step.can_run_slices = [prepared](const at::Tensor& p) { return prepared->CanRunSlices(p); };
+    host_step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
+      prepared->RunSlice(p, begin, n);
+    };
+    host_step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
+    w.fsdp->StepOnHost(std::move(host_step), /*delayed=*/true);
+    w.optimizer->zero_grad();
+  }
+  w.fsdp->FinishHostStep();
+  run.masters = Masters(*w.fsdp);
+  run.stats = w.fsdp->context().offload->stats();
+  return run;
+}
+
+// The reference, without offload: step t's gradients are taken at the parameters from before
+// update t-1 (`used`), and update t steps the newest ones (`latest`); `delay` false: the usual
+// training, for the control.
+RunResult TrainReference(const Case& c, DeviceMesh& mesh, int rank, bool delay) {
+  Wrapped w = Wrap(c, /*offload=*/false, mesh);
+  std::map<std::string, torch::Tensor> latest = Masters(*w.fsdp), used = latest;
+  RunResult run;
+  for (int step = 0; step < kSteps; ++step) {
+    if (delay) SetMasters(*w.fsdp, used);
+    run.losses.push_back(ForwardBackward(w, c, step, rank, mesh.shape().num_ranks()));
+    w.fsdp->ClipGradNorm(0.5);
+    if (delay) {
+      used = latest;  // the next step's: from before this update
+      SetMasters(*w.fsdp, latest);
+    }
+    w.optimizer->step();
+    w.optimizer->zero_grad();
+    latest = Masters(*w.fsdp);
+  }
+  run.masters = latest;
+  return run;
+}
+
+class OffloadDelayedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [&](int rank) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
+    for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
+      for (bool bf16 : {false, true}) {
+        for (int micro_batches : {1, 2}) {
+          const Case c{offload, bf16, micro_batches};
+          SCOPED_TRACE(StrCat(Name(c), " rank ", rank));
+          RunResult delayed = TrainDelayed(c, mesh, rank);
+          RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
+          RunResult fresh = TrainReference(c, mesh, rank, /*delay=*/false);
+          ASSERT_EQ(delayed.losses.size(), static_cast<size_t>(kSteps));
+          EXPECT_EQ(delayed.losses, reference.losses);
+          ASSERT_EQ(delayed.masters.size(), reference.masters.size());
+          for (const auto& [name, master] : reference.masters) {
+            EXPECT_TRUE(torch::equal(delayed.masters.at(name), master)) << name;
+          }
+          // The control: the delay changes the run from the second step on.
+          EXPECT_EQ(delayed.losses[0], fresh.losses[0]);
+          EXPECT_NE(delayed.losses[1], fresh.losses[1]);
+          EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
+          EXPECT_EQ(delayed.stats.overlapped_steps, kSteps);
+          // Offload params, one shard, bf16, one micro-batch: the gradients stayed in bf16
+          // until the delayed update read them, from the buffer they landed in while the next
+          // step's landed in the other (Note [Deferred gradient conversion]).
+          const bool deferred = offload == Offload::kParams && bf16 && world == 1;
+          EXPECT_EQ(delayed.stats.deferred_steps > 0, deferred && micro_batches == 1);
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, OffloadDelayedTest, ::testing::Values(1, 2),
+                         [](const auto& info) { return StrCat("world", info.param); });
+
+// `fsdp train` with parallelism.offload_delayed_update: the warm-up steps train as without the
+// delay; with it the run differs from the second delayed step on, except right after a
+// checkpoint or an evaluation (they see every update, and so does the step after them); a run
+// resumed from its checkpoint continues with its losses exactly. Offload params on one rank with bf16 (deferred gradients in
+// the delayed update) and offload optimizer on two ranks.
+TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
+  namespace fs = std::filesystem;
+  const std::vector<std::vector<std::string>> modes = {
+      {"parallelism.offload=params", "parallelism.nproc=1", "training.grad_accum_steps=1"},
+      {"parallelism.offload=optimizer", "parallelism.nproc=2", "training.grad_accum_steps=2"},
+  };
+  for (const std::vector<std::string>& mode : modes) {
+    SCOPED_TRACE(StrJoin(mode, " "));
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=6", "training.log_interval=1", "training.eval_interval=4",
+                   "training.micro_batch_size=2", "model.n_layers=2",
+                   "training.mixed_precision=bf16", "training.max_grad_norm=0.05",
+                   "checkpoint.enabled=true", "checkpoint.interval=3"});
+      sets.insert(sets.begin() + 1, mode.begin(), mode.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+    };
+    const std::string delayed_dir = testing::FreshTempDir("delayed-on"),
+                      plain_dir = testing::FreshTempDir("delayed-off"),
+                      warmup_dir = testing::FreshTempDir("delayed-warmup"),
+                      resume_dir = testing::FreshTempDir("delayed-resume");
+    testing::TrainRun delayed = train(delayed_dir, {"parallelism.offload_delayed_update=true"});
+    ASSERT_TRUE(delayed.result.exit.ok()) << delayed.result.Output();
+    testing::TrainRun plain = train(plain_dir, {});
+    ASSERT_TRUE(plain.result.exit.ok()) << plain.result.Output();
+    // Delayed from the third step: the first three steps are the plain run's.
+    testing::TrainRun warmup = train(warmup_dir, {"parallelism.offload_delayed_update=true",
+                                                  "parallelism.offload_delayed_update_warmup=2"});
+    ASSERT_TRUE(warmup.result.exit.ok()) << warmup.result.Output();
+    ASSERT_EQ(delayed.losses.size(), 6u) << delayed.result.Output();
+    ASSERT_EQ(plain.losses.size(), 6u) << plain.result.Output();
+    ASSERT_EQ(warmup.losses.size(), 6u) << warmup.result.Output();
+    // Step 1 uses the initial parameters either way; step 2 the stale ones.
+    EXPECT_EQ(delayed.losses.at(1), plain.losses.at(1));
+    EXPECT_NE(delayed.losses.at(2), plain.losses.at(2));
+    // Steps 3 and 4's updates are delayed, but the checkpoint after step 3 and the evaluation
+    // after step 4 make them visible to the next step: step 6 is the first to use stale
+    // parameters.
+    for (int64_t step = 1; step <= 5; ++step) {
+      EXPECT_EQ(warmup.losses.at(step), plain.losses.at(step)) << "step " << step;
+    }
+    EXPECT_NE(warmup.losses.at(6), plain.losses.at(6));
+    const nlohmann::json& on = delayed.rank0_stats["offload"];
+    EXPECT_EQ(on["delayed_steps"], 6) << on.dump();
+    EXPECT_EQ(warmup.rank0_stats["offload"]["delayed_steps"], 4) << warmup.rank0_stats.dump();
+    EXPECT_EQ(plain.rank0_stats["offload"]["delayed_steps"], 0) << plain.rank0_stats.dump();
+    // Resumed from step 3 of the delayed run, with the delay: steps 4-6 are that run's.
+    testing::TrainRun resumed =
+        train(resume_dir, {"parallelism.offload_delayed_update=true",
+                           "checkpoint.load=" + delayed_dir + "/checkpoints/" +
+                               ckpt::StepDirName(3)});
+    ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
+    for (int64_t step = 4; step <= 6; ++step) {
+      EXPECT_EQ(resumed.losses.at(step), delayed.losses.at(step)) << "step " << step;
+    }
+    for (const std::string& dir : {delayed_dir, plain_dir, warmup_dir, resume_dir}) {
+      fs::remove_all(dir);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
