@@ -273,7 +273,11 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // step] in engine/trainable.cc) the host steps the units in forward order while the next
 // forward runs, each unit's forward waiting for its own step: exposed are the root's and the
 // first block's steps and what each later block's step takes beyond that block's forward;
-// without it, and on a CPU profile (one pool of cores for both), all of the step.
+// without it, and on a CPU profile (one pool of cores for both), all of the step. With
+// parallelism.offload_delayed_update the step and the next step's gradient conversions run
+// behind the whole next step (exposed: beyond the device's compute, communication and copies),
+// for a second loaded copy (cb bytes per parameter of padded shard; fp32 compute: 8) and landing
+// buffer (cb) of pinned host memory with offload params.
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
   return PredictCounted(request, layout, CountedModel::Of(request.config.model));
 }
@@ -395,6 +399,11 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       mem.host = padded_total / n * 4 + real / n * (4 + state_bytes) +
                  (loaded_bytes < 4 ? padded_total / n * loaded_bytes : 0) +
                  (narrow_grads_to_host ? real / n * cb : 0);
+      // A delayed update's second buffers: the loaded copy (fp32 compute too) and the landing.
+      if (sharding.options.offload_delayed_update) {
+        mem.host += padded_total / n * (loaded_bytes < 4 ? loaded_bytes : 8) +
+                    (narrow_grads_to_host ? real / n * cb : 0);
+      }
       break;
   }
   // Note [One shard] (sharding/collectives.h): one rank in all gathers and reduces nothing; fp32
@@ -484,6 +493,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   host_bw /= ranks_on_node;
   if (hw.host_rank_bw > 0) host_bw = std::min(host_bw, hw.host_rank_bw);
   double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
+  double accumulate_s = 0;  // offload: the host's additions and conversions of gradients
   if (offload == Offload::kNone) {
     time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
   } else {
@@ -496,7 +506,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
             ? (adds * kHostAccumulateNarrowBytesPerParam + kHostConvertNarrowBytesPerParam) *
                   kHostCastCost
             : adds * kHostAccumulateBytesPerParam;
-    const double accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
+    accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
     // Offload params with a narrower compute dtype: the cast of the shards after the step.
     const double refresh = offload == Offload::kParams && loaded_bytes < 4
                                ? padded_total / n * (4 + loaded_bytes) * kHostCastCost
@@ -607,6 +617,15 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
         hw.comm_overlap * exposed_copy + (1 - hw.comm_overlap) * time.host_copy_s;
   }
 
+  // A delayed update (Note [Delayed parameter update] in sharding/offload.h) runs through the
+  // whole next step; the host's thread then converts that step's gradients, and the end of its
+  // backward waits for both: exposed is what they take beyond the device's step. Not on a CPU
+  // profile (one pool of cores, as above).
+  if (host_step_s > 0 && sharding.options.offload_delayed_update &&
+      sharding.options.offload_overlap_step && !cpu_profile) {
+    const double device_s = time.compute_s + time.exposed_comm_s + time.exposed_copy_s;
+    time.optimizer_s = std::max(0.0, host_step_s + accumulate_s - device_s);
+  }
   time.step_s = time.compute_s + time.optimizer_s + time.exposed_comm_s + time.exposed_copy_s;
   const double tokens_rank = tokens_micro * accum;
   time.tokens_per_s = tokens_rank * world / time.step_s;

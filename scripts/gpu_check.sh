@@ -59,6 +59,7 @@ stage_order=(
   offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
+  offload_params_delayed_2x4  # the same, the host's update one step delayed (opt-in)
   compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
   offload_optimizer_2x4
   compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
@@ -82,7 +83,7 @@ stage_order=(
 # path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [deterministic_2x4]=25 [composite_2x4]=25
@@ -93,7 +94,8 @@ case "$part" in
   speed) wanted=(gpu_tests sanitizer compare_2x4 kernels ckpt_125m compare_keep_2x4 profile_2x4
                  keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 fsdp_2x4 offload_params_2x4
-                 offload_params_keep_2x4 offload_params_last_2x4 compare_offload_2x4
+                 offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
+                 compare_offload_2x4
                  offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
 esac
@@ -283,6 +285,9 @@ plan plan_2x4 "$config" "${accum2x4[@]}"
 plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
 plan plan_2x4_keep_last "$config" "${accum2x4[@]}" \
   --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+plan plan_2x4_delayed "$config" "${accum2x4[@]}" \
+  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
+  --set parallelism.offload_delayed_update=true --set parallelism.offload=params
 [ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
 
 # One function per stage after gpu_tests, run in stage_order (Note [Stages in one call]).
@@ -334,6 +339,12 @@ stage_offload_params_keep_2x4() {
 stage_offload_params_last_2x4() {
   run offload_params_last_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
     --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+}
+# Note [Delayed parameter update] (sharding/offload.h): opt in, parameters one step stale.
+stage_offload_params_delayed_2x4() {
+  run offload_params_delayed_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
+    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
+    --set parallelism.offload_delayed_update=true
 }
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
@@ -419,7 +430,8 @@ peak_bytes, state_bytes = {}, {}
 for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4", "deterministic_2x4", "big_1gpu"):
+             "offload_params_last_2x4", "offload_params_delayed_2x4", "deterministic_2x4",
+             "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(out, name + ".log")):
@@ -451,6 +463,7 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_params_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_keep_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_last_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
+                         ("offload_params_delayed_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x (delayed update)"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
     if name in medians and base in medians and peak_bytes.get(base) and medians[base]:
         line = (f"{name} / {base}: step {medians[name] / medians[base]:.3f}x, "
@@ -466,6 +479,7 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_2x4": ("plan_2x4", "none", "params"),
              "offload_params_keep_2x4": ("plan_2x4_keep", "none", "params"),
              "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
+             "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
              "big_1gpu": ("plan_big", None, None)}
 for name, (plan, ckpt, offload) in predicted.items():
     path = os.path.join(out, plan + ".plan.json")
@@ -487,13 +501,14 @@ for name, (plan, ckpt, offload) in predicted.items():
 # host step (overlapped with the next forward: host_step_ms; in place: optimizer_step_ms), what
 # the forward waited for it, the waits for copies and the host additions.
 for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4"):
+             "offload_params_last_2x4", "offload_params_delayed_2x4"):
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
     if not os.path.exists(stats):
         continue
     per = json.load(open(stats)).get("offload", {}).get("per_step", {})
     keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
-            "refresh_ms", "late_adds", "to_device_bytes", "to_host_bytes")
+            "refresh_ms", "late_adds", "deferred_steps", "delayed_steps", "to_device_bytes",
+            "to_host_bytes")
     print(f"{name} per step: " + ", ".join(
         f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
 for name in ("fsdp_2x4", "keep_2x4"):  # the overhead target (<= 3%) is read from keep_2x4

@@ -1164,6 +1164,40 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
   }
 }
 
+// Note [Offload]: the delayed update (opt in) runs behind the whole next step on a GPU:
+// exposed only beyond the device's step, never more than the overlapped step's; nothing
+// changes on a CPU profile. Offload params keeps a second loaded copy and landing buffer on the
+// host (bf16: 2 + 2 bytes per parameter), offload optimizer nothing more.
+TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
+  for (const char* mode : {"optimizer", "params"}) {
+    SCOPED_TRACE(mode);
+    const std::vector<std::string> base = {StrCat("parallelism.offload=", mode),
+                                           "training.grad_accum_steps=4",
+                                           "parallelism.reshard_between_micro_batches=false",
+                                           "training.grad_sync=last"};
+    std::vector<std::string> delayed = base;
+    delayed.push_back("parallelism.offload_delayed_update=true");
+    for (const char* gpu : {"h100", "cpu"}) {
+      Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, delayed), {Strategy::kFullShard, 1, 1});
+      Prediction off = *Predict(Request("llama_1b", 1, 1, gpu, base), {Strategy::kFullShard, 1, 1});
+      if (std::string(gpu) == "cpu") {
+        EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
+        continue;
+      }
+      EXPECT_LT(on.time.optimizer_s, off.time.optimizer_s);
+      const double device_s = on.time.compute_s + on.time.exposed_comm_s + on.time.exposed_copy_s;
+      EXPECT_GE(on.time.step_s, device_s);
+      EXPECT_NEAR(on.time.step_s - on.time.optimizer_s, off.time.step_s - off.time.optimizer_s, 1e-9);
+      const double extra = on.memory.host - off.memory.host;
+      if (std::string(mode) == "optimizer") {
+        EXPECT_EQ(extra, 0);
+      } else {
+        EXPECT_NEAR(extra / 9.53e8, 4.0, 0.05);  // 2 + 2 bytes per parameter (padding aside)
+      }
+    }
+  }
+}
+
 // Note [Offload hint]: a recommendation that offloads under accumulation says what keeping the
 // units' parameters through the step (and summing the gradients on the device) would give on
 // its layout, when that fits and is faster; not when configured already, nor without
