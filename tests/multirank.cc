@@ -100,6 +100,13 @@ DistOptions TestDistOptions() {
   return options;
 }
 
+std::shared_ptr<DistContext> InitCudaDist(int world_size) {
+  DistOptions options = TestDistOptions();
+  options.device = "cuda";
+  options.cuda_backend = world_size == 1 ? "nccl" : "gloo";
+  return InitDist(options);
+}
+
 std::shared_ptr<DistContext> InitDist(DistOptions options) {
   absl::StatusOr<std::shared_ptr<DistContext>> ctx = DistContext::InitFromEnvironment(options);
   if (!ctx.ok()) {

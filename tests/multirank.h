@@ -55,6 +55,9 @@ bool InRankProcess();
 // throws to end the body) if the rendezvous fails.
 DistOptions TestDistOptions();
 std::shared_ptr<DistContext> InitDist(DistOptions options = TestDistOptions());
+// The same on the GPU, for `world_size` ranks sharing one: NCCL with one rank, Gloo on CUDA
+// tensors with more (NCCL needs a GPU per rank).
+std::shared_ptr<DistContext> InitCudaDist(int world_size);
 
 // Runs a command to completion (for launcher and CLI tests): exit, output lines, timeout.
 struct CommandResult {

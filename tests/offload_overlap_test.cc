@@ -209,10 +209,7 @@ TEST(OffloadOverlapCudaTest, EqualsTheStepInPlaceBitwiseOnTheGpu) {
   FSDP_SKIP_WITHOUT_GPU();
   for (int world : {1, 2}) {
     testing::RunOnRanks(world, [&](int rank) {
-      DistOptions options = testing::TestDistOptions();
-      options.device = "cuda";
-      options.cuda_backend = world == 1 ? "nccl" : "gloo";
-      std::shared_ptr<DistContext> ctx = testing::InitDist(options);
+      std::shared_ptr<DistContext> ctx = testing::InitCudaDist(world);
       ASSERT_TRUE(ctx->device().is_cuda());
       DeviceMesh mesh =
           *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));

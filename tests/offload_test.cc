@@ -350,10 +350,7 @@ TEST(OffloadCudaTest, EqualsTheRunWithoutOffloadOnTheGpu) {
   FSDP_SKIP_WITHOUT_GPU();
   for (int world : {1, 2}) {
     testing::RunOnRanks(world, [&](int rank) {
-      DistOptions options = testing::TestDistOptions();
-      options.device = "cuda";
-      options.cuda_backend = world == 1 ? "nccl" : "gloo";  // NCCL: one rank per GPU
-      std::shared_ptr<DistContext> ctx = testing::InitDist(options);
+      std::shared_ptr<DistContext> ctx = testing::InitCudaDist(world);
       ASSERT_TRUE(ctx->device().is_cuda());
       // bf16: params offload loads the bf16 host copies and, with one shard, sends bf16
       // gradients that the host converts and adds on its adder thread (Note [CPU offload]).
