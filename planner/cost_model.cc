@@ -41,6 +41,12 @@ constexpr double kHostConvertNarrowBytesPerParam = 8;
 // 6 bytes per parameter in 74 ms, the conversion's 8 in 93 ms, against AdamW's 32 in 197 ms):
 // counted at this many times their bytes.
 constexpr double kHostCastCost = 2;
+// A bf16 gradient's addition into the fp32 .grad (AddConverted) did worse: 226-269 ms per
+// addition of llama_1b's 0.953e9 parameters on that machine (the adder's 772 and 899 ms per step
+// for three additions and one 93 ms conversion, units kept or not), 36-42 bytes per parameter at
+// the 150 GB/s rank cap against the 12 counted: its additions are counted at this many times
+// their bytes.
+constexpr double kHostAddNarrowCost = 3.3;
 // Bytes a recomputed activation byte moves (written again, its inputs read again).
 constexpr double kRecomputeTrafficPasses = 2;
 // Usable share of host memory for pinned offload buffers: the OS, the page cache and the
@@ -503,8 +509,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     const double adds = hybrid || no_sync || sums_on_device ? 0 : accum - 1;
     const double accumulate =
         narrow_grads_to_host
-            ? (adds * kHostAccumulateNarrowBytesPerParam + kHostConvertNarrowBytesPerParam) *
-                  kHostCastCost
+            ? adds * kHostAccumulateNarrowBytesPerParam * kHostAddNarrowCost +
+                  kHostConvertNarrowBytesPerParam * kHostCastCost
             : adds * kHostAccumulateBytesPerParam;
     accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
     // Offload params with a narrower compute dtype: the cast of the shards after the step.

@@ -311,19 +311,30 @@ namespace {
 // false keeps every unit's compute-dtype parameters from the first forward to the last backward
 // (Note [Keeping parameters across micro-batches]), and training.grad_sync: last sums the
 // micro-batches' unsharded gradients on the device in the compute dtype and reduces and sends
-// them once (Note [No-sync accumulation]: other roundings). The search does not vary them (they
-// are not layouts, and grad_sync changes the arithmetic), so when best offloads the
-// recommendation says what they would give on its layout, if it fits and is faster beyond the
-// planner's precision: both, else the first alone.
+// them once (Note [No-sync accumulation]: other roundings). And with any offload the opt-in
+// delayed update (parallelism.offload_delayed_update: parameters one step stale; Note [Delayed
+// parameter update] in sharding/offload.h) takes the host's step out of the step's critical
+// path. The search does not vary them (they are not layouts, and they change the arithmetic),
+// so when best offloads the recommendation says what they would give on its layout, when that
+// fits and is faster beyond the planner's precision: the fastest of both settings, the first or
+// the second alone, and then the delayed update on top of that.
 std::string OffloadHint(const PlanRequest& request, const Prediction& best,
                         const CountedModel& model) {
   const RunConfig& config = request.config;
-  if (best.offload == Offload::kNone || config.training.grad_accum_steps < 2) return "";
+  if (best.offload == Offload::kNone) return "";
+  std::string hint;
+  PlanRequest base = WithModes(request, best.activation_checkpointing, best.offload);
+  Prediction fastest = best;
   struct Candidate {
     bool keep, last;
   };
-  for (Candidate c : {Candidate{true, true}, Candidate{true, false}}) {
-    PlanRequest r = WithModes(request, best.activation_checkpointing, best.offload);
+  const Candidate* chosen = nullptr;
+  PlanRequest chosen_request = base;
+  std::vector<std::string> chosen_sets;
+  static constexpr Candidate kCandidates[] = {{true, true}, {true, false}, {false, true}};
+  for (const Candidate& c : kCandidates) {
+    if (config.training.grad_accum_steps < 2) break;
+    PlanRequest r = base;
     std::vector<std::string> sets;
     if (c.keep && config.parallelism.reshard_between_micro_batches) {
       r.config.parallelism.reshard_between_micro_batches = false;
@@ -335,16 +346,43 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
     }
     if (sets.empty()) continue;  // configured already
     absl::StatusOr<Prediction> p = PredictCounted(r, best.layout, model);
-    if (!p.ok() || !p->fits || p->time.step_s >= (1 - kSpeedTie) * best.time.step_s) continue;
-    return fmt::format(
-        "\n(with offload {}: --set {} predicts {:.0f} ms per step instead of {:.0f}, {:.2f} GiB "
-        "on the device instead of {:.2f}: one host<->device copy of each unit's parameters{} "
-        "per step; see docs/offload.md)",
-        OffloadName(best.offload), StrJoin(sets, " --set "), 1e3 * p->time.step_s,
-        1e3 * best.time.step_s, p->memory.total / kGiB, best.memory.total / kGiB,
-        c.last ? " and gradients, summed on the device in the compute dtype," : "");
+    if (!p.ok() || !p->fits || p->time.step_s >= (1 - kSpeedTie) * best.time.step_s ||
+        p->time.step_s >= fastest.time.step_s) {
+      continue;
+    }
+    fastest = *p;
+    chosen = &c;
+    chosen_request = r;
+    chosen_sets = sets;
   }
-  return "";
+  if (chosen != nullptr) {
+    const char* what = chosen->keep && chosen->last
+                           ? "parameters and gradients, summed on the device in the compute dtype,"
+                       : chosen->keep ? "parameters"
+                                      : "gradients, summed on the device in the compute dtype,";
+    hint += fmt::format(
+        "\n(with offload {}: --set {} predicts {:.0f} ms per step instead of {:.0f}, {:.2f} GiB "
+        "on the device instead of {:.2f}: one host<->device copy of each unit's {} per step; "
+        "see docs/offload.md)",
+        OffloadName(best.offload), StrJoin(chosen_sets, " --set "), 1e3 * fastest.time.step_s,
+        1e3 * best.time.step_s, fastest.memory.total / kGiB, best.memory.total / kGiB, what);
+  }
+  if (!config.parallelism.offload_delayed_update && config.parallelism.offload_overlap_step) {
+    PlanRequest r = chosen_request;
+    r.config.parallelism.offload_delayed_update = true;
+    absl::StatusOr<Prediction> p = PredictCounted(r, best.layout, model);
+    if (p.ok() && p->fits && p->time.step_s < (1 - kSpeedTie) * fastest.time.step_s) {
+      hint += fmt::format(
+          "\n(opt in, with offload {}{}: --set parallelism.offload_delayed_update=true predicts "
+          "{:.0f} ms per step instead of {:.0f}, {:.1f} GiB of pinned host memory per rank "
+          "instead of {:.1f}: each step uses the parameters from before the previous step's "
+          "update, one step stale, while the host runs it; see docs/offload.md)",
+          OffloadName(best.offload), chosen != nullptr ? " and the settings above" : "",
+          1e3 * p->time.step_s, 1e3 * fastest.time.step_s, p->memory.host / kGiB,
+          fastest.memory.host / kGiB);
+    }
+  }
+  return hint;
 }
 
 }  // namespace

@@ -441,6 +441,7 @@ void HostOffload::MaterializeDeferred() {
   for (auto& [p, contribution] : deferred_) {
     FsdpParam& param = *const_cast<FsdpParam*>(p);
     if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
+    WaitForDelayedStep(param);  // Note [Delayed parameter update]: it may still use host_grad
     ConvertDeferred(param, param.host_compute_grad, scale);
     ++stats_.deferred_materialized;
   }
@@ -605,6 +606,7 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   // lands over it (accumulation on the host); an entry whose .grad was reset since is stale.
   if (auto it = deferred_.find(&p); it != deferred_.end()) {
     if (add) {
+      WaitForDelayedStep(p);  // Note [Delayed parameter update]: it may still use host_grad
       ConvertDeferred(p, p.host_compute_grad, at::Tensor());
       ++stats_.deferred_materialized;
     }
@@ -743,20 +745,20 @@ void HostOffload::WaitForCopies(DeviceStreams& streams) {
 void HostOffload::Drain() {
   RECORD_FUNCTION("fsdp::offload_wait", std::vector<c10::IValue>());
   PhaseTimer timer(stats_.wait_s);
+  // The gradients' tasks, not a step's queued before them: its groups are waited for by the
+  // loads, by FinishStep, or (a delayed one: Note [Delayed parameter update]) by the gradients
+  // that would write what it reads, so that it runs through every micro-batch of the next step.
+  uint64_t last_gradient = 0;
+  for (const auto& [p, seq] : last_task_) last_gradient = std::max(last_gradient, seq);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stats_.late_adds += static_cast<int64_t>(queued_ - finished_);
+    if (last_gradient > finished_) stats_.late_adds += static_cast<int64_t>(last_gradient - finished_);
   }
   for (InFlight& f : in_flight_) f.done->synchronize();
   in_flight_.clear();
   if (to_device_done_) to_device_done_->synchronize();
-  uint64_t queued = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queued = queued_;
-  }
   last_task_.clear();
-  WaitForTask(queued);
+  WaitForTask(last_gradient);  // also rethrows an earlier task's error
 }
 
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
@@ -766,7 +768,8 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   bytes.device += size(p.padded_shard) + size(p.device_grad);
   if (p.host_shard.defined()) {
     bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_grad) +
-                  size(p.host_compute_grad);
+                  size(p.host_compute_grad) + size(p.host_compute_shard_spare) +
+                  size(p.host_compute_grad_spare);
   } else {
     bytes.device += size(p.sharded.grad());
   }

@@ -84,9 +84,10 @@
 // (the training thread waits for it, counted in wait_s). Stats: add_s is the adder's time,
 // late_adds what was not done when the end of backward began to wait (not hidden), and
 // to_host_compute_bytes the bytes sent in the compute dtype. The host waits only at the end of
-// backward (FsdpModel's final callback: WaitForCopies: the copies and the adder's queue), where
-// it must anyway before it clips and steps, and which also guarantees that no copy still reads
-// a master the host optimizer is about to write. Nothing pinned is allocated after wrapping,
+// backward (FsdpModel's final callback: WaitForCopies: the copies and the gradients' tasks on
+// the adder, not an overlapped step queued before them), where it must anyway before it clips
+// and steps, and which also guarantees that no copy still reads a master the host optimizer is
+// about to write. Nothing pinned is allocated after wrapping,
 // except each parameter's staging buffer, once, the first time accumulation needs it on CUDA.
 //
 // Note [Deferred gradient conversion]
@@ -122,8 +123,10 @@
 // FsdpOptions::offload_delayed_update the trainer may queue a step "delayed" (StepInOrder's
 // `delayed`; DeepSpeed's ZeRO-Offload calls it the one-step delayed parameter update): the
 // next step's loads do not wait for it, so step i+1's forward and backward use the parameters
-// from before update i (one step stale) while the host runs update i, and only step i+1's end of
-// backward (WaitForCopies: the adder's queue) waits for it. Update i then becomes visible at
+// from before update i (one step stale) while the host runs update i. The end of a backward
+// (WaitForCopies) waits for the gradients' tasks only, not for a step queued before them, so
+// update i runs through all of step i+1's micro-batches; the next StepInOrder waits for what
+// is left of it (FsdpModel::StepOnHost: FinishHostStep). Update i then becomes visible at
 // the next StepInOrder or FinishStep (FsdpModel::FinishHostStep: checkpoints, evaluations, the
 // end of training, CopyShardsToDevice), so after those the next step sees every update so far:
 // a run resumed from a checkpoint continues exactly as the run that saved it did.
@@ -292,9 +295,9 @@ class HostOffload {
   // "params"); else false, and the caller casts it and calls AccumulateGrad.
   bool SendComputeGrad(FsdpParam& p, const at::Tensor& grad);
   // End of backward: waits for every copy in flight, both ways, and for the adder's additions
-  // (afterwards the host .grads are final and the masters may be written; an error of the
-  // adder is rethrown here), and gives back the device shards that this backward's reshards
-  // stashed in `streams`.
+  // and conversions (afterwards the host .grads are final; an error of the adder is rethrown
+  // here), but not for a step StepInOrder queued (FinishStep), and gives back the device shards
+  // that this backward's reshards stashed in `streams`.
   void WaitForCopies(DeviceStreams& streams);
 
   // Most bytes of device shards loaded at once (kParams), since wrapping.
@@ -339,7 +342,7 @@ class HostOffload {
   void RecordHostToDevice();
   // Forgets device->host copies that have finished (their device tensors are freed).
   void ReapFinished();
-  // Waits for the copies in flight and the adder's queue (WaitForCopies' first part).
+  // Waits for the copies in flight and the gradients' tasks (WaitForCopies' first part).
   void Drain();
   // `g` (device) into p's host .grad: copied into host_grad, or added into the .grad there;
   // in p's compute dtype through host_compute_grad (SendComputeGrad). On CUDA asynchronous:

@@ -6,8 +6,10 @@
 // for each update (offload params and optimizer, fp32 and bf16 compute, one and two
 // micro-batches, 1 and 2 ranks); and through `fsdp train`: the warm-up steps train as without
 // the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
+#include <chrono>
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include <torch/torch.h>
 
@@ -44,6 +46,7 @@ std::string Name(const Case& c) {
 }
 
 struct RunResult {
+  int64_t host_bytes = 0;  // model_state_bytes().host
   std::vector<double> losses;
   std::map<std::string, torch::Tensor> masters;
   HostOffload::Stats stats;
@@ -57,7 +60,9 @@ struct Wrapped {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 };
 
-Wrapped Wrap(const Case& c, bool offload, DeviceMesh& mesh, at::Device device) {
+// `delayable`: with offload, the second buffers of a delayed update allocated.
+Wrapped Wrap(const Case& c, bool offload, DeviceMesh& mesh, at::Device device,
+             bool delayable = true) {
   Wrapped w;
   w.config.layers = 3;
   torch::manual_seed(1234);
@@ -66,7 +71,7 @@ Wrapped Wrap(const Case& c, bool offload, DeviceMesh& mesh, at::Device device) {
   FsdpOptions options = OptionsForStrategy(Strategy::kFullShard);
   if (offload) {
     options.offload = c.offload;
-    options.offload_delayed_update = true;
+    options.offload_delayed_update = delayable;
   }
   if (c.bf16) {
     options.mixed_precision.param_dtype = at::kBFloat16;
@@ -115,7 +120,11 @@ void SetMasters(FsdpModel& fsdp, const std::map<std::string, torch::Tensor>& val
 }
 
 // The engine: the trainer's sequence (clip, prepared step through StepOnHost, delayed).
-RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device device = at::kCPU) {
+// `slow_host`: the update first sleeps, so that it is still running when the next step's
+// backward sends its gradients (the order of the two is then fixed by the engine's waits, not
+// by timing).
+RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device device = at::kCPU,
+                       bool slow_host = false) {
   Wrapped w = Wrap(c, /*offload=*/true, mesh, device);
   w.fsdp->set_offload_defer_conversion(true);  // as the trainer: every step goes through StepOnHost
   RunResult run;
@@ -127,7 +136,10 @@ RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device dev
     if (prepared == nullptr) return run;
     for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
     HostStep host_step;
-    host_step.run = [prepared](const std::vector<at::Tensor>& masters) { prepared->Run(masters); };
+    host_step.run = [prepared, slow_host](const std::vector<at::Tensor>& masters) {
+      if (slow_host) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      prepared->Run(masters);
+    };
     host_step.can_run_slices = [prepared](const at::Tensor& p) { return prepared->CanRunSlices(p); };
     host_step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
       prepared->RunSlice(p, begin, n);
@@ -137,6 +149,7 @@ RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device dev
     w.optimizer->zero_grad();
   }
   w.fsdp->FinishHostStep();
+  run.host_bytes = w.fsdp->model_state_bytes().host;
   run.masters = Masters(*w.fsdp);
   run.stats = w.fsdp->context().offload->stats();
   return run;
@@ -193,11 +206,50 @@ TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
           EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]), 1e-3 * std::abs(fresh.losses[1]));
           EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
           EXPECT_EQ(delayed.stats.overlapped_steps, kSteps);
+          // The second buffers, in the host's model state: offload params a loaded copy per
+          // parameter (fp32 compute: two, where it had none) and, bf16 on one rank, a landing
+          // buffer; offload optimizer none.
+          Wrapped plain = Wrap(c, /*offload=*/true, mesh, at::kCPU, /*delayable=*/false);
+          int64_t padded = 0, real = 0;
+          for (const FsdpUnit* unit : plain.fsdp->units()) {
+            for (const FsdpParam& p : unit->params()) {
+              padded += p.host_shard.numel();
+              if (p.requires_grad) real += p.sharded.numel();
+            }
+          }
+          const int64_t width = bf16 ? 2 : 4;
+          int64_t extra = 0;
+          if (offload == Offload::kParams) {
+            extra = padded * width * (bf16 ? 1 : 2) + (bf16 && world == 1 ? real * width : 0);
+          }
+          EXPECT_EQ(delayed.host_bytes - plain.fsdp->model_state_bytes().host, extra);
           // Offload params, one shard, bf16, one micro-batch: the gradients stayed in bf16
           // until the delayed update read them, from the buffer they landed in while the next
           // step's landed in the other (Note [Deferred gradient conversion]).
           const bool deferred = offload == Offload::kParams && bf16 && world == 1;
           EXPECT_EQ(delayed.stats.deferred_steps > 0, deferred && micro_batches == 1);
+        }
+      }
+    }
+  });
+}
+
+// The same with an update slower than the next step's forward and backward: a gradient that
+// lands on the host while its unit's update still reads the .grad buffer waits for it.
+TEST_P(OffloadDelayedTest, SlowHostUpdateStillEqualsTheReference) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [&](int rank) {
+    std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
+    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
+    for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
+      for (bool bf16 : {false, true}) {
+        const Case c{offload, bf16, /*micro_batches=*/2};
+        SCOPED_TRACE(StrCat(Name(c), " rank ", rank));
+        RunResult delayed = TrainDelayed(c, mesh, rank, at::kCPU, /*slow_host=*/true);
+        RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
+        EXPECT_EQ(delayed.losses, reference.losses);
+        for (const auto& [name, master] : reference.masters) {
+          EXPECT_TRUE(torch::equal(delayed.masters.at(name), master)) << name;
         }
       }
     }
@@ -249,12 +301,15 @@ TEST(OffloadDelayedCudaTest, EqualsTheStaleReferenceOnTheGpu) {
 // `fsdp train` with parallelism.offload_delayed_update: the warm-up steps train as without the
 // delay; with it the run differs from the second delayed step on, except right after a
 // checkpoint or an evaluation (they see every update, and so does the step after them); a run
-// resumed from its checkpoint continues with its losses exactly. Offload params on one rank with bf16 (deferred gradients in
-// the delayed update) and offload optimizer on two ranks.
+// resumed from its checkpoint continues with its losses exactly. Offload params on one rank
+// with bf16, units kept across micro-batches and grad_sync last (gpu_check's
+// offload_params_delayed_2x4: deferred gradients in the delayed update), and offload optimizer
+// on two ranks.
 TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
   namespace fs = std::filesystem;
   const std::vector<std::vector<std::string>> modes = {
-      {"parallelism.offload=params", "parallelism.nproc=1", "training.grad_accum_steps=1"},
+      {"parallelism.offload=params", "parallelism.nproc=1", "training.grad_accum_steps=2",
+       "training.grad_sync=last", "parallelism.reshard_between_micro_batches=false"},
       {"parallelism.offload=optimizer", "parallelism.nproc=2", "training.grad_accum_steps=2"},
   };
   for (const std::vector<std::string>& mode : modes) {
@@ -297,6 +352,9 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
     EXPECT_EQ(on["delayed_steps"], 6) << on.dump();
     EXPECT_EQ(warmup.rank0_stats["offload"]["delayed_steps"], 4) << warmup.rank0_stats.dump();
     EXPECT_EQ(plain.rank0_stats["offload"]["delayed_steps"], 0) << plain.rank0_stats.dump();
+    if (mode.front() == "parallelism.offload=params") {
+      EXPECT_GT(on["deferred_steps"].get<int64_t>(), 0) << on.dump();
+    }
     // Resumed from step 3 of the delayed run, with the delay: steps 4-6 are that run's.
     testing::TrainRun resumed =
         train(resume_dir, {"parallelism.offload_delayed_update=true",

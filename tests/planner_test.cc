@@ -1199,34 +1199,45 @@ TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
 }
 
 // Note [Offload hint]: a recommendation that offloads under accumulation says what keeping the
-// units' parameters through the step (and summing the gradients on the device) would give on
-// its layout, when that fits and is faster; not when configured already, nor without
-// accumulation.
+// units' parameters through the step and/or summing the gradients on the device would give on
+// its layout, when that fits and is faster; then what the opt-in delayed update would give on
+// top; neither when configured already, the first not without accumulation.
 TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
-  const std::regex hint(R"(with offload params: --set (.*) predicts ([0-9]+) ms per step instead of ([0-9]+))");
+  const std::regex hint(R"(\(with offload params: --set (.*) predicts ([0-9]+) ms per step instead of ([0-9]+))");
+  const std::regex delayed(
+      R"(\(opt in, with offload params[^:]*: --set parallelism.offload_delayed_update=true predicts ([0-9]+) ms per step instead of ([0-9]+))");
   // 36 layers (9.1B parameters): optimizer offload's fp32 shards and gradient sums no longer fit
   // one H100, so the recommendation offloads the parameters.
-  absl::StatusOr<Recommendation> rec = Recommend(Request(
-      "llama3_8b_one_gpu", 1, 1, "h100", {"training.grad_accum_steps=4", "model.n_layers=36"}));
+  std::vector<std::string> sets = {"training.grad_accum_steps=4", "model.n_layers=36"};
+  absl::StatusOr<Recommendation> rec = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", sets));
   ASSERT_TRUE(rec.ok()) << rec.status();
   ASSERT_TRUE(rec->best.has_value());
   ASSERT_EQ(rec->best->offload, Offload::kParams) << rec->message;
   std::smatch match;
   ASSERT_TRUE(std::regex_search(rec->message, match, hint)) << rec->message;
-  EXPECT_THAT(match[1].str(), HasSubstr("parallelism.reshard_between_micro_batches=false"));
-  EXPECT_LT(std::stoi(match[2]), std::stoi(match[3]));
-  // What it names, configured, is what the recommendation predicts: no hint any more.
-  std::vector<std::string> sets = {"training.grad_accum_steps=4", "model.n_layers=36"};
   std::vector<std::string> named = absl::StrSplit(match[1].str(), " --set ");
+  for (const std::string& item : named) {
+    EXPECT_THAT(item, ::testing::AnyOf("parallelism.reshard_between_micro_batches=false",
+                                       "training.grad_sync=last"));
+  }
+  EXPECT_LT(std::stoi(match[2]), std::stoi(match[3]));
+  ASSERT_TRUE(std::regex_search(rec->message, match, delayed)) << rec->message;
+  EXPECT_LT(std::stoi(match[1]), std::stoi(match[2]));
+  // What they name, configured, is what the recommendation predicts: no hint any more.
   sets.insert(sets.end(), named.begin(), named.end());
   absl::StatusOr<Recommendation> again =
       Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", sets));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_THAT(again->message, ::testing::Not(HasSubstr("(with offload"))) << again->message;
+  EXPECT_THAT(again->message, HasSubstr("(opt in, with offload ")) << again->message;
+  sets.push_back("parallelism.offload_delayed_update=true");
+  again = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", sets));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_THAT(again->message, ::testing::Not(HasSubstr("with offload"))) << again->message;
   // One micro-batch per step: nothing to copy less often.
   rec = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", {"model.n_layers=36"}));
   ASSERT_TRUE(rec.ok()) << rec.status();
-  EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("with offload"))) << rec->message;
+  EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("(with offload"))) << rec->message;
 }
 
 }  // namespace
