@@ -75,6 +75,7 @@ stage_order=(
   deterministic_2x4   # issue 15: the cost of training.deterministic
   composite_2x4
   per_tensor_2x4
+  offload_optimizer_delayed_2x4  # offload optimizer with the delayed update (opt in)
 )
 # Seconds, from the stages' times on an H200 and an H100 on 2026-11-26 (20 steps each; the build
 # took 123 and 131 s; on the H100 gpu_tests 80 s before the deferred-conversion GPU test, big_1gpu
@@ -88,7 +89,7 @@ declare -A estimate=(
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [ac_ranks_8x1]=150 [deterministic_2x4]=25 [composite_2x4]=25
-  [per_tensor_2x4]=25
+  [per_tensor_2x4]=25 [offload_optimizer_delayed_2x4]=50
 )
 case "$part" in
   all) wanted=("${stage_order[@]}") ;;
@@ -97,7 +98,7 @@ case "$part" in
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 ac_ranks_8x1 fsdp_2x4 offload_params_2x4
                  offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
                  compare_offload_2x4
-                 offload_optimizer_2x4 deterministic_2x4 big_1gpu) ;;
+                 offload_optimizer_2x4 offload_optimizer_delayed_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
 esac
 if [ "${GPU_CHECK_STAGES:-}" = skipped ]; then
@@ -286,6 +287,8 @@ plan plan_2x4 "$config" "${accum2x4[@]}"
 plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
 plan plan_2x4_keep_last "$config" "${accum2x4[@]}" \
   --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+plan plan_2x4_optimizer_delayed "$config" "${accum2x4[@]}" \
+  --set parallelism.offload_delayed_update=true --set parallelism.offload=optimizer
 plan plan_2x4_delayed "$config" "${accum2x4[@]}" \
   --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
   --set parallelism.offload_delayed_update=true --set parallelism.offload=params
@@ -363,6 +366,10 @@ stage_offload_params_delayed_2x4() {
 }
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
+}
+stage_offload_optimizer_delayed_2x4() {
+  run offload_optimizer_delayed_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer \
+    --set parallelism.offload_delayed_update=true
 }
 # ---- issue 15: the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
 # [Checkpoint staging]). Each save line says the loop's blocked ms, how much of it waited for the
@@ -445,8 +452,8 @@ peak_bytes, state_bytes = {}, {}
 for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4", "offload_params_delayed_2x4", "deterministic_2x4",
-             "big_1gpu"):
+             "offload_params_last_2x4", "offload_params_delayed_2x4",
+             "offload_optimizer_delayed_2x4", "deterministic_2x4", "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(out, name + ".log")):
@@ -479,6 +486,7 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_params_keep_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_last_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_delayed_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x (delayed update)"),
+                         ("offload_optimizer_delayed_2x4", "fsdp_2x4", "delayed update; the <= 15% state target is for params"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
     if name in medians and base in medians and peak_bytes.get(base) and medians[base]:
         line = (f"{name} / {base}: step {medians[name] / medians[base]:.3f}x, "
@@ -495,6 +503,7 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_keep_2x4": ("plan_2x4_keep", "none", "params"),
              "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
+             "offload_optimizer_delayed_2x4": ("plan_2x4_optimizer_delayed", "none", "optimizer"),
              "big_1gpu": ("plan_big", None, None)}
 for name, (plan, ckpt, offload) in predicted.items():
     path = os.path.join(out, plan + ".plan.json")
@@ -516,7 +525,8 @@ for name, (plan, ckpt, offload) in predicted.items():
 # host step (overlapped with the next forward: host_step_ms; in place: optimizer_step_ms), what
 # the forward waited for it, the waits for copies and the host additions.
 for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4", "offload_params_delayed_2x4"):
+             "offload_params_last_2x4", "offload_params_delayed_2x4",
+             "offload_optimizer_delayed_2x4"):
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
     if not os.path.exists(stats):
         continue
