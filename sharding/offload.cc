@@ -300,8 +300,10 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
   // (the device's, copied for the host: read on the adder once the copy is done).
   at::Tensor scale = std::exchange(clipped_, false) ? clip_scale_host_ : at::Tensor();
   std::shared_ptr<c10::Event> scale_ready = scale.defined() ? clip_scale_ready_ : nullptr;
-  // A deferred gradient: where it landed, and the loaded copy its updated master is cast into.
-  struct Deferred {
+  // A parameter stepped in slices (Note [Deferred gradient conversion]): where its deferred
+  // gradient landed (undefined: its .grad is final already), and the loaded copy its updated
+  // master is cast into (undefined: none).
+  struct Sliced {
     FsdpParam* p;
     at::Tensor landed, compute;
   };
@@ -315,34 +317,44 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
     if (group.empty()) continue;
     std::vector<at::Tensor> masters;
     std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (loaded copy, host_shard)
-    std::vector<Deferred> sliced, converted;  // deferred: stepped in slices, or converted first
+    // Stepped in slices: deferred gradients (converted and clipped there) and, with a loaded copy
+    // to cast, the others too (the cast of each slice while it is in cache); the deferred ones
+    // whose step cannot run slices are converted first.
+    std::vector<Sliced> sliced, converted;
+    bool any_deferred = false;
     for (FsdpParam* p : group) {
       // The loaded copy the update writes: with a delayed step, the one the loads do not read.
       const at::Tensor& compute = delayed ? p->host_compute_shard_spare : p->host_compute_shard;
-      if (deferred_.erase(p) > 0) {
-        Deferred d{p, p->host_compute_grad, mode_ == Offload::kParams ? compute : at::Tensor()};
-        if (shared_step->can_run_slices && shared_step->can_run_slices(p->sharded)) {
+      const bool deferred = deferred_.erase(p) > 0;
+      const bool sliceable = shared_step->can_run_slices && shared_step->can_run_slices(p->sharded);
+      const bool casts_copy = mode_ == Offload::kParams && compute.defined();
+      if (deferred || (sliceable && casts_copy)) {
+        any_deferred = any_deferred || deferred;
+        Sliced d{p, deferred ? p->host_compute_grad : at::Tensor(),
+                 casts_copy ? compute : at::Tensor()};
+        if (sliceable) {
+          stats_.deferred_steps += deferred ? 1 : 0;
           sliced.push_back(std::move(d));
           continue;
         }
         converted.push_back(std::move(d));
       }
       masters.push_back(p->sharded);
-      if (mode_ == Offload::kParams && compute.defined()) casts.emplace_back(compute, p->host_shard);
+      if (casts_copy) casts.emplace_back(compute, p->host_shard);
     }
-    stats_.deferred_steps += static_cast<int64_t>(sliced.size());
     stats_.deferred_materialized += static_cast<int64_t>(converted.size());
     HostTask task;
     task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts),
                 sliced = std::move(sliced), converted = std::move(converted), scale,
-                scale_ready, loads_done = first ? loads_done : nullptr] {
+                scale_ready = any_deferred ? scale_ready : nullptr,
+                loads_done = first ? loads_done : nullptr] {
       RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.host_step_s);
       if (loads_done) loads_done->synchronize();
-      if (scale_ready && (!sliced.empty() || !converted.empty())) scale_ready->synchronize();
-      for (const Deferred& d : converted) ConvertDeferred(*d.p, d.landed, scale);
-      shared_step->run(masters);
-      for (const Deferred& d : sliced) StepDeferred(*d.p, d.landed, d.compute, *shared_step, scale);
+      if (scale_ready) scale_ready->synchronize();
+      for (const Sliced& d : converted) ConvertDeferred(*d.p, d.landed, scale);
+      if (!masters.empty()) shared_step->run(masters);
+      for (const Sliced& d : sliced) StepInSlices(*d.p, d.landed, d.compute, *shared_step, scale);
       if (casts.empty()) return;
       PhaseTimer refresh(stats_.refresh_s);
       // The cast the device does without offload, as RefreshComputeShards.
@@ -364,13 +376,13 @@ void HostOffload::ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const 
   if (scale.defined()) p.host_grad.mul_(scale);  // clipping's multiplication
 }
 
-void HostOffload::StepDeferred(FsdpParam& p, const at::Tensor& landed_grad,
+void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
                                const at::Tensor& compute_shard, const HostStep& step,
                                const at::Tensor& scale) {
   at::NoGradGuard no_grad;
   const at::Tensor master = p.sharded.view(-1);
   const at::Tensor grad = p.host_grad.view(-1);
-  const at::Tensor landed = landed_grad.view(-1);
+  const at::Tensor landed = landed_grad.defined() ? landed_grad.view(-1) : at::Tensor();
   const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
   // Slices on ATen's intra-op threads, each converted, clipped, stepped and cast while it is in
@@ -379,9 +391,11 @@ void HostOffload::StepDeferred(FsdpParam& p, const at::Tensor& landed_grad,
     for (int64_t s = first; s < last; ++s) {
       const int64_t begin = s * kStepSlice;
       const int64_t len = std::min(kStepSlice, n - begin);
-      at::Tensor g = grad.narrow(0, begin, len);
-      g.copy_(landed.narrow(0, begin, len));
-      if (scale.defined()) g.mul_(scale);
+      if (landed.defined()) {  // a deferred gradient: converted and clipped here
+        at::Tensor g = grad.narrow(0, begin, len);
+        g.copy_(landed.narrow(0, begin, len));
+        if (scale.defined()) g.mul_(scale);
+      }
       step.run_slice(p.sharded, begin, len);
       if (compute.defined()) compute.narrow(0, begin, len).copy_(master.narrow(0, begin, len));
     }

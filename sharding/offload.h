@@ -108,7 +108,10 @@
 //     deferred parameter a chunk at a time on ATen's intra-op threads: the chunk of host_grad is
 //     written from host_compute_grad (exact) and multiplied by the coefficient (clipping's
 //     multiplication), the chunk's AdamW update runs on it, and the chunk of host_compute_shard is
-//     cast from the updated master, each while the chunk is in cache. The values are those of the
+//     cast from the updated master, each while the chunk is in cache. Every other parameter with
+//     a loaded copy to cast (kParams: several shards, or a gradient summed on the host) is stepped
+//     the same way without the conversion: its update and its cast a chunk at a time, one pass
+//     instead of two. The values are those of the
 //     three passes, bit for bit (elementwise ops, slices at multiples of 16 elements: Note
 //     [Prepared steps]); .grad holds the clipped gradient afterwards, as it would have.
 //   - Anything else that needs the fp32 .grads first calls MaterializeDeferred (the in-place
@@ -376,10 +379,11 @@ class HostOffload {
   void FinishOnHost(const HostTask& task);
   // Note [Deferred gradient conversion]: p's .grad from its landed gradient, times `scale` when
   // defined; and the sliced pass of StepInOrder's job over one parameter.
-  // `landed`: where its gradient landed (host_compute_grad when queued); `compute`: the
-  // loaded copy to cast the updated master into (undefined: none).
+  // `landed`: where its gradient landed (host_compute_grad when queued; StepInSlices:
+  // undefined when p's .grad is final already); `compute`: the loaded copy to cast the updated
+  // master into, a slice at a time (undefined: none).
   void ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& scale);
-  void StepDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& compute,
+  void StepInSlices(FsdpParam& p, const at::Tensor& landed, const at::Tensor& compute,
                     const HostStep& step, const at::Tensor& scale);
 
   struct InFlight {
