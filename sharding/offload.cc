@@ -430,9 +430,9 @@ std::optional<at::Tensor> HostOffload::ClipDeferred(const std::vector<FsdpParam*
   }
   const ClipNorm clip = ClipNormFromTerms(terms, max_norm, device, /*sum_over=*/nullptr);
   if (device.is_cuda()) {
-    if (!clip_scale_host_.defined()) {
-      clip_scale_host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
-    }
+    // A new pinned scalar each time: a delayed update may still read the last one (Note
+    // [Delayed parameter update]; the caching host allocator reuses it once that is done).
+    clip_scale_host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
     clip_scale_host_.copy_(clip.coef, /*non_blocking=*/true);
     const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
     clip_scale_ready_ = std::make_shared<c10::Event>(device.type());
