@@ -47,9 +47,7 @@ class TrainableModel {
   // `delayed`: the next step's forward and backward use the parameters from before this update
   // (parallelism.offload_delayed_update; Note [Delayed parameter update] in
   // sharding/offload.h); ignored where the model cannot delay it.
-  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed = false) {
-    return false;
-  }
+  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) { return false; }
   // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
   // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
   // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when

@@ -624,8 +624,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   }
 
   // A delayed update (Note [Delayed parameter update] in sharding/offload.h) runs through the
-  // whole next step; the host's thread then converts that step's gradients, and the end of its
-  // backward waits for both: exposed is what they take beyond the device's step. Not on a CPU
+  // whole next step, and the host's thread converts that step's gradients after it; the next
+  // update waits for both: exposed is what they take beyond the device's step. Not on a CPU
   // profile (one pool of cores, as above).
   if (host_step_s > 0 && sharding.options.offload_delayed_update &&
       sharding.options.offload_overlap_step && !cpu_profile) {

@@ -323,7 +323,7 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
   const RunConfig& config = request.config;
   if (best.offload == Offload::kNone) return "";
   std::string hint;
-  PlanRequest base = WithModes(request, best.activation_checkpointing, best.offload);
+  const PlanRequest base = WithModes(request, best.activation_checkpointing, best.offload);
   Prediction fastest = best;
   struct Candidate {
     bool keep, last;
@@ -333,7 +333,7 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
   std::vector<std::string> chosen_sets;
   static constexpr Candidate kCandidates[] = {{true, true}, {true, false}, {false, true}};
   for (const Candidate& c : kCandidates) {
-    if (config.training.grad_accum_steps < 2) break;
+    if (config.training.grad_accum_steps < 2) break;  // nothing to copy less often
     PlanRequest r = base;
     std::vector<std::string> sets;
     if (c.keep && config.parallelism.reshard_between_micro_batches) {

@@ -618,16 +618,16 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   }
   // Note [Deferred gradient conversion]: a deferred gradient is converted before a second one
   // lands over it (accumulation on the host); an entry whose .grad was reset since is stale.
-  if (auto it = deferred_.find(&p); it != deferred_.end()) {
-    if (add) {
-      WaitForDelayedStep(p);  // Note [Delayed parameter update]: it may still use host_grad
-      ConvertDeferred(p, p.host_compute_grad, at::Tensor());
-      ++stats_.deferred_materialized;
-    }
-    deferred_.erase(it);
+  auto deferred = deferred_.find(&p);
+  const bool converts_deferred = deferred != deferred_.end() && add;
+  // Note [Delayed parameter update]: host_grad, written here by the conversion or the copy, is
+  // the .grad a delayed update may still read.
+  if (converts_deferred || (!narrow && !add)) WaitForDelayedStep(p);
+  if (converts_deferred) {
+    ConvertDeferred(p, p.host_compute_grad, at::Tensor());
+    ++stats_.deferred_materialized;
   }
-  // Note [Delayed parameter update]: host_grad is the .grad a delayed update may still read.
-  if (!narrow && !add) WaitForDelayedStep(p);
+  if (deferred != deferred_.end()) deferred_.erase(deferred);
   const bool defer = defer_conversion_ && narrow && !add;
   if (defer) {
     deferred_[&p] = ClipNormTerms({g}).front();  // on the device, from the bf16 values

@@ -8,6 +8,7 @@
 // the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -22,8 +23,8 @@
 #include "sharding/fsdp_model.h"
 #include "tests/gpu_skip.h"
 #include "tests/multirank.h"
-#include "tests/train_run.h"
 #include "tests/tiny_gpt.h"
+#include "tests/train_run.h"
 
 namespace fsdp {
 namespace {
@@ -96,10 +97,10 @@ double ForwardBackward(Wrapped& w, const Case& c, int step, int rank, int world)
   for (int m = 0; m < c.micro_batches; ++m) {
     const int64_t begin = (rank * c.micro_batches + m) * micro;
     torch::Tensor logits = w.model->forward(x.narrow(0, begin, micro));
-    torch::Tensor loss = torch::nn::functional::cross_entropy(
-                             logits.reshape({-1, w.config.vocab}),
-                             y.narrow(0, begin, micro).reshape({-1})) /
-                         c.micro_batches;
+    torch::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, w.config.vocab}),
+                                             y.narrow(0, begin, micro).reshape({-1})) /
+        c.micro_batches;
     loss.backward();
     loss_sum += loss.item<double>();
   }
@@ -140,7 +141,9 @@ RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device dev
       if (slow_host) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       prepared->Run(masters);
     };
-    host_step.can_run_slices = [prepared](const at::Tensor& p) { return prepared->CanRunSlices(p); };
+    host_step.can_run_slices = [prepared](const at::Tensor& p) {
+      return prepared->CanRunSlices(p);
+    };
     host_step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
       prepared->RunSlice(p, begin, n);
     };
@@ -179,81 +182,89 @@ RunResult TrainReference(const Case& c, DeviceMesh& mesh, int rank, bool delay,
   return run;
 }
 
-class OffloadDelayedTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
-  const int world = GetParam();
+// On `world` ranks (sharing the GPU with `cuda`), `body` for each offload mode, fp32 and bf16, and
+// each of `micro_batches`.
+void ForEachCase(int world, bool cuda, const std::vector<int>& micro_batches,
+                 const std::function<void(const Case&, DeviceMesh&, int rank, at::Device)>& body) {
   testing::RunOnRanks(world, [&](int rank) {
-    std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
-    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
+    std::shared_ptr<DistContext> ctx =
+        cuda ? testing::InitCudaDist(world) : testing::InitDist(testing::TestDistOptions());
+    ASSERT_EQ(ctx->device().is_cuda(), cuda);
+    DeviceMesh mesh =
+        *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
     for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
       for (bool bf16 : {false, true}) {
-        for (int micro_batches : {1, 2}) {
-          const Case c{offload, bf16, micro_batches};
-          SCOPED_TRACE(StrCat(Name(c), " rank ", rank));
-          RunResult delayed = TrainDelayed(c, mesh, rank);
-          RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
-          RunResult fresh = TrainReference(c, mesh, rank, /*delay=*/false);
-          ASSERT_EQ(delayed.losses.size(), static_cast<size_t>(kSteps));
-          EXPECT_EQ(delayed.losses, reference.losses);
-          ASSERT_EQ(delayed.masters.size(), reference.masters.size());
-          for (const auto& [name, master] : reference.masters) {
-            EXPECT_TRUE(torch::equal(delayed.masters.at(name), master)) << name;
-          }
-          // The control: the delay changes the run from the second step on, by far more than
-          // the GPU test's tolerance.
-          EXPECT_EQ(delayed.losses[0], fresh.losses[0]);
-          EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]), 1e-3 * std::abs(fresh.losses[1]));
-          EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
-          EXPECT_EQ(delayed.stats.overlapped_steps, kSteps);
-          // The second buffers, in the host's model state: offload params a loaded copy per
-          // parameter (fp32 compute: two, where it had none) and, bf16 on one rank, a landing
-          // buffer; offload optimizer none.
-          Wrapped plain = Wrap(c, /*offload=*/true, mesh, at::kCPU, /*delayable=*/false);
-          int64_t padded = 0, real = 0;
-          for (const FsdpUnit* unit : plain.fsdp->units()) {
-            for (const FsdpParam& p : unit->params()) {
-              padded += p.host_shard.numel();
-              if (p.requires_grad) real += p.sharded.numel();
-            }
-          }
-          const int64_t width = bf16 ? 2 : 4;
-          int64_t extra = 0;
-          if (offload == Offload::kParams) {
-            extra = padded * width * (bf16 ? 1 : 2) + (bf16 && world == 1 ? real * width : 0);
-          }
-          EXPECT_EQ(delayed.host_bytes - plain.fsdp->model_state_bytes().host, extra);
-          // Offload params, one shard, bf16, one micro-batch: the gradients stayed in bf16
-          // until the delayed update read them, from the buffer they landed in while the next
-          // step's landed in the other (Note [Deferred gradient conversion]).
-          const bool deferred = offload == Offload::kParams && bf16 && world == 1;
-          EXPECT_EQ(delayed.stats.deferred_steps > 0, deferred && micro_batches == 1);
+        for (int micro : micro_batches) {
+          const Case c{offload, bf16, micro};
+          SCOPED_TRACE(StrCat(Name(c), " world ", world, " rank ", rank));
+          body(c, mesh, rank, ctx->device());
         }
       }
     }
   });
 }
 
+void ExpectSameMasters(const RunResult& run, const RunResult& reference) {
+  ASSERT_EQ(run.masters.size(), reference.masters.size());
+  for (const auto& [name, master] : reference.masters) {
+    EXPECT_TRUE(torch::equal(run.masters.at(name), master)) << name;
+  }
+}
+
+class OffloadDelayedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
+  const int world = GetParam();
+  ForEachCase(
+      world, /*cuda=*/false, {1, 2}, [&](const Case& c, DeviceMesh& mesh, int rank, at::Device) {
+        const auto [offload, bf16, micro_batches] = c;
+        RunResult delayed = TrainDelayed(c, mesh, rank);
+        RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
+        RunResult fresh = TrainReference(c, mesh, rank, /*delay=*/false);
+        ASSERT_EQ(delayed.losses.size(), static_cast<size_t>(kSteps));
+        EXPECT_EQ(delayed.losses, reference.losses);
+        ExpectSameMasters(delayed, reference);
+        // The control: the delay changes the run from the second step on, by far more than
+        // the GPU test's tolerance.
+        EXPECT_EQ(delayed.losses[0], fresh.losses[0]);
+        EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]), 1e-3 * std::abs(fresh.losses[1]));
+        EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
+        EXPECT_EQ(delayed.stats.overlapped_steps, kSteps);
+        // The second buffers, in the host's model state: offload params a loaded copy per
+        // parameter (fp32 compute: two, where it had none) and, bf16 on one rank, a landing
+        // buffer; offload optimizer none.
+        Wrapped plain = Wrap(c, /*offload=*/true, mesh, at::kCPU, /*delayable=*/false);
+        int64_t padded = 0, real = 0;
+        for (const FsdpUnit* unit : plain.fsdp->units()) {
+          for (const FsdpParam& p : unit->params()) {
+            padded += p.host_shard.numel();
+            if (p.requires_grad) real += p.sharded.numel();
+          }
+        }
+        const int64_t width = bf16 ? 2 : 4;
+        int64_t extra = 0;
+        if (offload == Offload::kParams) {
+          extra = padded * width * (bf16 ? 1 : 2) + (bf16 && world == 1 ? real * width : 0);
+        }
+        EXPECT_EQ(delayed.host_bytes - plain.fsdp->model_state_bytes().host, extra);
+        // Offload params, one shard, bf16, one micro-batch: the gradients stayed in bf16
+        // until the delayed update read them, from the buffer they landed in while the next
+        // step's landed in the other (Note [Deferred gradient conversion]).
+        const bool deferred = offload == Offload::kParams && bf16 && world == 1;
+        EXPECT_EQ(delayed.stats.deferred_steps > 0, deferred && micro_batches == 1);
+      });
+}
+
 // The same with an update slower than the next step's forward and backward: a gradient that
 // lands on the host while its unit's update still reads the .grad buffer waits for it.
 TEST_P(OffloadDelayedTest, SlowHostUpdateStillEqualsTheReference) {
-  const int world = GetParam();
-  testing::RunOnRanks(world, [&](int rank) {
-    std::shared_ptr<DistContext> ctx = testing::InitDist(testing::TestDistOptions());
-    DeviceMesh mesh = *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
-    for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
-      for (bool bf16 : {false, true}) {
-        const Case c{offload, bf16, /*micro_batches=*/2};
-        SCOPED_TRACE(StrCat(Name(c), " rank ", rank));
-        RunResult delayed = TrainDelayed(c, mesh, rank, at::kCPU, /*slow_host=*/true);
-        RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
-        EXPECT_EQ(delayed.losses, reference.losses);
-        for (const auto& [name, master] : reference.masters) {
-          EXPECT_TRUE(torch::equal(delayed.masters.at(name), master)) << name;
-        }
-      }
-    }
-  });
+  ForEachCase(GetParam(), /*cuda=*/false, {2},
+              [&](const Case& c, DeviceMesh& mesh, int rank, at::Device) {
+                RunResult delayed = TrainDelayed(c, mesh, rank, at::kCPU, /*slow_host=*/true);
+                RunResult reference = TrainReference(c, mesh, rank, /*delay=*/true);
+                EXPECT_EQ(delayed.losses, reference.losses);
+                ExpectSameMasters(delayed, reference);
+              });
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, OffloadDelayedTest, ::testing::Values(1, 2),
@@ -266,35 +277,25 @@ INSTANTIATE_TEST_SUITE_P(Worlds, OffloadDelayedTest, ::testing::Values(1, 2),
 TEST(OffloadDelayedCudaTest, EqualsTheStaleReferenceOnTheGpu) {
   FSDP_SKIP_WITHOUT_GPU();
   for (int world : {1, 2}) {
-    testing::RunOnRanks(world, [&](int rank) {
-      std::shared_ptr<DistContext> ctx = testing::InitCudaDist(world);
-      ASSERT_TRUE(ctx->device().is_cuda());
-      DeviceMesh mesh =
-          *DeviceMesh::Create(ctx, *MeshShapeForStrategy(Strategy::kFullShard, world, 1));
-      for (Offload offload : {Offload::kParams, Offload::kOptimizer}) {
-        for (bool bf16 : {false, true}) {
-          for (int micro_batches : {1, 2}) {
-            const Case c{offload, bf16, micro_batches};
-            SCOPED_TRACE(StrCat(Name(c), " world ", world, " rank ", rank));
-            RunResult delayed = TrainDelayed(c, mesh, rank, ctx->device());
-            RunResult reference = TrainReference(c, mesh, rank, true, ctx->device());
-            RunResult fresh = TrainReference(c, mesh, rank, false, ctx->device());
-            ASSERT_EQ(delayed.losses.size(), static_cast<size_t>(kSteps));
-            for (int step = 0; step < kSteps; ++step) {
-              EXPECT_NEAR(delayed.losses[step], reference.losses[step],
-                          1e-4 * std::abs(reference.losses[step]))
-                  << "step " << step;
-            }
-            for (const auto& [name, master] : reference.masters) {
-              EXPECT_TRUE(torch::allclose(delayed.masters.at(name), master, 1e-3, 1e-5)) << name;
-            }
-            EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]),
-                      1e-3 * std::abs(fresh.losses[1]));
-            EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
-          }
-        }
-      }
-    });
+    ForEachCase(world, /*cuda=*/true, {1, 2},
+                [&](const Case& c, DeviceMesh& mesh, int rank, at::Device device) {
+                  RunResult delayed = TrainDelayed(c, mesh, rank, device);
+                  RunResult reference = TrainReference(c, mesh, rank, true, device);
+                  RunResult fresh = TrainReference(c, mesh, rank, false, device);
+                  ASSERT_EQ(delayed.losses.size(), static_cast<size_t>(kSteps));
+                  for (int step = 0; step < kSteps; ++step) {
+                    EXPECT_NEAR(delayed.losses[step], reference.losses[step],
+                                1e-4 * std::abs(reference.losses[step]))
+                        << "step " << step;
+                  }
+                  for (const auto& [name, master] : reference.masters) {
+                    EXPECT_TRUE(torch::allclose(delayed.masters.at(name), master, 1e-3, 1e-5))
+                        << name;
+                  }
+                  EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]),
+                            1e-3 * std::abs(fresh.losses[1]));
+                  EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
+                });
   }
 }
 
@@ -315,11 +316,11 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
   for (const std::vector<std::string>& mode : modes) {
     SCOPED_TRACE(StrJoin(mode, " "));
     auto train = [&](const std::string& dir, std::vector<std::string> sets) {
-      sets.insert(sets.begin(),
-                  {"training.steps=6", "training.log_interval=1", "training.eval_interval=4",
-                   "training.micro_batch_size=2", "model.n_layers=2",
-                   "training.mixed_precision=bf16", "training.max_grad_norm=0.05",
-                   "checkpoint.enabled=true", "checkpoint.interval=3"});
+      sets.insert(
+          sets.begin(),
+          {"training.steps=6", "training.log_interval=1", "training.eval_interval=4",
+           "training.micro_batch_size=2", "model.n_layers=2", "training.mixed_precision=bf16",
+           "training.max_grad_norm=0.05", "checkpoint.enabled=true", "checkpoint.interval=3"});
       sets.insert(sets.begin() + 1, mode.begin(), mode.end());
       return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
     };
@@ -356,10 +357,9 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
       EXPECT_GT(on["deferred_steps"].get<int64_t>(), 0) << on.dump();
     }
     // Resumed from step 3 of the delayed run, with the delay: steps 4-6 are that run's.
-    testing::TrainRun resumed =
-        train(resume_dir, {"parallelism.offload_delayed_update=true",
-                           "checkpoint.load=" + delayed_dir + "/checkpoints/" +
-                               ckpt::StepDirName(3)});
+    testing::TrainRun resumed = train(
+        resume_dir, {"parallelism.offload_delayed_update=true",
+                     "checkpoint.load=" + delayed_dir + "/checkpoints/" + ckpt::StepDirName(3)});
     ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
     for (int64_t step = 4; step <= 6; ++step) {
       EXPECT_EQ(resumed.losses.at(step), delayed.losses.at(step)) << "step " << step;
