@@ -194,8 +194,8 @@ struct MetricsSection {
 struct CheckpointSection {
   bool enabled = false;
   std::string dir;            // "": <run.dir>/checkpoints
-  // Steps between saves; 0: only at the end. SIGTERM also saves, at the next log interval
-  // (where the ranks agree on it without an extra collective per step).
+  // Steps between saves; 0: only at the end. SIGTERM also saves, after the step that follows
+  // the signal's (Note [SIGTERM at every step], engine/term_watch.h).
   int64_t interval = 0;
   int64_t keep_latest_k = 3;  // older committed checkpoints are removed; the newest never
   std::string load;           // "": start fresh; "latest": newest in dir (none: fresh); a path

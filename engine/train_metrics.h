@@ -6,7 +6,8 @@
 // the FSDP_PROGRESS_FILE the CLI sets).
 //
 // Collective: Log() all-reduces over the world; every rank calls it at the same steps. The same
-// all-reduce carries whether any rank got SIGTERM, so all ranks stop at the same step.
+// all-reduce carries whether any rank got SIGTERM, so all ranks stop at the same step (between
+// log steps, engine/term_watch.h tells them).
 //
 //   TrainMetrics metrics(config, ctx, device, flops_per_token, comm, jsonl);
 //   metrics.BeginStep();  ...the step...

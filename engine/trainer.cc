@@ -37,6 +37,7 @@
 #include "engine/same_config.h"
 #include "engine/schedule.h"
 #include "engine/train_metrics.h"
+#include "engine/term_watch.h"
 #include "engine/trainable.h"
 #include "engine/unwrapped.h"
 #include "models/model.h"
@@ -288,7 +289,7 @@ absl::Status AsCheckpointFailure(absl::Status s) {
   return WithFailureClass(std::move(s), FailureClass::kCheckpoint);
 }
 
-// SIGTERM reached every rank at the same log interval: the caller saved (a step already saved
+// Every rank learnt of a SIGTERM at the same step: the caller saved (a step already saved
 // by the periodic cadence is not saved twice: Checkpointer::Save); stop with the preempted
 // class (exit 143, Note [Exit codes]): the run did not finish, whichever ranks got the signal.
 absl::Status StopOnTerm(std::optional<Checkpointer>& checkpointer, int64_t step, int64_t steps,
@@ -733,6 +734,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                         t.profile_dir.empty() ? run_dir / "profile" : std::filesystem::path(t.profile_dir),
                         device, rank);
   FSDP_RETURN_IF_ERROR(WithFailureClass(profiler.Prepare(), FailureClass::kIo));
+  TermWatch term_watch(ctx->world());
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
@@ -774,17 +776,21 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
           " updates in a row skipped (non-finite loss or gradient norm): training diverged; "
           "lower optimizer.lr, or check the data")), FailureClass::kNonFinite);
     }
+    // See Note [SIGTERM at every step] (engine/term_watch.h): the same answer on every rank.
+    const bool term_seen = term_watch.Poll(TermRequested());
     if (checkpointer) FSDP_RETURN_IF_ERROR(AsCheckpointFailure(checkpointer->PollBackgroundSave()));
     if (done < t.steps) FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/false));
     // An evaluation due between two log steps logs the interval so far with it (it ran only at
     // log steps, so with eval_interval 25 and log_interval 10 every other one was skipped).
     const bool eval_due =
         t.eval_interval > 0 && (done % t.eval_interval == 0 || done == t.steps);
-    if (!metrics.ShouldLog(done) && !eval_due) continue;
+    // A stop logs the steps since the last log before it saves.
+    if (!metrics.ShouldLog(done) && !eval_due && !term_seen) continue;
     FSDP_ASSIGN_OR_RETURN(IntervalEnd end, metrics.Log(done, TermRequested()));
     if (end.first_nonfinite >= 0) return NonFiniteError(end.first_nonfinite);
     // SIGTERM during the last step: the run has finished; it ends as usual (saved, exit 0).
-    if (end.terminate && done < t.steps) {
+    if ((end.terminate || term_seen) && done < t.steps) {
+      term_watch.Drain();
       if (checkpointer && checkpointer->enabled()) {
         FSDP_RETURN_IF_ERROR(maybe_save(done, /*last=*/true));
         // Rank 0 commits after the others have written their shards: they wait for it here,
@@ -804,6 +810,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   }
 
   // ===== the end: last checkpoint, statistics ===================================================
+  term_watch.Drain();
   trained->FinishStep();  // an overlapped step's last units (Note [Overlapped host step])
   FSDP_RETURN_IF_ERROR(maybe_save(t.steps, /*last=*/true));
   const ModelStateBytes model_state =

@@ -271,6 +271,29 @@ TEST(CheckpointFaultTest, SigtermToOneRankStopsEveryRankAsPreempted) {
   fs::remove_all(dir);
 }
 
+// Issue: SIGTERM was acted on only at log steps; with a log interval of 100 steps of a few
+// seconds each, the scheduler's grace period ran out first and killed the ranks unsaved. Now
+// every rank stops after the step that follows the signal's (one rank: at the signal's step),
+// whatever the log interval, and logs the steps since the last log before saving.
+TEST(CheckpointFaultTest, SigtermBetweenLogStepsStopsWithinAStep) {
+  std::string dir = FreshTempDir("sigterm-unlogged");
+  const std::vector<std::string> sets = {"checkpoint.enabled=true", "checkpoint.interval=100",
+                                         "training.steps=20", "training.log_interval=100"};
+  for (int world : {2, 1}) {
+    const std::string run_dir = StrCat(dir, "/world", world);
+    TrainRun run = Train(run_dir, world, "full_shard", sets, {{"FSDP_TEST_SIGTERM", "0@3"}});
+    EXPECT_EQ(run.result.exit.code, 143) << run.result.Output();
+    const int64_t stop = world == 1 ? 3 : 4;
+    EXPECT_TRUE(run.result.StderrHas(StrCat("stopped by SIGTERM after step ", stop,
+                                            " of 20; step ", stop, " is saved")))
+        << run.result.Output();
+    EXPECT_THAT(ckpt::LatestCheckpoint(run_dir + "/checkpoints"),
+                ::fsdp::testing::IsOkAndHolds(run_dir + "/checkpoints/" + ckpt::StepDirName(stop)));
+    EXPECT_EQ(run.losses.size(), static_cast<size_t>(stop)) << run.result.Output();
+  }
+  fs::remove_all(dir);
+}
+
 // Issue: SIGTERM landing on a checkpoint-interval step saved that step twice and committed a
 // folder without rank00001.bin. With log_interval 1 the SIGTERM save is seen at every step, so
 // it always coincides with interval 1, and with interval 2 on even steps.
