@@ -534,7 +534,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
                                ? padded_total / n *
                                      (sliced ? loaded_bytes : (4 + loaded_bytes) * kHostCastCost)
                                : 0;
-    const double step_bytes = deferred ? kHostDeferredStepBytesPerParam : kHostOptimizerBytesPerParam;
+    const double step_bytes =
+        deferred ? kHostDeferredStepBytesPerParam : kHostOptimizerBytesPerParam;
     host_step_s = host_bw > 0 ? (real / n * step_bytes + refresh) / host_bw : 0;
     time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
   }

@@ -1174,7 +1174,8 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
 // too (30 + 2 bytes instead of 32 + 12 and the conversion's 16). On a CPU profile nothing is
 // hidden, so the host's time is its bytes.
 TEST(CostModelTest, SlicedHostStepCountsOnePass) {
-  const std::vector<std::string> base = {"parallelism.offload=params", "training.grad_accum_steps=4"};
+  const std::vector<std::string> base = {"parallelism.offload=params",
+                                         "training.grad_accum_steps=4"};
   auto optimizer_s = [&](std::vector<std::string> sets, bool overlap) {
     sets.insert(sets.end(), base.begin(), base.end());
     if (!overlap) sets.push_back("parallelism.offload_overlap_step=false");
