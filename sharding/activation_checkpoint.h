@@ -20,8 +20,9 @@
 //               too (recorded in forward, replayed in the recompute through a node with
 //               linear's backward: ReplayedLinearBackward, or kernels::MultiLinear's for
 //               Linears), so the recompute runs only the ops between matmuls: norms, RoPE,
-//               activations, attention's core. torchtitan's op-level selective AC saves the
-//               same matmuls.
+//               activations, attention's core. (torchtitan's op-level selective AC saves
+//               every other matmul's output and attention's, and recomputes the rest: less
+//               memory, more recomputed FLOPs; here no matmul runs twice.)
 //
 // What the recompute must reproduce: the same values from the same input, parameters and
 // buffers. Randomness in a unit breaks that, so the first checkpointed forward of each unit
