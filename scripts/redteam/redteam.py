@@ -710,6 +710,13 @@ class Harness:
                                           f"checkpoint.async={asy}"],
                                     when=checkpoints_done(1), sig=signal.SIGTERM, victim=0,
                                     expect_exit=143, after=self.resumable)))
+        for asy in ("true", "false"):  # between log steps (Note [SIGTERM at every step])
+            trials.append((f"SIGTERM rank 1, log interval 50, interval 5, async {asy}",
+                           dict(sets=["training.steps=400", "checkpoint.enabled=true",
+                                      "checkpoint.interval=5", "checkpoint.keep_latest_k=1",
+                                      f"checkpoint.async={asy}", "training.log_interval=50"],
+                                when=checkpoints_done(1), sig=signal.SIGTERM, victim=1,
+                                expect_exit=143, after=self.resumable)))
         trials = self.sample(trials, 4)
         print(f"ranks: {len(trials)} runs with a rank killed, stopped or preempted", flush=True)
         for name, kw in trials:
