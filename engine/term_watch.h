@@ -11,7 +11,8 @@
 // device or its streams) and, before that, waits for the all-reduce it posted one step earlier.
 // Every rank reads the same sum at the same step, so all stop after the same step: the step
 // after the signal's. The wait costs nothing in practice: the collectives of a step already
-// keep the ranks within a step of each other.
+// keep the ranks within a step of each other (configs/default.yaml on 2 CPU ranks, 60 steps,
+// three runs each: 68-78 ms per step with the watch, 69-79 without).
 //
 // Collective over the world: every rank calls Poll once after every step, and Drain (or its
 // destructor's drop) at the end.
