@@ -32,7 +32,7 @@ namespace fsdp {
 
 class TermWatch {
  public:
-  explicit TermWatch(ProcessGroup& world) : world_(world) {}
+  explicit TermWatch(ProcessGroup& world);
 
   // Posts whether this rank has received SIGTERM and returns whether any rank had by its
   // previous call (the same answer on every rank). One rank alone: its own flag, at once.
@@ -42,7 +42,7 @@ class TermWatch {
 
  private:
   ProcessGroup& world_;
-  at::Tensor flag_;                      // 1 element, float, CPU: the last posted sum
+  at::Tensor flag_;                      // 1 element, float, CPU: posted, then the sum
   c10::intrusive_ptr<c10d::Work> work_;  // its all-reduce, null when none is in flight
 };
 

@@ -519,8 +519,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // offload params with a narrower compute dtype steps each parameter a slice at a time and
     // casts the slice into the loaded copy while it is in cache (sliced), and a gradient that
     // lands on the host alone is converted and clipped in the same pass (deferred).
-    const bool sliced = offload == Offload::kParams && loaded_bytes < 4 &&
-                        sharding.options.offload_overlap_step;
+    const bool casts = offload == Offload::kParams && loaded_bytes < 4;  // a loaded copy
+    const bool sliced = casts && sharding.options.offload_overlap_step;
     const bool deferred = sliced && narrow_grads_to_host && adds == 0;
     const double accumulate =
         narrow_grads_to_host
@@ -530,10 +530,9 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
     // Offload params with a narrower compute dtype: the cast of the shards after the step; in
     // the sliced step only its write.
-    const double refresh = offload == Offload::kParams && loaded_bytes < 4
-                               ? padded_total / n *
-                                     (sliced ? loaded_bytes : (4 + loaded_bytes) * kHostCastCost)
-                               : 0;
+    const double refresh =
+        casts ? padded_total / n * (sliced ? loaded_bytes : (4 + loaded_bytes) * kHostCastCost)
+              : 0;
     const double step_bytes =
         deferred ? kHostDeferredStepBytesPerParam : kHostOptimizerBytesPerParam;
     host_step_s = host_bw > 0 ? (real / n * step_bytes + refresh) / host_bw : 0;
