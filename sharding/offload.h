@@ -105,10 +105,11 @@
 //   - ClipDeferred gives the norm from those, in the parameters' order, and keeps the clipping
 //     coefficient instead of multiplying;
 //   - the step (StepInOrder, when the optimizer runs slices: engine/optimizer.h) goes through each
-//     deferred parameter a chunk at a time on ATen's intra-op threads: the chunk of host_grad is
-//     written from host_compute_grad (exact) and multiplied by the coefficient (clipping's
-//     multiplication), the chunk's AdamW update runs on it, and the chunk of host_compute_shard is
-//     cast from the updated master, each while the chunk is in cache. Every other parameter with
+//     deferred parameter a chunk (4M elements) at a time, each op on ATen's intra-op threads: the
+//     chunk of host_grad is written from host_compute_grad (exact) and multiplied by the
+//     coefficient (clipping's multiplication), the chunk's AdamW update runs on it, and the chunk
+//     of host_compute_shard is cast from the updated master, each while the chunk is in the
+//     shared cache. Every other parameter with
 //     a loaded copy to cast (kParams: several shards, or a gradient summed on the host) is stepped
 //     the same way without the conversion: its update and its cast a chunk at a time, one pass
 //     instead of two. The values are those of the

@@ -356,7 +356,8 @@ TEST(OffloadOverlapCudaTest, DeferredGradientsTrainAsTheStepInPlaceOnTheGpu) {
                    "training.micro_batch_size=2", "training.grad_accum_steps=2",
                    "model.n_layers=2", "training.mixed_precision=bf16",
                    "parallelism.offload=params", "training.max_grad_norm=0.05", accumulation});
-      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
+                               testing::WithGpus());
     };
     testing::TrainRun one_pass = train(testing::FreshTempDir("deferred-cuda-on"), {});
     ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
