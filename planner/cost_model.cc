@@ -25,11 +25,6 @@ constexpr double kOptimizerBytesPerParam = 64;
 // parameter, gradient and both moments and writes three of them back (28 bytes), clipping
 // reads the gradient (4).
 constexpr double kHostOptimizerBytesPerParam = 32;
-// The same for a deferred gradient (Note [Deferred gradient conversion] in sharding/offload.h):
-// one pass reads the bf16 gradient (2) and writes the fp32 .grad (4), clipping's multiplication
-// and the fp32 gradient AdamW reads stay in cache, AdamW's parameter and moments (24). Counted
-// at these bytes, like AdamW alone; unmeasured on a GPU machine's host.
-constexpr double kHostDeferredStepBytesPerParam = 30;
 // Bytes per parameter of each extra micro-batch's gradient accumulated on the host (offload
 // params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
 // writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
@@ -269,11 +264,9 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     freed after it, so the device holds the shards of the units in flight only. With a
 //     compute dtype narrower than fp32 (bf16) the host also keeps each shard cast to it
 //     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
-//     bytes of host memory traffic; with the overlapped step, cb: each slice is cast as it is
-//     updated, and a gradient that lands alone is converted in that pass too, for
-//     kHostDeferredStepBytesPerParam instead of the step's and the conversion's), and that
-//     copy is what moves and what the device holds:
-//     cb bytes per parameter instead of 4. Gradient shards go to the host every micro-batch
+//     bytes of host memory traffic; the overlapped step's slices cost the same, measured),
+//     and that copy is what moves and what the device holds: cb bytes per parameter instead
+//     of 4. Gradient shards go to the host every micro-batch
 //     that reduces (fp32; with one shard and an exact cast to the reduce dtype, in the compute
 //     dtype: cb bytes, landing in cb more bytes per parameter of pinned host memory), and a
 //     host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
@@ -515,27 +508,22 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // offload optimizer accumulate on the device), on a host thread behind the following
     // micro-batches' compute: only what it takes beyond that is exposed (Note [Offload]).
     const double adds = hybrid || no_sync || sums_on_device ? 0 : accum - 1;
-    // Note [Deferred gradient conversion] in sharding/offload.h, with the overlapped step:
-    // offload params with a narrower compute dtype steps each parameter a slice at a time and
-    // casts the slice into the loaded copy while it is in cache (sliced), and a gradient that
-    // lands on the host alone is converted and clipped in the same pass (deferred).
-    const bool casts = offload == Offload::kParams && loaded_bytes < 4;  // a loaded copy
-    const bool sliced = casts && sharding.options.offload_overlap_step;
-    const bool deferred = sliced && narrow_grads_to_host && adds == 0;
+    // Note [Deferred gradient conversion] in sharding/offload.h: with the overlapped step the
+    // host converts, clips, updates and casts offload params a slice at a time, one op after the
+    // other on all cores; on the H100 machine that took what the separate passes take (416 ms
+    // for llama_1b's host step, against ~440 for the passes one after the other), so the same
+    // bytes are counted either way.
     const double accumulate =
         narrow_grads_to_host
             ? adds * kHostAccumulateNarrowBytesPerParam * kHostAddNarrowCost +
-                  (deferred ? 0 : kHostConvertNarrowBytesPerParam * kHostCastCost)
+                  kHostConvertNarrowBytesPerParam * kHostCastCost
             : adds * kHostAccumulateBytesPerParam;
     accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
-    // Offload params with a narrower compute dtype: the cast of the shards after the step; in
-    // the sliced step only its write.
-    const double refresh =
-        casts ? padded_total / n * (sliced ? loaded_bytes : (4 + loaded_bytes) * kHostCastCost)
-              : 0;
-    const double step_bytes =
-        deferred ? kHostDeferredStepBytesPerParam : kHostOptimizerBytesPerParam;
-    host_step_s = host_bw > 0 ? (real / n * step_bytes + refresh) / host_bw : 0;
+    // Offload params with a narrower compute dtype: the cast of the shards after the step.
+    const double refresh = offload == Offload::kParams && loaded_bytes < 4
+                               ? padded_total / n * (4 + loaded_bytes) * kHostCastCost
+                               : 0;
+    host_step_s = host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0;
     time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
   }
 

@@ -1140,54 +1140,34 @@ TEST_F(PlanCliTest, BadInputsExitWithTwo) {
 
 // Note [Offload]: the host step overlapped with the next forward (the default) exposes only
 // what the forward does not hide, on a GPU; on a CPU profile, where both need the same cores,
-// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere. (fp32
-// compute: the same host bytes either way; with bf16 the overlapped step also slices them:
-// SlicedHostStepCountsOnePass.)
+// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere. The host's
+// bytes are the same either way: with bf16 offload params the overlapped step converts, updates
+// and casts a slice at a time, measured at the separate passes' speed (Note [Deferred gradient
+// conversion]), with or without grad_sync: last.
 TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
   for (const char* mode : {"optimizer", "params"}) {
-    SCOPED_TRACE(mode);
-    const std::string offload = StrCat("parallelism.offload=", mode);
-    const std::string fp32 = "training.mixed_precision=fp32";
-    for (const char* gpu : {"h100", "cpu"}) {
-      Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload, fp32}),
-                               {Strategy::kFullShard, 1, 1});
-      Prediction off = *Predict(
-          Request("llama_1b", 1, 1, gpu, {offload, fp32, "parallelism.offload_overlap_step=false"}),
-          {Strategy::kFullShard, 1, 1});
-      EXPECT_GT(on.time.optimizer_s, 0) << gpu;
-      if (std::string(gpu) == "cpu") {
-        EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
-        continue;
+    for (const char* sync : {"training.grad_sync=every", "training.grad_sync=last"}) {
+      SCOPED_TRACE(StrCat(mode, " ", sync));
+      const std::string offload = StrCat("parallelism.offload=", mode);
+      for (const char* gpu : {"h100", "cpu"}) {
+        Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload, sync}),
+                                 {Strategy::kFullShard, 1, 1});
+        Prediction off = *Predict(Request("llama_1b", 1, 1, gpu,
+                                          {offload, sync, "parallelism.offload_overlap_step=false"}),
+                                  {Strategy::kFullShard, 1, 1});
+        EXPECT_GT(on.time.optimizer_s, 0) << gpu;
+        if (std::string(gpu) == "cpu") {
+          EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
+          continue;
+        }
+        // Hidden: at most the first forward's blocks, never the root's and first block's step.
+        EXPECT_LT(on.time.optimizer_s, off.time.optimizer_s);
+        EXPECT_LE(off.time.optimizer_s - on.time.optimizer_s, on.time.compute_s / 3);
+        EXPECT_NEAR(on.time.step_s - on.time.optimizer_s, off.time.step_s - off.time.optimizer_s,
+                    1e-9);
       }
-      // Hidden: at most the first forward's blocks, never the root's and first block's step.
-      EXPECT_LT(on.time.optimizer_s, off.time.optimizer_s);
-      EXPECT_LE(off.time.optimizer_s - on.time.optimizer_s, on.time.compute_s / 3);
-      EXPECT_NEAR(on.time.step_s - on.time.optimizer_s, off.time.step_s - off.time.optimizer_s, 1e-9);
     }
   }
-}
-
-// Note [Offload], Note [Deferred gradient conversion] in sharding/offload.h: with bf16 compute
-// the overlapped step updates and casts each slice of offload params in one pass (the cast's
-// write only: 2 bytes per parameter instead of 4 + 2 read and written at twice the cost), and a
-// gradient that lands on the host alone (grad_sync: last) is converted and clipped in that pass
-// too (30 + 2 bytes instead of 32 + 12 and the conversion's 16). On a CPU profile nothing is
-// hidden, so the host's time is its bytes.
-TEST(CostModelTest, SlicedHostStepCountsOnePass) {
-  const std::vector<std::string> base = {"parallelism.offload=params",
-                                         "training.grad_accum_steps=4"};
-  auto optimizer_s = [&](std::vector<std::string> sets, bool overlap) {
-    sets.insert(sets.end(), base.begin(), base.end());
-    if (!overlap) sets.push_back("parallelism.offload_overlap_step=false");
-    return Predict(Request("llama_1b", 1, 1, "cpu", sets), {Strategy::kFullShard, 1, 1})
-        ->time.optimizer_s;
-  };
-  const double per_micro_batch = optimizer_s({}, false) - optimizer_s({}, true);  // 10 bytes
-  const double last = optimizer_s({"training.grad_sync=last"}, true);             // 32 bytes
-  const double last_separate = optimizer_s({"training.grad_sync=last"}, false);   // 60 bytes
-  EXPECT_GT(per_micro_batch, 0);
-  EXPECT_NEAR(last / last_separate, 32.0 / 60.0, 0.01);
-  EXPECT_NEAR(per_micro_batch / (last_separate - last), 10.0 / 28.0, 0.01);
 }
 
 // Note [Offload]: the delayed update (opt in) runs behind the whole next step on a GPU:
