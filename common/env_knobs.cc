@@ -10,7 +10,8 @@ constexpr std::array kAllKnobs = {
     kLogLevel,         kRendezvousTimeoutS, kCollectiveTimeoutS,
     kGlooSocketIfname, kOmpNumThreads,      kCheckpointCrashAfterWrite,
     kPython,           kTestVerbose,        kProgressFile,
-    kFailureDir,       kTestSigstop,        kTestSigterm,
+    kFailureDir,       kOffloadStepSlice,   kTestSigstop,
+    kTestSigterm,
 };
 
 }  // namespace

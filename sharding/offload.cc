@@ -12,7 +12,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/strides.h>
 
+#include "common/env.h"
+#include "common/env_knobs.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "sharding/fsdp_model.h"
@@ -90,14 +93,15 @@ void AddConverted(const at::Tensor& dst, const at::Tensor& src) {
   });
 }
 
-// Elements per slice of a sliced step (Note [Deferred gradient conversion]): the slice's fp32
+// Elements per slice of a sliced step (Note [Deferred gradient conversion]; the default of
+// FSDP_OFFLOAD_STEP_SLICE): the slice's fp32
 // gradient, master and moments and its two bf16 copies are ~80 MiB, held by a server's shared
 // L3 between the slice's four ops; a multiple of 16 elements (Note [Prepared steps]). The slices
 // run one after the other, each op on all of ATen's threads: on the H100 machine (16 cores) a
 // parallel_for over 2^18-element slices, the ops inside on one thread each, took 2.5x the
 // separate passes (582 against 236 ms for 0.48e9 parameters, ~200 us of overhead per slice at
 // 2^16); whole-tensor ops are the separate passes' speed.
-constexpr int64_t kStepSlice = int64_t{1} << 22;
+constexpr int64_t kDefaultStepSlice = int64_t{1} << 22;
 
 }  // namespace
 
@@ -107,6 +111,15 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
   std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
   offload->can_delay_ = delayed;
+  // Slices start at multiples of 16 elements (Note [Prepared steps]).
+  FSDP_ASSIGN_OR_RETURN(std::optional<int> slice,
+                        GetOptionalIntEnv(ProcessEnv(), kOffloadStepSlice.name, 16, 1 << 30));
+  if (slice.has_value() && *slice % 16 != 0) {
+    return absl::InvalidArgumentError(StrCat(kOffloadStepSlice.name, "=", *slice,
+                                             " is not a multiple of 16; valid: ",
+                                             kOffloadStepSlice.valid));
+  }
+  offload->step_slice_ = slice.value_or(kDefaultStepSlice);
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
@@ -390,9 +403,10 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
   // Slice after slice, each converted, clipped, stepped and cast while it is in the shared cache;
-  // each op on ATen's intra-op threads (kStepSlice says why not a parallel_for over slices).
-  for (int64_t begin = 0; begin < n; begin += kStepSlice) {
-    const int64_t len = std::min(kStepSlice, n - begin);
+  // each op on ATen's intra-op threads (kDefaultStepSlice says why not a parallel_for over
+  // slices).
+  for (int64_t begin = 0; begin < n; begin += step_slice_) {
+    const int64_t len = std::min(step_slice_, n - begin);
     if (landed.defined()) {  // a deferred gradient: converted and clipped here
       at::Tensor g = grad.narrow(0, begin, len);
       g.copy_(landed.narrow(0, begin, len));

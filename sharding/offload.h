@@ -406,6 +406,7 @@ class HostOffload {
   // and, with kOptimizer, copied the updated master into its device shard.
   std::map<FsdpParam*, uint64_t> step_task_;
   bool can_delay_ = false;     // Create's `delayed`
+  int64_t step_slice_ = 0;     // StepInSlices' elements per slice (FSDP_OFFLOAD_STEP_SLICE)
   bool step_delayed_ = false;  // the step in step_task_ was queued delayed
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;

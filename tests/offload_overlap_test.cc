@@ -8,11 +8,13 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <future>
 #include <mutex>
 
 #include <torch/torch.h>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -287,33 +289,38 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
 // a gradient that lands alone is converted, clipped and stepped in one pass; a second one (host
 // accumulation) converts the first on landing; the step in place converts as it lands. All three
 // give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
-// below the norms) and off.
+// below the norms) and off. The one pass runs whole tensors (the default slice is larger than
+// any of this model's) and, with FSDP_OFFLOAD_STEP_SLICE=1040, 1040-element slices that end
+// mid-tensor and leave a shorter last one.
 TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   namespace fs = std::filesystem;
   struct Case {
     std::vector<std::string> sets;
     bool deferred_steps;  // stepped in one pass (else converted on a second gradient's landing)
+    std::map<std::string, std::string> env;  // the one-pass run's
   };
   const Case cases[] = {
-      {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true},
+      {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true, {}},
       {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
-       true},
-      {{"training.grad_accum_steps=2", "training.max_grad_norm=0"}, false},
+       true,
+       {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
+      {{"training.grad_accum_steps=2", "training.max_grad_norm=0"}, false, {}},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(StrJoin(c.sets, " "));
-    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+    SCOPED_TRACE(StrJoin(c.sets, " ") + (c.env.empty() ? "" : " FSDP_OFFLOAD_STEP_SLICE=1040"));
+    auto train = [&](const std::string& dir, std::vector<std::string> sets,
+                     const std::map<std::string, std::string>& env = {}) {
       sets.insert(sets.begin(),
                   {"training.steps=4", "training.log_interval=1", "training.eval_interval=0",
                    "parallelism.nproc=1", "training.micro_batch_size=2", "model.n_layers=2",
                    "training.mixed_precision=bf16", "parallelism.offload=params",
                    "checkpoint.enabled=true", "checkpoint.interval=2"});
       sets.insert(sets.end(), c.sets.begin(), c.sets.end());
-      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets, env);
     };
     std::string one_pass_dir = testing::FreshTempDir("deferred-on"),
                 in_place_dir = testing::FreshTempDir("deferred-off");
-    testing::TrainRun one_pass = train(one_pass_dir, {});
+    testing::TrainRun one_pass = train(one_pass_dir, {}, c.env);
     ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
     testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
     ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
@@ -339,6 +346,27 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
     }
     fs::remove_all(one_pass_dir);
     fs::remove_all(in_place_dir);
+  }
+}
+
+// A bad FSDP_OFFLOAD_STEP_SLICE stops the run before training, naming the knob and what is valid.
+TEST(OffloadOverlapTrainTest, BadStepSliceIsAClearError) {
+  for (const auto& [value, message] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"1000", "FSDP_OFFLOAD_STEP_SLICE=1000 is not a multiple of 16"},
+           {"8", "FSDP_OFFLOAD_STEP_SLICE=8 is out of range"},
+           {"lots", "FSDP_OFFLOAD_STEP_SLICE"}}) {
+    SCOPED_TRACE(value);
+    const std::string dir = testing::FreshTempDir("bad-slice");
+    testing::TrainRun run = testing::RunTrain(
+        testing::SourceDir() + "/configs/default.yaml", dir,
+        {"training.steps=1", "parallelism.nproc=1", "model.n_layers=1",
+         "training.mixed_precision=bf16", "parallelism.offload=params"},
+        {{"FSDP_OFFLOAD_STEP_SLICE", value}});
+    EXPECT_FALSE(run.result.exit.ok()) << run.result.Output();
+    EXPECT_THAT(run.result.Output(), ::testing::HasSubstr(message));
+    EXPECT_TRUE(run.losses.empty()) << run.result.Output();
+    std::filesystem::remove_all(dir);
   }
 }
 
