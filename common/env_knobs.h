@@ -103,10 +103,11 @@ inline constexpr EnvKnob kFailureDir{
 // offload is created (Note [Deferred gradient conversion] in sharding/offload.h).
 inline constexpr EnvKnob kOffloadStepSlice{
     "FSDP_OFFLOAD_STEP_SLICE",
-    "elements per slice of the offload host's sliced step (parallelism.offload: params with bf16 "
-    "compute and the overlapped step): each slice's conversion, clipping, update and cast run "
-    "one after the other, each on all of ATen's threads; the same values at any slice (a "
-    "tuning knob for a host's caches, and the tests' way to cut small tensors into slices)",
+    "elements per slice of the offload host's sliced passes (parallelism.offload: params with "
+    "bf16 compute): the overlapped step's conversion, clipping, update and cast of each slice, "
+    "and the bf16 gradients' conversion and addition, one op after the other, each on all of "
+    "ATen's threads; the same values at any slice (a tuning knob for a host's caches, and the "
+    "tests' way to cut small tensors into slices)",
     "4194304 (2^22)", "a multiple of 16 in 16..1073741824", "sharding/offload.cc"};
 
 // FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.

@@ -76,21 +76,21 @@ absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool 
 // dst (fp32, host) += src (a narrower float dtype, same numel), each element dst + float(src)
 // rounded once: what dst.add_(src.to(dst's dtype)) gives, without ATen's mixed-dtype add_ (not
 // vectorised, ~9x slower per byte: docs/offload.md) or a full-size temporary. A chunk at a time
-// is converted into a cache-sized scratch and added, both with ATen's vectorised kernels.
-void AddConverted(const at::Tensor& dst, const at::Tensor& src) {
-  constexpr int64_t kChunk = int64_t{1} << 19;  // 2 MiB of fp32 scratch; ATen splits each op
+// (scratch's numel: the step's slice, FSDP_OFFLOAD_STEP_SLICE, 16 MiB by default) is converted
+// into `scratch` (fp32, reused across calls) and added, both with ATen's vectorised kernels on
+// all of its threads: one chunk after the other, each op's fork and join amortised over the
+// chunk (the sliced step's reason, kDefaultStepSlice).
+void AddConverted(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
   at::Tensor d = dst.view(-1);
   at::Tensor s = src.view(-1);
-  TORCH_INTERNAL_ASSERT(d.numel() == s.numel());
-  at::parallel_for(0, d.numel(), kChunk, [&](int64_t begin, int64_t end) {
-    at::Tensor scratch = at::empty({std::min(kChunk, end - begin)}, d.options());
-    for (int64_t i = begin; i < end; i += kChunk) {
-      const int64_t n = std::min(kChunk, end - i);
-      at::Tensor part = scratch.narrow(0, 0, n);
-      part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
-      d.narrow(0, i, n).add_(part);
-    }
-  });
+  TORCH_INTERNAL_ASSERT(d.numel() == s.numel() && scratch.dtype() == d.dtype());
+  const int64_t chunk = scratch.numel();
+  for (int64_t i = 0; i < d.numel(); i += chunk) {
+    const int64_t n = std::min(chunk, d.numel() - i);
+    at::Tensor part = scratch.narrow(0, 0, n);
+    part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
+    d.narrow(0, i, n).add_(part);
+  }
 }
 
 // Elements per slice of a sliced step (Note [Deferred gradient conversion]; the default of
@@ -758,7 +758,9 @@ void HostOffload::FinishOnHost(const HostTask& task) {
   } else if (task.src.scalar_type() == task.dst.scalar_type()) {
     task.dst.add_(task.src);
   } else {
-    AddConverted(task.dst, task.src);
+    // The adder's own scratch (only the adder runs tasks), allocated at its first addition.
+    if (!add_scratch_.defined()) add_scratch_ = at::empty({step_slice_}, task.dst.options());
+    AddConverted(task.dst, task.src, add_scratch_);
   }
   if (task.add) ++stats_.host_adds;
 }

@@ -36,8 +36,8 @@
 //              the shard's: with bf16 compute and fp32 reduce the cast is exact): the copy
 //              moves 2 bytes per parameter instead of 4 into host_compute_grad, and the host
 //              converts it into host_grad (ATen's copy_) or adds it there, converted a chunk at
-//              a time (AddConverted: bf16 -> fp32 into a cache-sized scratch, then fp32 add_,
-//              each vectorised with ATen's intra-op threads; ATen's mixed-dtype add_ is ~9x
+//              a time (AddConverted: bf16 -> fp32 into a 16 MiB scratch, then fp32 add_,
+//              each vectorised on ATen's intra-op threads; ATen's mixed-dtype add_ is ~9x
 //              slower, docs/offload.md). Either way each element is a + float(b) rounded once,
 //              the sum of the fp32 path and of the run without offload, bit for bit. With
 //              several shards the reduce-scatter's output is in the reduce dtype already.
@@ -407,6 +407,7 @@ class HostOffload {
   std::map<FsdpParam*, uint64_t> step_task_;
   bool can_delay_ = false;     // Create's `delayed`
   int64_t step_slice_ = 0;     // StepInSlices' elements per slice (FSDP_OFFLOAD_STEP_SLICE)
+  at::Tensor add_scratch_;     // the adder's fp32 chunk for AddConverted (offload.cc)
   bool step_delayed_ = false;  // the step in step_task_ was queued delayed
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;

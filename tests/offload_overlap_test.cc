@@ -291,7 +291,8 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
 // give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
 // below the norms) and off. The one pass runs whole tensors (the default slice is larger than
 // any of this model's) and, with FSDP_OFFLOAD_STEP_SLICE=1040, 1040-element slices that end
-// mid-tensor and leave a shorter last one.
+// mid-tensor and leave a shorter last one; so does the third case's conversion and addition of
+// the second gradient.
 TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   namespace fs = std::filesystem;
   struct Case {
@@ -304,7 +305,9 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
       {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
        true,
        {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
-      {{"training.grad_accum_steps=2", "training.max_grad_norm=0"}, false, {}},
+      {{"training.grad_accum_steps=2", "training.max_grad_norm=0"},
+       false,
+       {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(StrJoin(c.sets, " ") + (c.env.empty() ? "" : " FSDP_OFFLOAD_STEP_SLICE=1040"));
