@@ -40,10 +40,11 @@ constexpr std::array<std::pair<OptimizerKind, std::string_view>, 3> kKinds = {{
 // On CPU ATen's fused kernels open one parallel region per tensor, however small (grain 0):
 // dozens of fork/joins per step, which cost more than the arithmetic when threads are shared
 // (1-rank runs next to others) and made a step several times slower. So on CPU the small tensors
-// of a batch step one after another inside one at::parallel_for, where the kernel's own
-// parallel_for runs inline (in this project's build, without -fopenmp, that at::parallel_for
-// itself runs on the calling thread: docs/architecture.md), and only tensors of
-// kLargeCpuTensor elements or more use the kernel's own parallelism.
+// of a batch step one after another inside one at::parallel_for, and only tensors of
+// kLargeCpuTensor elements or more were meant to use the kernel's own parallelism. (In this
+// project's build, without -fopenmp, that at::parallel_for runs on the calling thread and does
+// not mark a parallel region: checked with torch 2.11, each small tensor's kernel still opens
+// its own, docs/architecture.md; found 2026-11-26, not yet changed.)
 // Weight decay follows libtorch: AdamW's decoupled (p *= 1 - lr * wd), Adam's and SGD's L2
 // (grad + wd * p). Results equal the per-tensor step to rounding, not bitwise (other operation
 // orders and fused multiply-adds).
