@@ -94,13 +94,13 @@ void AddConverted(const at::Tensor& dst, const at::Tensor& src, const at::Tensor
 }
 
 // Elements per slice of a sliced step (Note [Deferred gradient conversion]; the default of
-// FSDP_OFFLOAD_STEP_SLICE): the slice's fp32
-// gradient, master and moments and its two bf16 copies are ~80 MiB, held by a server's shared
-// L3 between the slice's four ops; a multiple of 16 elements (Note [Prepared steps]). The slices
-// run one after the other, each op on all of ATen's threads: on the H100 machine (16 cores) a
-// parallel_for over 2^18-element slices, the ops inside on one thread each, took 2.5x the
-// separate passes (582 against 236 ms for 0.48e9 parameters, ~200 us of overhead per slice at
-// 2^16); whole-tensor ops are the separate passes' speed.
+// FSDP_OFFLOAD_STEP_SLICE), a multiple of 16 (Note [Prepared steps]). Each of a slice's four ops
+// forks and joins ATen's threads (at::parallel_for in our code does not mark a parallel region:
+// docs/architecture.md), so the slice must be large enough to amortise that: on the H100
+// machine (16 cores, 0.48e9 parameters in a microbenchmark) 2^18-element slices took 582 ms on
+// a worker thread against 236 for whole-tensor passes, 2^20 278 ms, 2^22 236 ms, and 2^16 1714
+// ms (~200 us per slice). The slice's arrays (~80 MiB at 2^22) may stay in the shared L3 between
+// its ops; measured in the engine, the pass took what the separate passes take (docs/offload.md).
 constexpr int64_t kDefaultStepSlice = int64_t{1} << 22;
 
 }  // namespace
@@ -403,8 +403,7 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
   // Slice after slice, each converted, clipped, stepped and cast while it is in the shared cache;
-  // each op on ATen's intra-op threads (kDefaultStepSlice says why not a parallel_for over
-  // slices).
+  // each op on ATen's intra-op threads (kDefaultStepSlice says why the slices are large).
   for (int64_t begin = 0; begin < n; begin += step_slice_) {
     const int64_t len = std::min(step_slice_, n - begin);
     if (landed.defined()) {  // a deferred gradient: converted and clipped here
