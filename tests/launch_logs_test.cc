@@ -107,14 +107,18 @@ TEST(LaunchLogsTest, RedirectsLeaveTheLinesInTheFilesOnly) {
 }
 
 // A restart writes into a new attempt folder; the failure line names the failed rank's
-// stderr.log.
+// stderr.log. Rank 1 fails only once rank 0's line is in its log (else the launcher may stop
+// rank 0 before its echo ran: seen once on a loaded 2-core machine).
 TEST(LaunchLogsTest, ARestartGetsItsOwnAttemptFolder) {
   const std::string dir = testing::FreshTempDir("logs-restart");
+  const std::string rank0_first = LogFile(dir, "job", 0, 0, "stdout");
   CommandResult r = Launch({"--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1",
                             "--log-dir", dir, "--run-id", "job"},
-                           "echo attempt $TORCHELASTIC_RESTART_COUNT; "
-                           "if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then "
-                           "echo rank one fails >&2; exit 3; fi; sleep 0.2");
+                           StrCat("echo attempt $TORCHELASTIC_RESTART_COUNT; "
+                                  "if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then "
+                                  "for i in $(seq 200); do grep -q attempt ", rank0_first,
+                                  " 2>/dev/null && break; sleep 0.05; done; "
+                                  "echo rank one fails >&2; exit 3; fi; sleep 0.2"));
   ASSERT_TRUE(r.exit.ok()) << r.Output();
   const std::string failed_log = LogFile(dir, "job", 0, 1, "stderr");
   EXPECT_TRUE(
