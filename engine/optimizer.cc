@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -11,6 +13,8 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+
+#include "engine/host_adam.h"
 
 namespace fsdp {
 namespace {
@@ -309,6 +313,39 @@ class PreparedAdamStep final : public PreparedStep {
     Optimizer::RunFused(at::TensorList(&tensors[0], 1), at::TensorList(&tensors[1], 1),
                         at::TensorList(&tensors[2], 1), at::TensorList(&tensors[3], 1),
                         at::TensorList(&tensors[4], 1), batches_[b].second);
+  }
+
+  bool RunHostPass(const at::Tensor& param, const at::Tensor& grad, float scale,
+                   const at::Tensor& copy) const override {
+    auto it = where_.find(param.unsafeGetTensorImpl());
+    if (!fused_ || it == where_.end() || !HostAdamPassAvailable()) return false;
+    const Batch& all = batches_[it->second.batch].first;
+    const Options& o = batches_[it->second.batch].second;
+    const size_t i = it->second.index;
+    const int64_t n = param.numel();
+    auto usable = [&](const at::Tensor& t, at::ScalarType dtype, bool at_least) {
+      return t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
+             (at_least ? t.numel() >= n : t.numel() == n);
+    };
+    if (!usable(param, at::kFloat, false) || !usable(grad, at::kBFloat16, false) ||
+        !usable(all.exp_avgs[i], at::kFloat, false) ||
+        !usable(all.exp_avg_sqs[i], at::kFloat, false) ||
+        (copy.defined() && !usable(copy, at::kBFloat16, true))) {
+      return false;
+    }
+    HostAdamHyper hyper;
+    hyper.lr = o.lr();
+    std::tie(hyper.beta1, hyper.beta2) = o.betas();
+    hyper.eps = o.eps();
+    hyper.weight_decay = o.weight_decay();
+    hyper.decoupled = std::is_same_v<Options, torch::optim::AdamWOptions>;
+    hyper.step = static_cast<double>(all.step_values[i]);
+    if (o.amsgrad() || !HostAdamPassCovers(hyper)) return false;
+    HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
+                 all.exp_avg_sqs[i].data_ptr<float>(),
+                 reinterpret_cast<const uint16_t*>(grad.data_ptr()),
+                 copy.defined() ? reinterpret_cast<uint16_t*>(copy.data_ptr()) : nullptr);
+    return true;
   }
 
   void SlicesDone(const at::Tensor& param) override {

@@ -95,6 +95,10 @@ class FsdpTrainable final : public TrainableModel {
       prepared->RunSlice(p, begin, n);
     };
     step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
+    step.run_host_pass = [prepared](const at::Tensor& p, const at::Tensor& grad, float scale,
+                                    const at::Tensor& copy) {
+      return prepared->RunHostPass(p, grad, scale, copy);
+    };
     model_->StepOnHost(std::move(step), delayed && model_->context().offload->can_delay());
     return true;
   }

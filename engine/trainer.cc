@@ -834,6 +834,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"overlapped_steps", o.overlapped_steps},
                      {"deferred_steps", o.deferred_steps},
                      {"deferred_materialized", o.deferred_materialized},
+                     {"host_passes", o.host_passes},
                      {"delayed_steps", o.delayed_steps}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];

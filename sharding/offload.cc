@@ -402,9 +402,17 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   const at::Tensor landed = landed_grad.defined() ? landed_grad.view(-1) : at::Tensor();
   const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
-  // Slice after slice, each converted, clipped, stepped and cast while it is in the shared cache;
-  // each op on ATen's intra-op threads (kDefaultStepSlice says why the slices are large).
-  for (int64_t begin = 0; begin < n; begin += step_slice_) {
+  // A deferred bf16 gradient: the optimizer's one loop over the elements (Note [Host Adam
+  // pass]), which reads the bf16 gradient and writes the loaded copy itself (host_grad stays
+  // unwritten: its .grad slot is empty by now). Else, or when it cannot, ATen's ops slice after
+  // slice, each slice converted, clipped, stepped and cast, each op on ATen's intra-op threads
+  // (kDefaultStepSlice says why the slices are large).
+  const bool one_loop =
+      landed.defined() && step.run_host_pass &&
+      step.run_host_pass(p.sharded, landed, scale.defined() ? scale.item<float>() : 1.0f,
+                         compute);
+  stats_.host_passes += one_loop ? 1 : 0;
+  for (int64_t begin = 0; !one_loop && begin < n; begin += step_slice_) {
     const int64_t len = std::min(step_slice_, n - begin);
     if (landed.defined()) {  // a deferred gradient: converted and clipped here
       at::Tensor g = grad.narrow(0, begin, len);

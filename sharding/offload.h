@@ -104,7 +104,11 @@
 //     conversion, the host computation's own ops on the same values, so the same bits);
 //   - ClipDeferred gives the norm from those, in the parameters' order, and keeps the clipping
 //     coefficient instead of multiplying;
-//   - the step (StepInOrder, when the optimizer runs slices: engine/optimizer.h) goes through each
+//   - the step (StepInOrder): with AdamW (or Adam without decay) on a CPU whose ATen kernels it
+//     matches, the optimizer's one loop over the elements (Note [Host Adam pass],
+//     engine/host_adam.cc: the bf16 gradient times the coefficient, the update, the cast into
+//     host_compute_shard; 28 bytes per parameter; host_grad is not written); else, when the
+//     optimizer runs slices (engine/optimizer.h), each
 //     deferred parameter a chunk (4M elements) at a time, each op on ATen's intra-op threads: the
 //     chunk of host_grad is written from host_compute_grad (exact) and multiplied by the
 //     coefficient (clipping's multiplication), the chunk's AdamW update runs on it, and the chunk
@@ -198,6 +202,12 @@ struct HostStep {
   std::function<bool(const at::Tensor&)> can_run_slices;
   std::function<void(const at::Tensor&, int64_t, int64_t)> run_slice;  // master, begin, n
   std::function<void(const at::Tensor&)> slices_done;
+  // Optional: the whole update of a master from its bf16 gradient (times a clipping scale) in
+  // one loop, casting into the loaded copy (undefined: none); false when it cannot, having
+  // changed nothing (Note [Host Adam pass] in engine/host_adam.cc). slices_done follows.
+  std::function<bool(const at::Tensor& master, const at::Tensor& grad, float scale,
+                     const at::Tensor& copy)>
+      run_host_pass;
 };
 
 class HostOffload {
@@ -335,6 +345,8 @@ class HostOffload {
     // by the host step, and those converted apart (MaterializeDeferred, a second gradient).
     int64_t deferred_steps = 0;
     int64_t deferred_materialized = 0;
+    // Of deferred_steps: those stepped by the optimizer's one loop (Note [Host Adam pass]).
+    int64_t host_passes = 0;
     // Note [Delayed parameter update]: StepInOrder calls with `delayed` (of overlapped_steps).
     int64_t delayed_steps = 0;
   };

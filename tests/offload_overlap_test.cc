@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "checkpoint/format.h"
 #include "common/strings.h"
+#include "engine/host_adam.h"
 #include "engine/optimizer.h"
 #include "sharding/fsdp_model.h"
 #include "tests/gpu_skip.h"
@@ -289,10 +290,11 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
 // a gradient that lands alone is converted, clipped and stepped in one pass; a second one (host
 // accumulation) converts the first on landing; the step in place converts as it lands. All three
 // give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
-// below the norms) and off. The one pass runs whole tensors (the default slice is larger than
-// any of this model's) and, with FSDP_OFFLOAD_STEP_SLICE=1040, 1040-element slices that end
-// mid-tensor and leave a shorter last one; so does the third case's conversion and addition of
-// the second gradient.
+// below the norms) and off. The first case's AdamW runs the optimizer's one loop (Note [Host
+// Adam pass], where it matches ATen on this machine); the second's Adam with L2 decay, which
+// that loop does not cover, runs ATen's ops in 1040-element slices (FSDP_OFFLOAD_STEP_SLICE)
+// that end mid-tensor and leave a shorter last one; so does the third case's conversion and
+// addition of the second gradient.
 TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   namespace fs = std::filesystem;
   struct Case {
@@ -302,7 +304,8 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   };
   const Case cases[] = {
       {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true, {}},
-      {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
+      {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05",
+        "optimizer.name=adam"},
        true,
        {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
       {{"training.grad_accum_steps=2", "training.max_grad_norm=0"},
@@ -337,6 +340,11 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
       EXPECT_EQ(on["deferred_steps"].get<int64_t>() % 4, 0) << on.dump();
       EXPECT_EQ(on["deferred_materialized"], 0) << on.dump();
       EXPECT_EQ(on["host_adds"], 0) << on.dump();
+      // AdamW through the optimizer's one loop where it matches ATen here (Note [Host Adam
+      // pass]); Adam with weight decay (L2) through the slices.
+      const bool one_loop = HostAdamPassAvailable() && c.env.empty();
+      EXPECT_EQ(on["host_passes"], one_loop ? on["deferred_steps"].get<int64_t>() : 0)
+          << on.dump();
     } else {
       EXPECT_EQ(on["deferred_steps"], 0) << on.dump();
       EXPECT_GT(on["deferred_materialized"].get<int64_t>(), 0) << on.dump();
