@@ -548,7 +548,7 @@ for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep
         continue
     per = json.load(open(stats)).get("offload", {}).get("per_step", {})
     keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
-            "refresh_ms", "late_adds", "deferred_steps", "delayed_steps", "to_device_bytes",
+            "refresh_ms", "late_adds", "deferred_steps", "host_passes", "delayed_steps", "to_device_bytes",
             "to_host_bytes")
     print(f"{name} per step: " + ", ".join(
         f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
