@@ -10,8 +10,8 @@ constexpr std::array kAllKnobs = {
     kLogLevel,         kRendezvousTimeoutS, kCollectiveTimeoutS,
     kGlooSocketIfname, kOmpNumThreads,      kCheckpointCrashAfterWrite,
     kPython,           kTestVerbose,        kProgressFile,
-    kFailureDir,       kOffloadStepSlice,   kTestSigstop,
-    kTestSigterm,
+    kFailureDir,       kOffloadStepSlice,   kOffloadHostPass,
+    kTestSigstop,      kTestSigterm,
 };
 
 }  // namespace

@@ -110,6 +110,15 @@ inline constexpr EnvKnob kOffloadStepSlice{
     "tests' way to cut small tensors into slices)",
     "4194304 (2^22)", "a multiple of 16 in 16..1073741824", "sharding/offload.cc"};
 
+// FSDP_OFFLOAD_HOST_PASS: whether offload's host step may use the optimizer's one loop (Note
+// [Host Adam pass] in engine/host_adam.cc), read when a run's host offload is created.
+inline constexpr EnvKnob kOffloadHostPass{
+    "FSDP_OFFLOAD_HOST_PASS",
+    "off makes offload's host step update deferred bf16 gradients with ATen's ops in slices "
+    "instead of the optimizer's one loop (the same values; for measuring one against the "
+    "other)",
+    "on", "on, off", "sharding/offload.cc"};
+
 // FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.
 inline constexpr EnvKnob kTestSigstop{
     "FSDP_TEST_SIGSTOP",

@@ -60,7 +60,7 @@ stage_order=(
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
   offload_params_delayed_2x4  # the same, the host's update one step delayed (opt-in)
-  offload_slice_2x4   # offload_params_last_2x4 with 2^20-element slices (FSDP_OFFLOAD_STEP_SLICE)
+  offload_ops_2x4     # offload_params_last_2x4 with ATen's ops instead of the one loop (FSDP_OFFLOAD_HOST_PASS=off)
   compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
   offload_optimizer_2x4
   compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
@@ -86,7 +86,7 @@ stage_order=(
 # path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_slice_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [ac_ranks_8x1]=150 [deterministic_2x4]=25 [composite_2x4]=25
@@ -98,7 +98,7 @@ case "$part" in
                  keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 ac_ranks_8x1 fsdp_2x4 offload_params_2x4
                  offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
-                 offload_slice_2x4
+                 offload_ops_2x4
                  compare_offload_2x4
                  offload_optimizer_2x4 offload_optimizer_delayed_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
@@ -370,12 +370,11 @@ stage_offload_params_delayed_2x4() {
     --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
     --set parallelism.offload_delayed_update=true
 }
-# The same as offload_params_last_2x4 with the sliced host step's slices at 2^20 elements
-# (FSDP_OFFLOAD_STEP_SLICE; default 2^22): each thread's share of a slice's arrays (~1.3 MB) fits
-# its core's L2, if the ops' static split sends each share to the same thread every time.
-stage_offload_slice_2x4() {
-  FSDP_OFFLOAD_STEP_SLICE=1048576 \
-    run offload_slice_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
+# The same as offload_params_last_2x4 with the host step in ATen's ops (4M-element slices) instead
+# of the optimizer's one loop (Note [Host Adam pass]): the one loop's gain, side by side.
+stage_offload_ops_2x4() {
+  FSDP_OFFLOAD_HOST_PASS=off \
+    run offload_ops_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
     --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
 }
 stage_offload_optimizer_2x4() {
@@ -466,7 +465,7 @@ peak_bytes, state_bytes = {}, {}
 for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_slice_2x4",
+             "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
              "offload_optimizer_delayed_2x4", "deterministic_2x4", "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
@@ -500,7 +499,7 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_params_keep_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_last_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x"),
                          ("offload_params_delayed_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x (delayed update)"),
-                         ("offload_slice_2x4", "fsdp_2x4", "offload_params_last_2x4 with 2^20-element slices"),
+                         ("offload_ops_2x4", "fsdp_2x4", "offload_params_last_2x4 with ATen's ops for the host step"),
                          ("offload_optimizer_delayed_2x4", "fsdp_2x4", "delayed update; the <= 15% state target is for params"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
     if name in medians and base in medians and peak_bytes.get(base) and medians[base]:
@@ -518,7 +517,7 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_keep_2x4": ("plan_2x4_keep", "none", "params"),
              "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
-             "offload_slice_2x4": ("plan_2x4_keep_last", "none", "params"),
+             "offload_ops_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_optimizer_delayed_2x4": ("plan_2x4_optimizer_delayed", "none", "optimizer"),
              "big_1gpu": ("plan_big", None, None)}
 for name, (plan, ckpt, offload) in predicted.items():
@@ -541,7 +540,7 @@ for name, (plan, ckpt, offload) in predicted.items():
 # host step (overlapped with the next forward: host_step_ms; in place: optimizer_step_ms), what
 # the forward waited for it, the waits for copies and the host additions.
 for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
-             "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_slice_2x4",
+             "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
              "offload_optimizer_delayed_2x4"):
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
     if not os.path.exists(stats):

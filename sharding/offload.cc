@@ -120,6 +120,12 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
                                              kOffloadStepSlice.valid));
   }
   offload->step_slice_ = slice.value_or(kDefaultStepSlice);
+  const std::string host_pass = GetEnvKnob(kOffloadHostPass).value_or("on");
+  if (host_pass != "on" && host_pass != "off") {
+    return absl::InvalidArgumentError(StrCat(kOffloadHostPass.name, "=", host_pass,
+                                             ": valid: ", kOffloadHostPass.valid));
+  }
+  offload->host_pass_ = host_pass == "on";
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
@@ -408,7 +414,7 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   // slice, each slice converted, clipped, stepped and cast, each op on ATen's intra-op threads
   // (kDefaultStepSlice says why the slices are large).
   const bool one_loop =
-      landed.defined() && step.run_host_pass &&
+      host_pass_ && landed.defined() && step.run_host_pass &&
       step.run_host_pass(p.sharded, landed, scale.defined() ? scale.item<float>() : 1.0f,
                          compute);
   stats_.host_passes += one_loop ? 1 : 0;

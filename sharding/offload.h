@@ -419,6 +419,7 @@ class HostOffload {
   std::map<FsdpParam*, uint64_t> step_task_;
   bool can_delay_ = false;     // Create's `delayed`
   int64_t step_slice_ = 0;     // StepInSlices' elements per slice (FSDP_OFFLOAD_STEP_SLICE)
+  bool host_pass_ = true;      // StepInSlices may use HostStep::run_host_pass (FSDP_OFFLOAD_HOST_PASS)
   at::Tensor add_scratch_;     // the adder's fp32 chunk for AddConverted (offload.cc)
   bool step_delayed_ = false;  // the step in step_task_ was queued delayed
   // The adder (see "Host additions" above); mutex_ guards what follows it.

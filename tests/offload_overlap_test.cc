@@ -290,11 +290,10 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
 // a gradient that lands alone is converted, clipped and stepped in one pass; a second one (host
 // accumulation) converts the first on landing; the step in place converts as it lands. All three
 // give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
-// below the norms) and off. The first case's AdamW runs the optimizer's one loop (Note [Host
-// Adam pass], where it matches ATen on this machine); the second's Adam with L2 decay, which
-// that loop does not cover, runs ATen's ops in 1040-element slices (FSDP_OFFLOAD_STEP_SLICE)
-// that end mid-tensor and leave a shorter last one; so does the third case's conversion and
-// addition of the second gradient.
+// below the norms) and off. The first case runs the optimizer's one loop (Note [Host Adam
+// pass], where it matches ATen on this machine); the second, with FSDP_OFFLOAD_HOST_PASS=off,
+// ATen's ops in 1040-element slices (FSDP_OFFLOAD_STEP_SLICE) that end mid-tensor and leave a
+// shorter last one; so does the third case's conversion and addition of the second gradient.
 TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   namespace fs = std::filesystem;
   struct Case {
@@ -304,16 +303,15 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   };
   const Case cases[] = {
       {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true, {}},
-      {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05",
-        "optimizer.name=adam"},
+      {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
        true,
-       {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
+       {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}, {"FSDP_OFFLOAD_HOST_PASS", "off"}}},
       {{"training.grad_accum_steps=2", "training.max_grad_norm=0"},
        false,
        {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(StrJoin(c.sets, " ") + (c.env.empty() ? "" : " FSDP_OFFLOAD_STEP_SLICE=1040"));
+    SCOPED_TRACE(StrJoin(c.sets, " ") + (c.env.empty() ? "" : " (sliced, 1040)"));
     auto train = [&](const std::string& dir, std::vector<std::string> sets,
                      const std::map<std::string, std::string>& env = {}) {
       sets.insert(sets.begin(),
@@ -340,8 +338,7 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
       EXPECT_EQ(on["deferred_steps"].get<int64_t>() % 4, 0) << on.dump();
       EXPECT_EQ(on["deferred_materialized"], 0) << on.dump();
       EXPECT_EQ(on["host_adds"], 0) << on.dump();
-      // AdamW through the optimizer's one loop where it matches ATen here (Note [Host Adam
-      // pass]); Adam with weight decay (L2) through the slices.
+      // The optimizer's one loop where it matches ATen here, unless turned off.
       const bool one_loop = HostAdamPassAvailable() && c.env.empty();
       EXPECT_EQ(on["host_passes"], one_loop ? on["deferred_steps"].get<int64_t>() : 0)
           << on.dump();
@@ -360,22 +357,28 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   }
 }
 
-// A bad FSDP_OFFLOAD_STEP_SLICE stops the run before training, naming the knob and what is valid.
-TEST(OffloadOverlapTrainTest, BadStepSliceIsAClearError) {
-  for (const auto& [value, message] :
-       std::vector<std::pair<std::string, std::string>>{
-           {"1000", "FSDP_OFFLOAD_STEP_SLICE=1000 is not a multiple of 16"},
-           {"8", "FSDP_OFFLOAD_STEP_SLICE=8 is out of range"},
-           {"lots", "FSDP_OFFLOAD_STEP_SLICE"}}) {
-    SCOPED_TRACE(value);
+// A bad FSDP_OFFLOAD_STEP_SLICE or FSDP_OFFLOAD_HOST_PASS stops the run before training,
+// naming the knob and what is valid.
+TEST(OffloadOverlapTrainTest, BadHostKnobsAreClearErrors) {
+  struct Bad {
+    std::string knob, value, message;
+  };
+  const std::vector<Bad> bads = {
+      {"FSDP_OFFLOAD_STEP_SLICE", "1000", "FSDP_OFFLOAD_STEP_SLICE=1000 is not a multiple of 16"},
+      {"FSDP_OFFLOAD_STEP_SLICE", "8", "FSDP_OFFLOAD_STEP_SLICE=8 is out of range"},
+      {"FSDP_OFFLOAD_STEP_SLICE", "lots", "FSDP_OFFLOAD_STEP_SLICE"},
+      {"FSDP_OFFLOAD_HOST_PASS", "maybe", "FSDP_OFFLOAD_HOST_PASS=maybe: valid: on, off"},
+  };
+  for (const Bad& bad : bads) {
+    SCOPED_TRACE(bad.knob + "=" + bad.value);
     const std::string dir = testing::FreshTempDir("bad-slice");
     testing::TrainRun run = testing::RunTrain(
         testing::SourceDir() + "/configs/default.yaml", dir,
         {"training.steps=1", "parallelism.nproc=1", "model.n_layers=1",
          "training.mixed_precision=bf16", "parallelism.offload=params"},
-        {{"FSDP_OFFLOAD_STEP_SLICE", value}});
+        {{bad.knob, bad.value}});
     EXPECT_FALSE(run.result.exit.ok()) << run.result.Output();
-    EXPECT_THAT(run.result.Output(), ::testing::HasSubstr(message));
+    EXPECT_THAT(run.result.Output(), ::testing::HasSubstr(bad.message));
     EXPECT_TRUE(run.losses.empty()) << run.result.Output();
     std::filesystem::remove_all(dir);
   }
