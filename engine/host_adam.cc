@@ -6,10 +6,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -50,8 +50,9 @@ namespace fsdp {
 // floats at a time with AVX2 intrinsics, the rest in scalar code; this file is compiled without
 // contraction (CMakeLists.txt) so that only these fused multiply-adds fuse. The bf16 copy is
 // round-to-nearest-even, as copy_ (NaN: 0x7fc0). Measured on the 2-core CI machine (48e6
-// parameters, AVX-512 ATen kernels): 47.5 ms against 114 ms for the four ATen ops; on the H100
-// machine's 16 cores, not yet (gpu_check's offload rows: rank_stats `host_passes`).
+// parameters, AVX-512 ATen kernels): 27.4 ms against 52.4 ms for the four ATen ops (47.5 against
+// 114 with a build beside it); on the H100 machine's 16 cores, not yet (gpu_check's offload rows:
+// rank_stats `host_passes`).
 
 namespace {
 
@@ -161,7 +162,9 @@ void Range(const Args& a, int64_t begin, int64_t end, int64_t vector_end) {
 }
 
 // Threads of our own for the pass (at::parallel_for does not spread our code over threads:
-// docs/architecture.md), made once and kept: a step calls the pass once per parameter.
+// docs/architecture.md), made once and kept: a step calls the pass once per parameter. Each Run
+// is a job of its own that the workers take a reference to, so a worker still finishing one
+// job never claims a part of the next.
 class Workers {
  public:
   static Workers& Get() {
@@ -169,71 +172,73 @@ class Workers {
     return *workers;
   }
 
-  int size() const { return static_cast<int>(threads_.size()) + 1; }  // the caller too
+  int size() const { return threads_ + 1; }  // the caller too
 
   // fn(part) for every part in [0, parts), on the workers and the calling thread.
   void Run(int parts, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
+    auto job = std::make_shared<Job>(fn, parts);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      parts_ = parts;
-      next_.store(0);
-      done_ = 0;
-      ++generation_;
+      job_ = job;
     }
     wake_.notify_all();
-    const int mine = Work();
+    Finish(*job, job->Work());
     std::unique_lock<std::mutex> lock(mutex_);
-    done_ += mine;
-    finished_.wait(lock, [&] { return done_ == parts_; });
-    fn_ = nullptr;
+    finished_.wait(lock, [&] { return job->done == parts; });
   }
 
  private:
-  explicit Workers(int threads) {
-    for (int t = 0; t < threads; ++t) threads_.emplace_back([this] { Loop(); });
-    for (std::thread& thread : threads_) thread.detach();
+  struct Job {
+    Job(const std::function<void(int)>& fn, int parts) : fn(fn), parts(parts) {}
+    // The parts this thread claimed and ran.
+    int Work() {
+      int count = 0;
+      for (int part = next.fetch_add(1); part < parts; part = next.fetch_add(1)) {
+        fn(part);
+        ++count;
+      }
+      return count;
+    }
+    const std::function<void(int)>& fn;  // Run's, alive until every part is done
+    const int parts;
+    std::atomic<int> next{0};
+    int done = 0;  // under mutex_
+  };
+
+  explicit Workers(int threads) : threads_(threads) {
+    for (int t = 0; t < threads; ++t) std::thread([this] { Loop(); }).detach();
   }
 
-  int Work() {
-    int count = 0;
-    for (int part = next_.fetch_add(1); part < parts_; part = next_.fetch_add(1)) {
-      (*fn_.load())(part);
-      ++count;
-    }
-    return count;
+  void Finish(Job& job, int count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job.done += count;
+    if (job.done == job.parts) finished_.notify_one();
   }
 
   void Loop() {
-    uint64_t seen = 0;
+    std::shared_ptr<Job> seen;
     while (true) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lock, [&] { return job_ != seen; });
+        job = seen = job_;
       }
-      const int count = Work();
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ += count;
-      if (done_ == parts_) finished_.notify_one();
+      Finish(*job, job->Work());
     }
   }
 
-  std::vector<std::thread> threads_;
+  const int threads_;
   std::mutex run_mutex_, mutex_;
   std::condition_variable wake_, finished_;
-  // Read by workers outside the lock; set under it before a generation starts.
-  std::atomic<const std::function<void(int)>*> fn_{nullptr};
-  std::atomic<int> parts_{0};
-  int done_ = 0;
-  std::atomic<int> next_{0};
-  uint64_t generation_ = 0;
+  std::shared_ptr<Job> job_;  // the newest Run's, under mutex_
 };
 
 void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* param,
              float* exp_avg, float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16) {
-  if (lanes == 0 || n <= 0 || !HostAdamPassCovers(h)) return;
+  TORCH_INTERNAL_ASSERT(lanes > 0 && HostAdamPassCovers(h), "HostAdamPass: not available here");
+  if (n <= 0) return;
   // ATen reads the count as a float (state_step.item<float>()).
   const double step = static_cast<float>(h.step);
   const double bias_correction1 = 1 - std::pow(h.beta1, step);
