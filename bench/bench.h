@@ -19,6 +19,7 @@
 //            against eager.
 //   kernels  the fused kernels (kernels/) against their composite references at a model's
 //            shapes, on one device (KernelsOptions).
+//   host     offload's host passes, fsdp.cpp's loops against ATen's ops (HostOptions).
 //   sweep    world sizes x strategies x model configs through `fsdp train`, one CSV row each
 //            (throughput, peak and model-state memory, bytes on the wire per step) beside the
 //            textbook formulas and the cost model's prediction (planner/cost_model.h); writes
@@ -100,9 +101,26 @@ struct KernelsOptions {
   std::string out;              // "": no JSON file
 };
 
+// `fsdp bench host`: offload's host work on this machine's CPU (Note [Host loops] in
+// sharding/host_loops.cc, Note [Host Adam pass] in engine/host_adam.cc): the AdamW step from a
+// bf16 gradient (conversion, clipping, update, bf16 copy) with ATen's ops over the whole tensor,
+// with them in offload's 4M-element slices and as fsdp.cpp's one loop; the bf16 gradient's
+// addition into an fp32 sum with ATen's ops in 4M-element chunks and as one loop. Median ms,
+// GB/s of the bytes one pass must move, the loops' ratio to ATen's slices, each with `busy`
+// threads spinning beside it (a training thread's share of the cores); checks first that the
+// loops give ATen's values bit for bit (exit 1 if not). No GPU, no config.
+struct HostOptions {
+  int64_t elements = 64 << 20;  // per pass (llama_1b 2 x 4 on one rank: 0.48e9)
+  std::vector<int> busy = {0, 1};
+  int warmup = 1;
+  int repeats = 5;
+  std::string out;  // "": no JSON file
+};
+
 int RunCompare(const CompareOptions& options);
 int RunSweep(const SweepOptions& options);
 int RunKernels(const KernelsOptions& options);
+int RunHost(const HostOptions& options);
 
 // --- shared inputs (bench/inputs.cc) -------------------------------------------------------
 

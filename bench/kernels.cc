@@ -119,25 +119,6 @@ double BytesPerToken(const ModelArgs& m, at::ScalarType dtype) {
   return inputs + peak;
 }
 
-std::string GiB(double bytes) { return fmt::format("{:.1f} GiB", bytes / 1073741824.0); }
-
-// --out is checked before the benchmark runs: a folder that does not exist, a directory, a
-// file that cannot be written. "" when it can be written (nothing is left behind).
-std::string CheckOutPath(const std::string& out) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status status = fs::status(out, ec);
-  if (fs::exists(status) && !fs::is_regular_file(status)) {
-    return fs::is_directory(status) ? "is a directory" : "is not a regular file";
-  }
-  const bool existed = fs::exists(status);
-  {
-    std::ofstream probe(out, std::ios::app);
-    if (!probe) return fmt::format("cannot be written ({})", std::strerror(errno));
-  }
-  if (!existed) fs::remove(out, ec);
-  return "";
-}
 
 std::vector<KernelCase> Cases(const ModelArgs& m, int64_t tokens, at::ScalarType dtype,
                               c10::Device device) {
@@ -257,7 +238,7 @@ int RunKernels(const KernelsOptions& options) {
   // On a CPU the inputs and the composite LM head must fit in the machine's memory (a GPU
   // that runs out says so itself: caught below).
   const double per_token = BytesPerToken(m, dtype);
-  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  const double memory = HostMemoryBytes();
   if (device.is_cpu() && memory > 0 && tokens * per_token > memory) {
     std::cerr << "fsdp bench kernels: --tokens " << tokens << " needs about "
               << GiB(tokens * per_token) << " (" << fmt::format("{:.0f}", per_token)

@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+
+#include <fmt/format.h>
 
 #include "common/strings.h"
 #include "launcher/launch.h"
@@ -94,6 +98,31 @@ double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   size_t n = values.size();
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::string GiB(double bytes) { return fmt::format("{:.1f} GiB", bytes / 1073741824.0); }
+
+// --out is checked before the benchmark runs: a folder that does not exist, a directory, a
+// file that cannot be written. "" when it can be written (nothing is left behind).
+std::string CheckOutPath(const std::string& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(out, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    return fs::is_directory(status) ? "is a directory" : "is not a regular file";
+  }
+  const bool existed = fs::exists(status);
+  {
+    std::ofstream probe(out, std::ios::app);
+    if (!probe) return fmt::format("cannot be written ({})", std::strerror(errno));
+  }
+  if (!existed) fs::remove(out, ec);
+  return "";
+}
+
+double HostMemoryBytes() {
+  const double bytes = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  return bytes > 0 ? bytes : 0;
 }
 
 std::string MachineDescription() {

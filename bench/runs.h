@@ -47,6 +47,13 @@ absl::StatusOr<RunResult> ReadRun(const std::string& engine, int repeat, const s
                                   int nproc);
 
 double Median(std::vector<double> values);
+// "12.3 GiB".
+std::string GiB(double bytes);
+// --out checked before a benchmark runs: "" when the file can be written (nothing is left
+// behind), else why not ("is a directory", "cannot be written (No such file or directory)").
+std::string CheckOutPath(const std::string& out);
+// This machine's physical memory in bytes (0 when unknown).
+double HostMemoryBytes();
 // "AMD EPYC 7B13, 2 cores" (+ the GPU when training on one).
 std::string MachineDescription();
 std::string Today();  // "2026-11-22"

@@ -1,5 +1,7 @@
 #include "cli/bench_command.h"
 
+#include <cmath>
+
 #include "cli/options.h"
 
 namespace fsdp {
@@ -7,7 +9,8 @@ namespace fsdp {
 CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
   CLI::App* bench = app.add_subcommand(
       "bench", "Benchmarks: fsdp.cpp against PyTorch (FSDP2, eager, torch.compile), sweeps over "
-               "world sizes, the fused kernels against their composite references");
+               "world sizes, the fused kernels against their composite references, offload's "
+               "host passes");
   bench->require_subcommand(1);
 
   bench::CompareOptions& o = c.compare;
@@ -72,6 +75,36 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
       ->check(IntAtLeast(1));
   c.kernels_cmd->add_option("--out", k.out, "Write the table as JSON to this file");
 
+  bench::HostOptions& h = c.host;
+  c.host_cmd = bench->add_subcommand(
+      "host",
+      "Time CPU offload's host work on this machine (no GPU, no config): the AdamW step from a "
+      "bf16 gradient with ATen's ops (whole tensor, 4M-element slices) and as fsdp.cpp's one "
+      "loop, the bf16 gradient's addition into fp32 with ATen's ops and as one loop; each with "
+      "--busy threads spinning beside it; print median ms, GB/s and the loops' ratio to ATen's "
+      "slices, after checking they give ATen's values bit for bit (exit 1 if not).\n"
+      "Example: fsdp bench host --elements 480e6   (llama_1b's parameters on one rank)");
+  c.host_cmd
+      ->add_option_function<double>(
+          "--elements", [&h](double v) { h.elements = static_cast<int64_t>(v); },
+          "Elements per pass, a whole number (480e6 is fine); default 67108864")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            double v = 0;
+            if (!CLI::detail::lexical_cast(text, v) || v < 1 || v > 1e15 || v != std::floor(v)) {
+              return "'" + text + "' is not a whole number of elements in 1..1e15";
+            }
+            return "";
+          },
+          "NUMBER"));
+  c.host_cmd->add_option("--busy", h.busy, "Spinning threads beside each pass, comma list")
+      ->delimiter(',')->capture_default_str()->check(IntInRange(0, 256));
+  c.host_cmd->add_option("--warmup", h.warmup, "Passes left out")->capture_default_str()
+      ->check(IntAtLeast(0));
+  c.host_cmd->add_option("--repeats", h.repeats, "Timed passes")->capture_default_str()
+      ->check(IntAtLeast(1));
+  c.host_cmd->add_option("--out", h.out, "Write the table as JSON to this file");
+
   bench::SweepOptions& s = c.sweep;
   c.sweep_cmd = bench->add_subcommand(
       "sweep",
@@ -106,6 +139,7 @@ int RunBenchCommand(const BenchCommand& c) {
   if (c.compare_cmd->parsed()) return bench::RunCompare(c.compare);
   if (c.sweep_cmd->parsed()) return bench::RunSweep(c.sweep);
   if (c.kernels_cmd->parsed()) return bench::RunKernels(c.kernels);
+  if (c.host_cmd->parsed()) return bench::RunHost(c.host);
   return 2;
 }
 

@@ -1,4 +1,4 @@
-// `fsdp bench compare CONFIG ...`, `fsdp bench sweep ...` and `fsdp bench kernels CONFIG`
+// `fsdp bench compare CONFIG ...`, `fsdp bench sweep ...`, `fsdp bench kernels CONFIG` and `fsdp bench host`
 // (bench/bench.h): options and dispatch, kept out of main.cc.
 #pragma once
 
@@ -12,9 +12,11 @@ struct BenchCommand {
   bench::CompareOptions compare;
   bench::SweepOptions sweep;
   bench::KernelsOptions kernels;
+  bench::HostOptions host;
   CLI::App* compare_cmd = nullptr;
   CLI::App* sweep_cmd = nullptr;
   CLI::App* kernels_cmd = nullptr;
+  CLI::App* host_cmd = nullptr;
 };
 
 // Adds `bench` and its subcommands to `app`; returns the `bench` subcommand.

@@ -114,9 +114,10 @@ inline constexpr EnvKnob kOffloadStepSlice{
 // [Host Adam pass] in engine/host_adam.cc), read when a run's host offload is created.
 inline constexpr EnvKnob kOffloadHostPass{
     "FSDP_OFFLOAD_HOST_PASS",
-    "off makes offload's host step update deferred bf16 gradients with ATen's ops in slices "
-    "instead of the optimizer's one loop (the same values; for measuring one against the "
-    "other)",
+    "off makes offload's host work use ATen's ops in slices instead of fsdp.cpp's one loops: "
+    "the host step's update of deferred bf16 gradients (the optimizer's one loop) and the bf16 "
+    "gradients' addition into the fp32 sum (the same values; for measuring one against the "
+    "other, as `fsdp bench host` does outside a run)",
     "on", "on, off", "sharding/offload.cc"};
 
 // FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.

@@ -1,15 +1,9 @@
 #include "engine/host_adam.h"
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -19,9 +13,10 @@
 #endif
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/core/grad_mode.h>
+
+#include "sharding/host_loops.h"
 
 namespace fsdp {
 
@@ -161,80 +156,6 @@ void Range(const Args& a, int64_t begin, int64_t end, int64_t vector_end) {
   Loop<true, kSmallWeight, kCopy>(a, split, end);
 }
 
-// Threads of our own for the pass (at::parallel_for does not spread our code over threads:
-// docs/architecture.md), made once and kept: a step calls the pass once per parameter. Each Run
-// is a job of its own that the workers take a reference to, so a worker still finishing one
-// job never claims a part of the next.
-class Workers {
- public:
-  static Workers& Get() {
-    static Workers* workers = new Workers(std::max(1, at::get_num_threads()) - 1);  // kept
-    return *workers;
-  }
-
-  int size() const { return threads_ + 1; }  // the caller too
-
-  // fn(part) for every part in [0, parts), on the workers and the calling thread.
-  void Run(int parts, const std::function<void(int)>& fn) {
-    std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
-    auto job = std::make_shared<Job>(fn, parts);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_ = job;
-    }
-    wake_.notify_all();
-    Finish(*job, job->Work());
-    std::unique_lock<std::mutex> lock(mutex_);
-    finished_.wait(lock, [&] { return job->done == parts; });
-  }
-
- private:
-  struct Job {
-    Job(const std::function<void(int)>& fn, int parts) : fn(fn), parts(parts) {}
-    // The parts this thread claimed and ran.
-    int Work() {
-      int count = 0;
-      for (int part = next.fetch_add(1); part < parts; part = next.fetch_add(1)) {
-        fn(part);
-        ++count;
-      }
-      return count;
-    }
-    const std::function<void(int)>& fn;  // Run's, alive until every part is done
-    const int parts;
-    std::atomic<int> next{0};
-    int done = 0;  // under mutex_
-  };
-
-  explicit Workers(int threads) : threads_(threads) {
-    for (int t = 0; t < threads; ++t) std::thread([this] { Loop(); }).detach();
-  }
-
-  void Finish(Job& job, int count) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    job.done += count;
-    if (job.done == job.parts) finished_.notify_one();
-  }
-
-  void Loop() {
-    std::shared_ptr<Job> seen;
-    while (true) {
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return job_ != seen; });
-        job = seen = job_;
-      }
-      Finish(*job, job->Work());
-    }
-  }
-
-  const int threads_;
-  std::mutex run_mutex_, mutex_;
-  std::condition_variable wake_, finished_;
-  std::shared_ptr<Job> job_;  // the newest Run's, under mutex_
-};
-
 void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* param,
              float* exp_avg, float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16) {
   TORCH_INTERNAL_ASSERT(lanes > 0 && HostAdamPassCovers(h), "HostAdamPass: not available here");
@@ -273,19 +194,9 @@ void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* p
                    : Range<false, false>(a, begin, end, vector_end);
     }
   };
-  constexpr int64_t kMinPart = int64_t{1} << 16;  // a 64-byte multiple
-  Workers& workers = Workers::Get();
-  const int parts =
-      static_cast<int>(std::clamp<int64_t>((n + kMinPart - 1) / kMinPart, 1, workers.size()));
-  if (parts == 1) {
-    range(0, n);
-    return;
-  }
-  const int64_t per = (n / parts + 15) / 16 * 16;
-  workers.Run(parts, [&](int part) {
-    const int64_t begin = std::min(n, part * per);
-    range(begin, part + 1 == parts ? n : std::min(n, begin + per));
-  });
+  // Parts of at least 2^16 elements (1.75 MiB of the pass's bytes) on the host loops' threads
+  // (Note [Host loops]); they start at multiples of 16, so only the tensor's own tail is a tail.
+  HostParallelFor(n, int64_t{1} << 16, range);
 }
 
 // One small pass per arithmetic branch against ATen's ops (Note [Host Adam pass]), so that a

@@ -56,6 +56,7 @@ stage_order=(
   compare_2x4         # issue 13: fsdp.cpp vs FSDP2, eager, torch.compile, unwrapped (MFU, ratios)
   kernels             # issue 13: each fused kernel against its composite, with its GB/s
   fsdp_2x4            # issue 14's offload baseline
+  host_bench          # issue 14: offload's host passes on this host's CPU, loops vs ATen's ops
   offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
@@ -85,7 +86,7 @@ stage_order=(
 # but compare_keep, deterministic, composite and per_tensor on an H100; since then the offload
 # path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
-  [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25
+  [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25 [host_bench]=40
   [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
@@ -96,7 +97,8 @@ case "$part" in
   all) wanted=("${stage_order[@]}") ;;
   speed) wanted=(gpu_tests sanitizer compare_2x4 kernels ckpt_125m compare_keep_2x4 profile_2x4
                  keep_2x4 unwrapped_2x4 base_8x1 composite_2x4 per_tensor_2x4) ;;
-  large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 ac_ranks_8x1 fsdp_2x4 offload_params_2x4
+  large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 ac_ranks_8x1 fsdp_2x4 host_bench
+                 offload_params_2x4
                  offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
                  offload_ops_2x4
                  compare_offload_2x4
@@ -420,6 +422,16 @@ stage_kernels() {
   bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
     --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
 }
+# Offload's host passes at llama_1b 2 x 4's parameters on one rank (0.48e9; 14 GB of host
+# memory), the one loops against ATen's ops, idle and with one and two threads spinning beside
+# them (no GPU; < 1 min). GPU_CHECK_CPU: 16e6.
+stage_host_bench() {
+  local elements=480000000
+  [ "${GPU_CHECK_CPU:-0}" = 1 ] && elements=16000000
+  bounded "$bin" bench host --elements "$elements" --busy 0,1,2 --repeats 5 \
+    --out "$out/host_bench.json" >"$out/host_bench.log" 2>&1 ||
+    log "bench host failed (see $out/host_bench.log)"
+}
 stage_profile_2x4() {
   run profile_2x4 "${accum2x4[@]}" --set training.steps=8 --set training.profile=5:2
 }
@@ -597,9 +609,10 @@ for folder, label in (("compare", "bench"), ("compare_keep", "keep"),
 disk = os.path.join(out, "ckpt_disk.txt")
 if os.path.exists(disk):
     print(open(disk).read().rstrip())
-kernels = os.path.join(out, "kernels.log")
-if os.path.exists(kernels):
-    print(open(kernels).read().rstrip())
+for name in ("kernels.log", "host_bench.log"):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        print(open(path).read().rstrip())
 summary = os.path.join(out, "profile_2x4", "profile", "rank0_summary.txt")
 if os.path.exists(summary):
     print(open(summary).read().rstrip())

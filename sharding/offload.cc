@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -19,6 +20,7 @@
 #include "common/strings.h"
 #include "device_mesh/cuda_support.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/host_loops.h"
 
 namespace fsdp {
 namespace {
@@ -91,6 +93,21 @@ void AddConverted(const at::Tensor& dst, const at::Tensor& src, const at::Tensor
     part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
     d.narrow(0, i, n).add_(part);
   }
+}
+
+// The narrow type whose addition into dst HostAddConverted does here (Note [Host loops]): an
+// fp32 dst and a bf16 or fp16 src, both contiguous; else nullopt (AddConverted's chunks).
+std::optional<HostNarrow> OneLoopAdd(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.scalar_type() != at::kFloat || !dst.is_cpu() || !src.is_cpu() ||
+      !dst.is_contiguous() || !src.is_contiguous() ||
+      dst.numel() != src.numel()) {
+    return std::nullopt;
+  }
+  std::optional<HostNarrow> narrow;
+  if (src.scalar_type() == at::kBFloat16) narrow = HostNarrow::kBFloat16;
+  if (src.scalar_type() == at::kHalf) narrow = HostNarrow::kHalf;
+  if (!narrow.has_value() || !HostAddConvertedAvailable(*narrow)) return std::nullopt;
+  return narrow;
 }
 
 // Elements per slice of a sliced step (Note [Deferred gradient conversion]; the default of
@@ -770,6 +787,12 @@ void HostOffload::FinishOnHost(const HostTask& task) {
     task.dst.copy_(task.src);  // exact: a wider float dtype
   } else if (task.src.scalar_type() == task.dst.scalar_type()) {
     task.dst.add_(task.src);
+  } else if (std::optional<HostNarrow> narrow = OneLoopAdd(task.dst, task.src);
+             host_pass_ && narrow.has_value()) {
+    HostAddConverted(task.dst.data_ptr<float>(),
+                     static_cast<const uint16_t*>(task.src.const_data_ptr()), *narrow,
+                     task.dst.numel());
+    ++stats_.host_add_passes;
   } else {
     // The adder's own scratch (only the adder runs tasks), allocated at its first addition.
     if (!add_scratch_.defined()) add_scratch_ = at::empty({step_slice_}, task.dst.options());

@@ -35,10 +35,12 @@
 //              and the rounding to the reduce dtype is exact (reduce dtype = the gradient's or
 //              the shard's: with bf16 compute and fp32 reduce the cast is exact): the copy
 //              moves 2 bytes per parameter instead of 4 into host_compute_grad, and the host
-//              converts it into host_grad (ATen's copy_) or adds it there, converted a chunk at
-//              a time (AddConverted: bf16 -> fp32 into a 16 MiB scratch, then fp32 add_,
-//              each vectorised on ATen's intra-op threads; ATen's mixed-dtype add_ is ~9x
-//              slower, docs/offload.md). Either way each element is a + float(b) rounded once,
+//              converts it into host_grad (ATen's copy_) or adds it there in one loop over
+//              the elements on the host loops' threads (HostAddConverted, Note [Host loops];
+//              without AVX2, or FSDP_OFFLOAD_HOST_PASS=off: AddConverted, a 16 MiB chunk at a
+//              time converted by ATen into a scratch and added with add_; ATen's mixed-dtype
+//              add_ is ~9x slower, docs/offload.md). Either way each element is a + float(b)
+//              rounded once,
 //              the sum of the fp32 path and of the run without offload, bit for bit. With
 //              several shards the reduce-scatter's output is in the reduce dtype already.
 //              When the compute dtype is narrower than the shard's (mixed precision: fp32
@@ -347,6 +349,9 @@ class HostOffload {
     int64_t deferred_materialized = 0;
     // Of deferred_steps: those stepped by the optimizer's one loop (Note [Host Adam pass]).
     int64_t host_passes = 0;
+    // Of host_adds: the compute-dtype gradients added by one loop (HostAddConverted, Note [Host
+    // loops]) instead of ATen's conversion and add_.
+    int64_t host_add_passes = 0;
     // Note [Delayed parameter update]: StepInOrder calls with `delayed` (of overlapped_steps).
     int64_t delayed_steps = 0;
   };

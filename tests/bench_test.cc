@@ -494,5 +494,38 @@ TEST(BenchKernels, TokensAndOutAreCheckedFirst) {
   }
 }
 
+// `fsdp bench host` (offload's host passes): the loops' values are ATen's (checked by the
+// command itself: exit 1 otherwise), every pass is timed at each --busy, the JSON has each row;
+// a size the machine cannot hold and an unwritable --out are refused before anything runs.
+TEST(BenchHost, TimesEachPassAfterCheckingTheValues) {
+  const std::string dir = FreshTempDir("bench_host");
+  const std::string out = dir + "/host.json";
+  CommandResult r = RunCommand({FsdpBinary(), "bench", "host", "--elements", "300013", "--busy",
+                                "0,1", "--repeats", "1", "--warmup", "0", "--out", out},
+                               {}, std::chrono::seconds(120));
+  ASSERT_TRUE(r.exit.ok()) << r.Output();
+  const bool loops = !r.StdoutHas("not available here");
+  if (loops) {
+    EXPECT_TRUE(r.StdoutHas("the one-loop step equals bit for bit ATen's ops")) << r.Output();
+    EXPECT_TRUE(r.StdoutHas("the one-loop add equals ATen's bit for bit")) << r.Output();
+  }
+  const nlohmann::json report = ReadJson(out);
+  EXPECT_EQ(report["elements"], 300013);
+  EXPECT_EQ(report["rows"].size(), loops ? 10u : 6u) << report.dump();
+  for (const nlohmann::json& row : report["rows"]) EXPECT_GT(row["ms"].get<double>(), 0);
+
+  CommandResult huge = RunCommand({FsdpBinary(), "bench", "host", "--elements", "1000000000000"},
+                                  {}, std::chrono::seconds(60));
+  EXPECT_EQ(huge.exit.code, 2) << huge.Output();
+  EXPECT_TRUE(huge.StderrHas("fsdp bench host: --elements 1000000000000 needs about"))
+      << huge.Output();
+  CommandResult bad_out = RunCommand(
+      {FsdpBinary(), "bench", "host", "--elements", "1000", "--out", "/nonexistent/x.json"}, {},
+      std::chrono::seconds(60));
+  EXPECT_EQ(bad_out.exit.code, 2) << bad_out.Output();
+  EXPECT_TRUE(bad_out.StderrHas("fsdp bench host: --out /nonexistent/x.json")) << bad_out.Output();
+  EXPECT_FALSE(bad_out.StdoutHas("step: one loop")) << bad_out.Output();
+}
+
 }  // namespace
 }  // namespace fsdp

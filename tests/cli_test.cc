@@ -41,7 +41,7 @@ TEST(CommandLineErrors, OneLineAndExitCodeTwo) {
             "fsdp checkpoint: unknown subcommand 'bogus' (valid: inspect, export)"},
            {{"checkpoint"}, "fsdp checkpoint: a subcommand is required (valid: inspect, export)"},
            {{"bench", "bogus"},
-            "fsdp bench: unknown subcommand 'bogus' (valid: compare, kernels, sweep)"},
+            "fsdp bench: unknown subcommand 'bogus' (valid: compare, kernels, host, sweep)"},
            {{"plan", config, "--top", "-1"}, "fsdp plan: --top: must be >= 0, got -1"},
            {{"plan", config, "--world-size", "abc"},
             "fsdp plan: --world-size: 'abc' is not an integer (must be >= 1)"},
@@ -61,6 +61,11 @@ TEST(CommandLineErrors, OneLineAndExitCodeTwo) {
             "fsdp bench kernels: --warmup: must be >= 0, got -1"},
            {{"bench", "kernels", config, "--tokens", "-5"},
             "fsdp bench kernels: --tokens: must be >= 1, got -5"},
+           {{"bench", "host", "--elements", "1.5"},
+            "fsdp bench host: --elements: '1.5' is not a whole number of elements in 1..1e15"},
+           {{"bench", "host", "--busy", "0,300"},
+            "fsdp bench host: --busy: must be in 0..256, got 300"},
+           {{"bench", "host", "--repeats", "0"}, "fsdp bench host: --repeats: must be >= 1, got 0"},
            {{"bench", "sweep", "--steps", "0"}, "fsdp bench sweep: --steps: must be >= 1, got 0"},
            {{"bench", "sweep", "--world-sizes", "1,x"},
             "fsdp bench sweep: --world-sizes: 'x' is not an integer (must be >= 1)"},
@@ -80,7 +85,8 @@ TEST(CommandLineErrors, HelpStillExitsZero) {
                                              {"bench", "--help"},
                                              {"checkpoint", "--help"},
                                              {"plan", "--help"},
-                                             {"bench", "kernels", "--help"}}) {
+                                             {"bench", "kernels", "--help"},
+                                             {"bench", "host", "--help"}}) {
     args.insert(args.begin(), FsdpBinary());
     CommandResult r = RunCommand(args);
     EXPECT_EQ(r.exit.code, 0) << r.Output();

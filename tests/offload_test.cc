@@ -3,7 +3,9 @@
 // happens, so the offloaded runs must equal the run without offload bit for bit (same
 // arithmetic: libtorch's AdamW on both sides here); the device must hold fewer bytes of model
 // state; and `fsdp train` must run, checkpoint and resume with offload, across offload modes.
+#include <atomic>
 #include <filesystem>
+#include <thread>
 #include <fstream>
 
 #include <torch/torch.h>
@@ -15,6 +17,7 @@
 #include "checkpoint/format.h"
 #include "common/strings.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/host_loops.h"
 #include "tests/multirank.h"
 #include "tests/train_run.h"
 #include "tests/tiny_gpt.h"
@@ -318,6 +321,11 @@ TEST(OffloadParamsBytesTest, Bf16ComputeOneShardSendsHalfTheGradientBytes) {
         // One addition per trainable shard and micro-batch after the first, as in fp32.
         EXPECT_GT(bf16.stats.host_adds, 0) << name;
         EXPECT_EQ(bf16.stats.host_adds, fp32.stats.host_adds) << name;
+        // The bf16 gradients (one shard) are added by one loop where the CPU has AVX2 (Note
+        // [Host loops]); the fp32 ones by add_. The values: OffloadParityTest's bf16 cases.
+        const bool loop = world == 1 && HostAddConvertedAvailable(HostNarrow::kBFloat16);
+        EXPECT_EQ(bf16.stats.host_add_passes, loop ? bf16.stats.host_adds : 0) << name;
+        EXPECT_EQ(fp32.stats.host_add_passes, 0) << name;
         EXPECT_GT(bf16.stats.add_s, 0) << name;
         ExpectSame(bf16, again, name + " bf16 twice");
       }
@@ -504,6 +512,64 @@ TEST(OffloadTrainTest, RefusedWithoutTheFsdpWrapper) {
   EXPECT_EQ(run.result.exit.code, 2) << run.result.Output();
   EXPECT_TRUE(run.result.StderrHas("parallelism.offload")) << run.result.Output();
   fs::remove_all(dir);
+}
+
+// Note [Host loops]: the bf16 / fp16 gradient's one-loop addition gives what ATen's
+// conversion and add_ give, bit for bit, over sizes with a tail, one part and several (parts of
+// 2^16 elements and more), and sums that round (values of mixed magnitude).
+TEST(HostLoopsTest, AddConvertedEqualsAtensConversionAndAddBitwise) {
+  for (const auto& [dtype, narrow] : {std::pair{at::kBFloat16, HostNarrow::kBFloat16},
+                                      std::pair{at::kHalf, HostNarrow::kHalf}}) {
+    if (!HostAddConvertedAvailable(narrow)) {
+      std::cout << "[host loops] no AVX2 / F16C here: " << dtype << " not checked\n";
+      continue;
+    }
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{1000}, int64_t{65536 + 9},
+                      int64_t{1000003}}) {
+      SCOPED_TRACE(StrCat(c10::toString(dtype), " n ", n));
+      at::manual_seed(static_cast<uint64_t>(n));
+      const at::Tensor dst = at::randn({n}) * at::exp(at::randn({n}) * 4);
+      const at::Tensor src = (at::randn({n}) * 3).to(dtype);
+      const at::Tensor expected = dst.clone().add_(src.to(at::kFloat));
+      at::Tensor got = dst.clone();
+      HostAddConverted(got.data_ptr<float>(), static_cast<const uint16_t*>(src.const_data_ptr()),
+                       narrow, n);
+      EXPECT_TRUE(at::equal(got, expected)) << (got - expected).abs().max().item<float>();
+      EXPECT_FALSE(at::equal(got, dst));  // it added something
+    }
+  }
+}
+
+// Every element in exactly one part, parts beginning at multiples of 16, whatever the pool's
+// size, and again while another thread spins on a core (a part a slowed thread would hold is
+// claimed by the others).
+TEST(HostLoopsTest, ParallelForCoversEachElementOnce) {
+  std::atomic<bool> stop{false};
+  for (bool busy : {false, true}) {
+    std::thread spinner;
+    if (busy) {
+      spinner = std::thread([&] {
+        while (!stop.load(std::memory_order_relaxed)) {
+        }
+      });
+    }
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{4096 + 3}, int64_t{300001}}) {
+      std::vector<int> seen(static_cast<size_t>(n), 0);
+      std::atomic<int> calls{0};
+      HostParallelFor(n, 1024, [&](int64_t begin, int64_t end) {
+        EXPECT_EQ(begin % 16, 0);
+        EXPECT_LT(begin, end);
+        for (int64_t i = begin; i < end; ++i) ++seen[static_cast<size_t>(i)];
+        ++calls;
+      });
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n) << "n " << n << " busy " << busy;
+      EXPECT_LE(calls.load(), std::max<int64_t>(1, (n + 1023) / 1024)) << n;
+    }
+    stop = true;
+    if (spinner.joinable()) spinner.join();
+    stop = false;
+  }
+  EXPECT_GE(HostLoopThreads(), 1);
 }
 
 }  // namespace

@@ -1,0 +1,261 @@
+// `fsdp bench host`: offload's host work per step, fsdp.cpp's loops against ATen's ops, on this
+// machine's CPU. See RunHost in bench/bench.h.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "bench/runs.h"
+#include "engine/host_adam.h"
+#include "sharding/host_loops.h"
+
+namespace fsdp::bench {
+namespace {
+
+// Offload's slice and chunk (kDefaultStepSlice in sharding/offload.cc).
+constexpr int64_t kSlice = int64_t{1} << 22;
+
+// The AdamW hyper-parameters of configs/llama_1b.yaml's optimizer, at step 10.
+constexpr double kLr = 3e-4, kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8, kWeightDecay = 0.1;
+constexpr double kStep = 10;
+constexpr float kClip = 0.5f;  // clipping's scale: the gradient is multiplied by it
+
+// One parameter's host state with a bf16 gradient, as offload params with bf16 compute keeps
+// it: the fp32 master and moments, the landed bf16 gradient, the fp32 .grad the ATen path
+// converts into, the bf16 copy that is loaded next.
+struct State {
+  at::Tensor param, exp_avg, exp_avg_sq, grad_bf16, grad, copy;
+  explicit State(int64_t n) {
+    at::manual_seed(0);
+    param = at::randn({n});
+    exp_avg = at::randn({n}) * 0.01;
+    exp_avg_sq = at::rand({n}) * 1e-4;
+    grad_bf16 = at::randn({n}).to(at::kBFloat16);
+    grad = at::empty({n});
+    copy = at::empty({n}, at::kBFloat16);
+  }
+  State Clone() const {
+    State s(0);
+    s.param = param.clone();
+    s.exp_avg = exp_avg.clone();
+    s.exp_avg_sq = exp_avg_sq.clone();
+    s.grad_bf16 = grad_bf16.clone();
+    s.grad = grad.clone();
+    s.copy = copy.clone();
+    return s;
+  }
+};
+
+// ATen's ops on [begin, begin + len): the conversion, clipping's multiplication, the fused
+// AdamW, the cast (offload's sliced step, StepInSlices with FSDP_OFFLOAD_HOST_PASS=off).
+void AtenStep(State& s, int64_t begin, int64_t len) {
+  at::Tensor g = s.grad.narrow(0, begin, len);
+  at::Tensor p = s.param.narrow(0, begin, len);
+  g.copy_(s.grad_bf16.narrow(0, begin, len));
+  g.mul_(at::scalar_tensor(kClip));
+  const at::Tensor step = at::full({}, kStep, at::kFloat);
+  at::_fused_adamw_({p}, {g}, {s.exp_avg.narrow(0, begin, len)},
+                    {s.exp_avg_sq.narrow(0, begin, len)}, {}, {step}, kLr, kBeta1, kBeta2,
+                    kWeightDecay, kEps, false, false);
+  s.copy.narrow(0, begin, len).copy_(p);
+}
+
+void OneLoopStep(State& s) {
+  HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
+  HostAdamPass(hyper, kClip, s.param.numel(), s.param.data_ptr<float>(),
+               s.exp_avg.data_ptr<float>(), s.exp_avg_sq.data_ptr<float>(),
+               static_cast<const uint16_t*>(s.grad_bf16.const_data_ptr()),
+               static_cast<uint16_t*>(s.copy.data_ptr()));
+}
+
+// ATen's conversion into a chunk-sized scratch and add_ (AddConverted in sharding/offload.cc).
+void AtenAdd(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
+  for (int64_t i = 0; i < dst.numel(); i += kSlice) {
+    const int64_t n = std::min(kSlice, dst.numel() - i);
+    at::Tensor part = scratch.narrow(0, 0, n);
+    part.copy_(src.narrow(0, i, n));
+    dst.narrow(0, i, n).add_(part);
+  }
+}
+
+struct Row {
+  std::string name;
+  double bytes_per_element;  // what one pass must move
+  std::function<void()> fn;
+  bool one_loop = false;
+};
+
+// Median milliseconds of `repeats` calls after `warmup`, each on a thread of its own (offload
+// runs its host work on its adder thread, not the main one) while `busy` threads spin.
+double MedianMs(const std::function<void()>& fn, int warmup, int repeats, int busy) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (int i = 0; i < busy; ++i) {
+    spinners.emplace_back([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
+  std::vector<double> ms;
+  std::thread worker([&] {
+    at::NoGradGuard no_grad;
+    for (int i = 0; i < warmup + repeats; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      fn();
+      const double t =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
+      if (i >= warmup) ms.push_back(t);
+    }
+  });
+  worker.join();
+  stop = true;
+  for (std::thread& t : spinners) t.join();
+  return Median(std::move(ms));  // bench/runs.h
+}
+
+}  // namespace
+
+int RunHost(const HostOptions& options) {
+  at::NoGradGuard no_grad;
+  const int64_t n = options.elements;
+  if (!options.out.empty()) {
+    if (std::string bad = CheckOutPath(options.out); !bad.empty()) {
+      std::cerr << "fsdp bench host: --out " << options.out << " " << bad << "\n";
+      return 2;
+    }
+  }
+  // The timed arrays (24 bytes per element, 28 while they are made) must fit in the machine's
+  // memory beside the check's (~1 GiB).
+  const double per_element = 28;
+  const double memory = HostMemoryBytes();
+  if (memory > 0 && n * per_element + (1 << 30) > memory) {
+    std::cerr << "fsdp bench host: --elements " << n << " needs about "
+              << GiB(n * per_element + (1 << 30)) << " of host memory but this machine has "
+              << GiB(memory) << "; give --elements "
+              << static_cast<int64_t>(std::max(0.0, memory - (1 << 30)) / per_element)
+              << " or fewer\n";
+    return 2;
+  }
+  const bool adam_loop = HostAdamPassAvailable();
+  const bool add_loop = HostAddConvertedAvailable(HostNarrow::kBFloat16);
+  std::cout << fmt::format(
+      "fsdp bench host: {:.3g} elements (the master, moments, gradients, copy and sum: {:.2f} "
+      "GiB), {} ATen threads ({} kernels), {} host-loop threads; median of {} after {} warm-up, "
+      "each on a worker thread\n",
+      static_cast<double>(n), n * 24.0 / (1 << 30), at::get_num_threads(), at::get_cpu_capability(),
+      HostLoopThreads(), options.repeats, options.warmup);
+
+  // The values first: each loop from the same start as ATen's ops, on up to 2^24 + 13 elements
+  // (parts on every thread and a tail; the timed arrays stay the only large ones).
+  const int64_t checked = std::min(n, (int64_t{1} << 24) + 13);
+  bool adam_equal = false, add_equal = false;
+  {
+    const State start(checked);
+    const at::Tensor sum = at::randn({checked});
+    if (adam_loop) {
+      State aten = start.Clone(), loop = start.Clone();
+      AtenStep(aten, 0, checked);
+      OneLoopStep(loop);
+      adam_equal = at::equal(aten.param, loop.param) && at::equal(aten.exp_avg, loop.exp_avg) &&
+                   at::equal(aten.exp_avg_sq, loop.exp_avg_sq) && at::equal(aten.copy, loop.copy);
+    }
+    if (add_loop) {
+      at::Tensor aten = sum.clone(), loop = sum.clone();
+      AtenAdd(aten, start.grad_bf16, at::empty({std::min(checked, kSlice)}));
+      HostAddConverted(loop.data_ptr<float>(),
+                       static_cast<const uint16_t*>(start.grad_bf16.const_data_ptr()),
+                       HostNarrow::kBFloat16, checked);
+      add_equal = at::equal(aten, loop);
+    }
+  }
+  State state(n);
+  at::Tensor acc = at::randn({n});
+  const at::Tensor scratch = at::empty({std::min(n, kSlice)});
+
+  // Bytes a single pass must move per element: the step reads the master, moments and bf16
+  // gradient and writes the three and the bf16 copy (28); the addition reads the bf16 gradient
+  // and the fp32 sum and writes the sum (10).
+  std::vector<Row> rows = {
+      {"step: ATen ops, whole tensor", 28, [&] { AtenStep(state, 0, n); }},
+      {"step: ATen ops, 4M slices", 28,
+       [&] {
+         for (int64_t b = 0; b < n; b += kSlice) AtenStep(state, b, std::min(kSlice, n - b));
+       }},
+      {"step: one loop", 28, [&] { OneLoopStep(state); }, true},
+      {"add bf16: ATen ops, 4M chunks", 10, [&] { AtenAdd(acc, state.grad_bf16, scratch); }},
+      {"add bf16: one loop", 10,
+       [&] {
+         HostAddConverted(acc.data_ptr<float>(),
+                          static_cast<const uint16_t*>(state.grad_bf16.const_data_ptr()),
+                          HostNarrow::kBFloat16, n);
+       },
+       true},
+  };
+  nlohmann::json report = {{"elements", n},
+                           {"aten_threads", at::get_num_threads()},
+                           {"host_loop_threads", HostLoopThreads()},
+                           {"cpu_capability", at::get_cpu_capability()},
+                           {"step_values_equal", adam_equal},
+                           {"add_values_equal", add_equal},
+                           {"checked_elements", checked},
+                           {"rows", nlohmann::json::array()}};
+  std::cout << fmt::format("{:<32} {:>5} {:>10} {:>8} {:>14}\n", "pass", "busy", "ms", "GB/s",
+                           "vs ATen slices");
+  for (int busy : options.busy) {
+    double aten_slices[2] = {0, 0};  // step, add: the engine's ATen path, the ratio's base
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const Row& row = rows[r];
+      const bool add = r >= 3;
+      if (row.one_loop && !(add ? add_loop : adam_loop)) {
+        std::cout << fmt::format("{:<32} {:>5} {:>10}\n", row.name, busy, "not available here");
+        continue;
+      }
+      const double ms = MedianMs(row.fn, options.warmup, options.repeats, busy);
+      if (r == 1) aten_slices[0] = ms;
+      if (r == 3) aten_slices[1] = ms;
+      const double base = aten_slices[add ? 1 : 0];
+      const std::string ratio = row.one_loop && base > 0 ? fmt::format("{:.3f}x", ms / base) : "";
+      const double gbps = n * row.bytes_per_element / (ms * 1e6);
+      std::cout << fmt::format("{:<32} {:>5} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy, ms, gbps,
+                               ratio);
+      report["rows"].push_back({{"pass", row.name},
+                                {"busy_threads", busy},
+                                {"ms", ms},
+                                {"gbps", gbps},
+                                {"bytes_per_element", row.bytes_per_element}});
+    }
+  }
+  std::cout << fmt::format(
+      "values ({} elements): the one-loop step {} ATen's ops; the one-loop "
+      "add {}\n",
+      checked,
+      !adam_loop   ? "not run"
+      : adam_equal ? "equals bit for bit"
+                   : "DIFFERS from",
+      !add_loop   ? "not run"
+      : add_equal ? "equals ATen's bit for bit"
+                  : "DIFFERS from ATen's");
+  if (!options.out.empty()) {
+    std::ofstream out(options.out);
+    if (!(out << report.dump(2) << "\n").flush()) {
+      std::cerr << "fsdp bench host: cannot write " << options.out << "\n";
+      return 1;
+    }
+  }
+  return (adam_loop && !adam_equal) || (add_loop && !add_equal) ? 1 : 0;
+}
+
+}  // namespace fsdp::bench

@@ -1,0 +1,189 @@
+#include "sharding/host_loops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FSDP_AVX2_F16C __attribute__((target("avx2,f16c")))
+#else
+#define FSDP_AVX2_F16C
+#endif
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+// Note [Host loops]
+// Offload's host work (the deferred gradients' additions and the AdamW update, sharding/
+// offload.h) is a few passes over hundreds of MiB of pinned memory per step, and its speed is
+// the host's memory bandwidth on all of its cores. ATen's ops get there on whole tensors but not
+// on the slices offload works in: every op forks and joins ATen's OpenMP threads (~200 us on the
+// H100 machine's 16 cores), and at::parallel_for in our code runs on the calling thread only
+// (docs/architecture.md). So these loops run on a pool of our own, made at first use with
+// at::get_num_threads() - 1 threads (the caller is the last), woken once per call.
+//
+// A call's range is cut into parts of at least min_part elements, up to kPartsPerThread per
+// thread, that the threads claim one at a time: a thread that shares its core with the training
+// thread (a delayed update runs beside the next step's forward) or with another process does
+// fewer parts instead of holding up the call. Measured on the 2-core CI machine with one thread
+// spinning beside the pass: `fsdp bench host` (bench/host.cc) prints it.
+
+namespace {
+
+constexpr int kPartsPerThread = 4;
+// HostAddConverted's smallest part, 640 KiB of its bytes: tens of microseconds of a core's
+// bandwidth, against the microsecond a claim costs.
+constexpr int64_t kMinPart = int64_t{1} << 16;
+
+class Workers {
+ public:
+  static Workers& Get() {
+    static Workers* workers = new Workers(std::max(1, at::get_num_threads()) - 1);  // kept
+    return *workers;
+  }
+
+  int size() const { return threads_ + 1; }  // the caller too
+
+  // fn(part) for every part in [0, parts), on the workers and the calling thread. Each Run is a
+  // job of its own that the workers take a reference to, so a worker still finishing one job
+  // never claims a part of the next.
+  void Run(int parts, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
+    auto job = std::make_shared<Job>(fn, parts);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = job;
+    }
+    wake_.notify_all();
+    Finish(*job, job->Work());
+    std::unique_lock<std::mutex> lock(mutex_);
+    finished_.wait(lock, [&] { return job->done == parts; });
+  }
+
+ private:
+  struct Job {
+    Job(const std::function<void(int)>& fn, int parts) : fn(fn), parts(parts) {}
+    // The parts this thread claimed and ran.
+    int Work() {
+      int count = 0;
+      for (int part = next.fetch_add(1); part < parts; part = next.fetch_add(1)) {
+        fn(part);
+        ++count;
+      }
+      return count;
+    }
+    const std::function<void(int)>& fn;  // Run's, alive until every part is done
+    const int parts;
+    std::atomic<int> next{0};
+    int done = 0;  // under mutex_
+  };
+
+  explicit Workers(int threads) : threads_(threads) {
+    for (int t = 0; t < threads; ++t) std::thread([this] { Loop(); }).detach();
+  }
+
+  void Finish(Job& job, int count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job.done += count;
+    if (job.done == job.parts) finished_.notify_one();
+  }
+
+  void Loop() {
+    std::shared_ptr<Job> seen;
+    while (true) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return job_ != seen; });
+        job = seen = job_;
+      }
+      Finish(*job, job->Work());
+    }
+  }
+
+  const int threads_;
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_, finished_;
+  std::shared_ptr<Job> job_;  // the newest Run's, under mutex_
+};
+
+[[gnu::always_inline]] inline float Bf16ToFloat(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+
+template <HostNarrow kType>
+FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int64_t end) {
+  int64_t i = begin;
+#if defined(__x86_64__)
+  for (; i + 8 <= end; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m256 s;
+    if constexpr (kType == HostNarrow::kBFloat16) {
+      s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    } else {
+      s = _mm256_cvtph_ps(raw);
+    }
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(dst + i), s));
+  }
+  for (; i < end; ++i) {
+    if constexpr (kType == HostNarrow::kBFloat16) {
+      dst[i] += Bf16ToFloat(src[i]);
+    } else {
+      dst[i] += _cvtsh_ss(src[i]);
+    }
+  }
+#else
+  TORCH_INTERNAL_ASSERT(false, "HostAddConverted: not available here");
+#endif
+}
+
+}  // namespace
+
+int HostLoopThreads() { return Workers::Get().size(); }
+
+void HostParallelFor(int64_t n, int64_t min_part, const std::function<void(int64_t, int64_t)>& fn) {
+  TORCH_INTERNAL_ASSERT(min_part > 0 && min_part % 16 == 0);
+  if (n <= 0) return;
+  Workers& workers = Workers::Get();
+  const int64_t most = static_cast<int64_t>(kPartsPerThread) * workers.size();
+  const int64_t wanted = std::clamp<int64_t>((n + min_part - 1) / min_part, 1, most);
+  if (wanted == 1 || workers.size() == 1) {
+    fn(0, n);
+    return;
+  }
+  const int64_t per = ((n + wanted - 1) / wanted + 15) / 16 * 16;
+  const int parts = static_cast<int>((n + per - 1) / per);
+  workers.Run(parts, [&](int part) {
+    const int64_t begin = part * per;
+    fn(begin, std::min(n, begin + per));
+  });
+}
+
+bool HostAddConvertedAvailable(HostNarrow type) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx2")) return false;
+  return type == HostNarrow::kBFloat16 || __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+void HostAddConverted(float* dst, const uint16_t* src, HostNarrow type, int64_t n) {
+  TORCH_INTERNAL_ASSERT(HostAddConvertedAvailable(type), "HostAddConverted: not available here");
+  HostParallelFor(n, kMinPart, [&](int64_t begin, int64_t end) {
+    if (type == HostNarrow::kBFloat16) {
+      AddLoop<HostNarrow::kBFloat16>(dst, src, begin, end);
+    } else {
+      AddLoop<HostNarrow::kHalf>(dst, src, begin, end);
+    }
+  });
+}
+
+}  // namespace fsdp
