@@ -107,11 +107,18 @@ struct KernelsOptions {
 // with them in offload's 4M-element slices and as fsdp.cpp's one loop; the bf16 gradient's
 // addition into an fp32 sum with ATen's ops in 4M-element chunks and as one loop. Median ms,
 // GB/s of the bytes one pass must move, the loops' ratio to ATen's slices, each with `busy`
-// threads spinning beside it (a training thread's share of the cores); checks first that the
-// loops give ATen's values bit for bit (exit 1 if not). No GPU, no config.
+// threads spinning beside it (a training thread's share of the cores), the loops with each
+// count of `threads`; checks first that the loops give ATen's values bit for bit (exit 1 if
+// not). No GPU, no config.
 struct HostOptions {
   int64_t elements = 64 << 20;  // per pass (llama_1b 2 x 4 on one rank: 0.48e9)
+  // The loops called on pieces of this many elements, as the engine calls them once per
+  // parameter (0: one call over all).
+  int64_t tensor_elements = 0;
   std::vector<int> busy = {0, 1};
+  // The loops' threads (SetHostLoopThreads; 0: the default, at::get_num_threads()); ATen's
+  // ops run once per --busy, on ATen's threads.
+  std::vector<int> threads = {0};
   int warmup = 1;
   int repeats = 5;
   std::string out;  // "": no JSON file

@@ -72,12 +72,25 @@ void AtenStep(State& s, int64_t begin, int64_t len) {
   s.copy.narrow(0, begin, len).copy_(p);
 }
 
-void OneLoopStep(State& s) {
+// The one loop on [begin, begin + len), as the engine calls it once per parameter.
+void OneLoopStep(State& s, int64_t begin, int64_t len) {
   HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
-  HostAdamPass(hyper, kClip, s.param.numel(), s.param.data_ptr<float>(),
-               s.exp_avg.data_ptr<float>(), s.exp_avg_sq.data_ptr<float>(),
-               static_cast<const uint16_t*>(s.grad_bf16.const_data_ptr()),
-               static_cast<uint16_t*>(s.copy.data_ptr()));
+  HostAdamPass(hyper, kClip, len, s.param.data_ptr<float>() + begin,
+               s.exp_avg.data_ptr<float>() + begin, s.exp_avg_sq.data_ptr<float>() + begin,
+               static_cast<const uint16_t*>(s.grad_bf16.const_data_ptr()) + begin,
+               static_cast<uint16_t*>(s.copy.data_ptr()) + begin);
+}
+
+void OneLoopAdd(const at::Tensor& sum, const at::Tensor& grad_bf16, int64_t begin, int64_t len) {
+  HostAddConverted(sum.data_ptr<float>() + begin,
+                   static_cast<const uint16_t*>(grad_bf16.const_data_ptr()) + begin,
+                   HostNarrow::kBFloat16, len);
+}
+
+// fn(begin, len) over [0, n) in pieces of `piece` elements (0: one piece).
+void InPieces(int64_t n, int64_t piece, const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t step = piece > 0 ? piece : n;
+  for (int64_t b = 0; b < n; b += step) fn(b, std::min(step, n - b));
 }
 
 // ATen's conversion into a chunk-sized scratch and add_ (AddConverted in sharding/offload.cc).
@@ -168,16 +181,14 @@ int RunHost(const HostOptions& options) {
     if (adam_loop) {
       State aten = start.Clone(), loop = start.Clone();
       AtenStep(aten, 0, checked);
-      OneLoopStep(loop);
+      OneLoopStep(loop, 0, checked);
       adam_equal = at::equal(aten.param, loop.param) && at::equal(aten.exp_avg, loop.exp_avg) &&
                    at::equal(aten.exp_avg_sq, loop.exp_avg_sq) && at::equal(aten.copy, loop.copy);
     }
     if (add_loop) {
       at::Tensor aten = sum.clone(), loop = sum.clone();
       AtenAdd(aten, start.grad_bf16, at::empty({std::min(checked, kSlice)}));
-      HostAddConverted(loop.data_ptr<float>(),
-                       static_cast<const uint16_t*>(start.grad_bf16.const_data_ptr()),
-                       HostNarrow::kBFloat16, checked);
+      OneLoopAdd(loop, start.grad_bf16, 0, checked);
       add_equal = at::equal(aten, loop);
     }
   }
@@ -188,56 +199,68 @@ int RunHost(const HostOptions& options) {
   // Bytes a single pass must move per element: the step reads the master, moments and bf16
   // gradient and writes the three and the bf16 copy (28); the addition reads the bf16 gradient
   // and the fp32 sum and writes the sum (10).
+  const int64_t piece = options.tensor_elements;
+  const std::string loop_name = piece > 0 ? fmt::format(", per {} elements", piece) : "";
   std::vector<Row> rows = {
       {"step: ATen ops, whole tensor", 28, [&] { AtenStep(state, 0, n); }},
       {"step: ATen ops, 4M slices", 28,
-       [&] {
-         for (int64_t b = 0; b < n; b += kSlice) AtenStep(state, b, std::min(kSlice, n - b));
-       }},
-      {"step: one loop", 28, [&] { OneLoopStep(state); }, true},
+       [&] { InPieces(n, kSlice, [&](int64_t b, int64_t len) { AtenStep(state, b, len); }); }},
+      {"step: one loop" + loop_name, 28,
+       [&] { InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStep(state, b, len); }); },
+       true},
       {"add bf16: ATen ops, 4M chunks", 10, [&] { AtenAdd(acc, state.grad_bf16, scratch); }},
-      {"add bf16: one loop", 10,
+      {"add bf16: one loop" + loop_name, 10,
        [&] {
-         HostAddConverted(acc.data_ptr<float>(),
-                          static_cast<const uint16_t*>(state.grad_bf16.const_data_ptr()),
-                          HostNarrow::kBFloat16, n);
+         InPieces(n, piece,
+                  [&](int64_t b, int64_t len) { OneLoopAdd(acc, state.grad_bf16, b, len); });
        },
        true},
   };
+  const int default_threads = HostLoopThreads();
   nlohmann::json report = {{"elements", n},
+                           {"tensor_elements", piece},
                            {"aten_threads", at::get_num_threads()},
-                           {"host_loop_threads", HostLoopThreads()},
+                           {"host_loop_threads", default_threads},
                            {"cpu_capability", at::get_cpu_capability()},
                            {"step_values_equal", adam_equal},
                            {"add_values_equal", add_equal},
                            {"checked_elements", checked},
                            {"rows", nlohmann::json::array()}};
-  std::cout << fmt::format("{:<32} {:>5} {:>10} {:>8} {:>14}\n", "pass", "busy", "ms", "GB/s",
-                           "vs ATen slices");
+  std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10} {:>8} {:>14}\n", "pass", "busy", "threads",
+                           "ms", "GB/s", "vs ATen slices");
   for (int busy : options.busy) {
     double aten_slices[2] = {0, 0};  // step, add: the engine's ATen path, the ratio's base
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const Row& row = rows[r];
-      const bool add = r >= 3;
-      if (row.one_loop && !(add ? add_loop : adam_loop)) {
-        std::cout << fmt::format("{:<32} {:>5} {:>10}\n", row.name, busy, "not available here");
-        continue;
+    for (size_t t = 0; t < options.threads.size(); ++t) {
+      const int threads = options.threads[t] > 0 ? options.threads[t] : default_threads;
+      SetHostLoopThreads(threads);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const Row& row = rows[r];
+        const bool add = r >= 3;
+        if (!row.one_loop && t > 0) continue;  // ATen's threads do not change with --threads
+        const int used = row.one_loop ? threads : at::get_num_threads();
+        if (row.one_loop && !(add ? add_loop : adam_loop)) {
+          std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10}\n", row.name, busy, used,
+                                   "not available here");
+          continue;
+        }
+        const double ms = MedianMs(row.fn, options.warmup, options.repeats, busy);
+        if (r == 1) aten_slices[0] = ms;
+        if (r == 3) aten_slices[1] = ms;
+        const double base = aten_slices[add ? 1 : 0];
+        const std::string ratio = row.one_loop && base > 0 ? fmt::format("{:.3f}x", ms / base) : "";
+        const double gbps = n * row.bytes_per_element / (ms * 1e6);
+        std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy,
+                                 used, ms, gbps, ratio);
+        report["rows"].push_back({{"pass", row.name},
+                                  {"busy_threads", busy},
+                                  {"threads", used},
+                                  {"ms", ms},
+                                  {"gbps", gbps},
+                                  {"bytes_per_element", row.bytes_per_element}});
       }
-      const double ms = MedianMs(row.fn, options.warmup, options.repeats, busy);
-      if (r == 1) aten_slices[0] = ms;
-      if (r == 3) aten_slices[1] = ms;
-      const double base = aten_slices[add ? 1 : 0];
-      const std::string ratio = row.one_loop && base > 0 ? fmt::format("{:.3f}x", ms / base) : "";
-      const double gbps = n * row.bytes_per_element / (ms * 1e6);
-      std::cout << fmt::format("{:<32} {:>5} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy, ms, gbps,
-                               ratio);
-      report["rows"].push_back({{"pass", row.name},
-                                {"busy_threads", busy},
-                                {"ms", ms},
-                                {"gbps", gbps},
-                                {"bytes_per_element", row.bytes_per_element}});
     }
   }
+  SetHostLoopThreads(default_threads);
   std::cout << fmt::format(
       "values ({} elements): the one-loop step {} ATen's ops; the one-loop "
       "add {}\n",

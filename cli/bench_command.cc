@@ -97,6 +97,14 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
             return "";
           },
           "NUMBER"));
+  c.host_cmd->add_option("--tensor-elements", h.tensor_elements,
+                         "Call the loops on pieces of this many elements, as the engine calls "
+                         "them once per parameter (0: one call)")
+      ->capture_default_str()->check(IntAtLeast<int64_t>(0));
+  c.host_cmd->add_option("--threads", h.threads,
+                         "The loops' threads, comma list (FSDP_OFFLOAD_HOST_THREADS; 0: the "
+                         "default, at::get_num_threads())")
+      ->delimiter(',')->capture_default_str()->check(IntInRange(0, 1024));
   c.host_cmd->add_option("--busy", h.busy, "Spinning threads beside each pass, comma list")
       ->delimiter(',')->capture_default_str()->check(IntInRange(0, 256));
   c.host_cmd->add_option("--warmup", h.warmup, "Passes left out")->capture_default_str()

@@ -10,7 +10,7 @@ constexpr std::array kAllKnobs = {
     kLogLevel,         kRendezvousTimeoutS, kCollectiveTimeoutS,
     kGlooSocketIfname, kOmpNumThreads,      kCheckpointCrashAfterWrite,
     kPython,           kTestVerbose,        kProgressFile,
-    kFailureDir,       kOffloadStepSlice,   kOffloadHostPass,
+    kFailureDir,       kOffloadStepSlice,   kOffloadHostPass,   kOffloadHostThreads,
     kTestSigstop,      kTestSigterm,
 };
 

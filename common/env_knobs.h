@@ -120,6 +120,16 @@ inline constexpr EnvKnob kOffloadHostPass{
     "other, as `fsdp bench host` does outside a run)",
     "on", "on, off", "sharding/offload.cc"};
 
+// FSDP_OFFLOAD_HOST_THREADS: the threads of offload's one loops (Note [Host loops]).
+inline constexpr EnvKnob kOffloadHostThreads{
+    "FSDP_OFFLOAD_HOST_THREADS",
+    "threads that run offload's one loops on the host (the AdamW update of deferred bf16 "
+    "gradients, the bf16 gradients' addition), the adder's own included; fewer than the cores "
+    "leaves some to the training thread and the copies (`fsdp bench host --threads` measures "
+    "the choice)",
+    "at::get_num_threads() (OMP_NUM_THREADS; the launcher gives each rank cores / ranks)",
+    "an integer in 1..1024", "sharding/offload.cc"};
+
 // FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.
 inline constexpr EnvKnob kTestSigstop{
     "FSDP_TEST_SIGSTOP",

@@ -422,13 +422,17 @@ stage_kernels() {
   bounded "$bin" bench kernels "$config" --set training.micro_batch_size=2 \
     --out "$out/kernels.json" >"$out/kernels.log" 2>&1 || log "bench kernels failed (see $out/kernels.log)"
 }
-# Offload's host passes at llama_1b 2 x 4's parameters on one rank (0.48e9; 14 GB of host
-# memory), the one loops against ATen's ops, idle and with one and two threads spinning beside
-# them (no GPU; < 1 min). GPU_CHECK_CPU: 16e6.
+# Offload's host passes at llama_1b 2 x 4's parameters on one rank (0.48e9; 12 GB of host
+# memory), the one loops called per 4M-element tensor (llama_1b's attention projections; the
+# engine calls them once per parameter) against ATen's ops, idle and with one and two threads
+# spinning beside them (the training thread spins on CUDA's synchronisations), the loops on all
+# cores and on all but one (FSDP_OFFLOAD_HOST_THREADS); no GPU, < 1 min. GPU_CHECK_CPU: 16e6.
 stage_host_bench() {
-  local elements=480000000
+  local elements=480000000 threads
+  threads="0,$(($(nproc) > 2 ? $(nproc) - 1 : 1))"
   [ "${GPU_CHECK_CPU:-0}" = 1 ] && elements=16000000
-  bounded "$bin" bench host --elements "$elements" --busy 0,1,2 --repeats 5 \
+  bounded "$bin" bench host --elements "$elements" --tensor-elements 4194304 \
+    --threads "$threads" --busy 0,1,2 --repeats 5 \
     --out "$out/host_bench.json" >"$out/host_bench.log" 2>&1 ||
     log "bench host failed (see $out/host_bench.log)"
 }

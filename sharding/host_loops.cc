@@ -27,7 +27,8 @@ namespace fsdp {
 // on the slices offload works in: every op forks and joins ATen's OpenMP threads (~200 us on the
 // H100 machine's 16 cores), and at::parallel_for in our code runs on the calling thread only
 // (docs/architecture.md). So these loops run on a pool of our own, made at first use with
-// at::get_num_threads() - 1 threads (the caller is the last), woken once per call.
+// at::get_num_threads() - 1 threads (the caller is the last), woken once per call;
+// FSDP_OFFLOAD_HOST_THREADS (read when offload is set up) changes how many take part.
 //
 // A call's range is cut into parts of at least min_part elements, up to kPartsPerThread per
 // thread, that the threads claim one at a time: a thread that shares its core with the training
@@ -45,20 +46,34 @@ constexpr int64_t kMinPart = int64_t{1} << 16;
 class Workers {
  public:
   static Workers& Get() {
-    static Workers* workers = new Workers(std::max(1, at::get_num_threads()) - 1);  // kept
+    static Workers* workers = new Workers(std::max(1, at::get_num_threads()));  // kept
     return *workers;
   }
 
-  int size() const { return threads_ + 1; }  // the caller too
+  // The threads a Run uses, the caller included.
+  int size() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return active_;
+  }
 
-  // fn(part) for every part in [0, parts), on the workers and the calling thread. Each Run is a
-  // job of its own that the workers take a reference to, so a worker still finishing one job
-  // never claims a part of the next.
+  int Resize(int threads) {
+    std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int before = active_;
+    active_ = std::max(1, threads);
+    while (started_ + 1 < active_) StartWorker();
+    return before;
+  }
+
+  // fn(part) for every part in [0, parts), on the first size() - 1 workers and the calling
+  // thread. Each Run is a job of its own that the workers take a reference to, so a worker still
+  // finishing one job never claims a part of the next.
   void Run(int parts, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
-    auto job = std::make_shared<Job>(fn, parts);
+    std::shared_ptr<Job> job;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      job = std::make_shared<Job>(fn, parts, active_ - 1);
       job_ = job;
     }
     wake_.notify_all();
@@ -69,7 +84,8 @@ class Workers {
 
  private:
   struct Job {
-    Job(const std::function<void(int)>& fn, int parts) : fn(fn), parts(parts) {}
+    Job(const std::function<void(int)>& fn, int parts, int workers)
+        : fn(fn), parts(parts), workers(workers) {}
     // The parts this thread claimed and ran.
     int Work() {
       int count = 0;
@@ -81,12 +97,19 @@ class Workers {
     }
     const std::function<void(int)>& fn;  // Run's, alive until every part is done
     const int parts;
+    const int workers;  // the workers with a lower index take part
     std::atomic<int> next{0};
     int done = 0;  // under mutex_
   };
 
-  explicit Workers(int threads) : threads_(threads) {
-    for (int t = 0; t < threads; ++t) std::thread([this] { Loop(); }).detach();
+  explicit Workers(int threads) : active_(threads) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (started_ + 1 < active_) StartWorker();
+  }
+
+  void StartWorker() {  // under mutex_
+    const int index = started_++;
+    std::thread([this, index] { Loop(index); }).detach();
   }
 
   void Finish(Job& job, int count) {
@@ -95,7 +118,7 @@ class Workers {
     if (job.done == job.parts) finished_.notify_one();
   }
 
-  void Loop() {
+  void Loop(int index) {
     std::shared_ptr<Job> seen;
     while (true) {
       std::shared_ptr<Job> job;
@@ -104,13 +127,15 @@ class Workers {
         wake_.wait(lock, [&] { return job_ != seen; });
         job = seen = job_;
       }
-      Finish(*job, job->Work());
+      if (index < job->workers) Finish(*job, job->Work());
     }
   }
 
-  const int threads_;
-  std::mutex run_mutex_, mutex_;
+  mutable std::mutex mutex_;
+  std::mutex run_mutex_;
   std::condition_variable wake_, finished_;
+  int active_;                // under mutex_
+  int started_ = 0;           // workers started, under mutex_
   std::shared_ptr<Job> job_;  // the newest Run's, under mutex_
 };
 
@@ -148,13 +173,16 @@ FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int6
 
 int HostLoopThreads() { return Workers::Get().size(); }
 
+int SetHostLoopThreads(int threads) { return Workers::Get().Resize(threads); }
+
 void HostParallelFor(int64_t n, int64_t min_part, const std::function<void(int64_t, int64_t)>& fn) {
   TORCH_INTERNAL_ASSERT(min_part > 0 && min_part % 16 == 0);
   if (n <= 0) return;
   Workers& workers = Workers::Get();
-  const int64_t most = static_cast<int64_t>(kPartsPerThread) * workers.size();
+  const int threads = workers.size();
+  const int64_t most = static_cast<int64_t>(kPartsPerThread) * threads;
   const int64_t wanted = std::clamp<int64_t>((n + min_part - 1) / min_part, 1, most);
-  if (wanted == 1 || workers.size() == 1) {
+  if (wanted == 1 || threads == 1) {
     fn(0, n);
     return;
   }

@@ -13,8 +13,13 @@
 
 namespace fsdp {
 
-// Threads that run HostParallelFor's parts: the pool's and the calling thread.
+// Threads that run HostParallelFor's parts: the pool's and the calling thread. By default
+// at::get_num_threads() at first use (FSDP_OFFLOAD_HOST_THREADS sets it for offload: Note [Host
+// loops]).
 int HostLoopThreads();
+// Makes later calls use `threads` threads (>= 1; the pool grows when it has fewer); returns
+// the number used before. For measuring (fsdp bench host) and the knob; not while a call runs.
+int SetHostLoopThreads(int threads);
 
 // fn(begin, end) over [0, n) in parts of at least `min_part` elements (a multiple of 16 that
 // parts begin at), claimed one at a time by the pool's threads and the caller, so that a thread

@@ -143,6 +143,9 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
                                              ": valid: ", kOffloadHostPass.valid));
   }
   offload->host_pass_ = host_pass == "on";
+  FSDP_ASSIGN_OR_RETURN(std::optional<int> host_threads,
+                        GetOptionalIntEnv(ProcessEnv(), kOffloadHostThreads.name, 1, 1024));
+  if (host_threads.has_value()) SetHostLoopThreads(*host_threads);
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena

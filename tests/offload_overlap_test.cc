@@ -22,6 +22,7 @@
 #include "checkpoint/format.h"
 #include "common/strings.h"
 #include "engine/host_adam.h"
+#include "sharding/host_loops.h"
 #include "engine/optimizer.h"
 #include "sharding/fsdp_model.h"
 #include "tests/gpu_skip.h"
@@ -302,7 +303,9 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
     std::map<std::string, std::string> env;  // the one-pass run's
   };
   const Case cases[] = {
-      {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"}, true, {}},
+      {{"training.grad_accum_steps=1", "training.max_grad_norm=0.05"},
+       true,
+       {{"FSDP_OFFLOAD_HOST_THREADS", "3"}}},
       {{"training.grad_accum_steps=2", "training.grad_sync=last", "training.max_grad_norm=0.05"},
        true,
        {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}, {"FSDP_OFFLOAD_HOST_PASS", "off"}}},
@@ -311,7 +314,9 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
        {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}}},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(StrJoin(c.sets, " ") + (c.env.empty() ? "" : " (sliced, 1040)"));
+    std::string env_text;
+    for (const auto& [name, value] : c.env) env_text += StrCat(" ", name, "=", value);
+    SCOPED_TRACE(StrJoin(c.sets, " ") + env_text);
     auto train = [&](const std::string& dir, std::vector<std::string> sets,
                      const std::map<std::string, std::string>& env = {}) {
       sets.insert(sets.begin(),
@@ -339,12 +344,18 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
       EXPECT_EQ(on["deferred_materialized"], 0) << on.dump();
       EXPECT_EQ(on["host_adds"], 0) << on.dump();
       // The optimizer's one loop where it matches ATen here, unless turned off.
-      const bool one_loop = HostAdamPassAvailable() && c.env.empty();
+      const bool one_loop = HostAdamPassAvailable() && !c.env.contains("FSDP_OFFLOAD_HOST_PASS");
       EXPECT_EQ(on["host_passes"], one_loop ? on["deferred_steps"].get<int64_t>() : 0)
           << on.dump();
     } else {
       EXPECT_EQ(on["deferred_steps"], 0) << on.dump();
       EXPECT_GT(on["deferred_materialized"].get<int64_t>(), 0) << on.dump();
+      // The second micro-batch's bf16 gradients added by one loop (Note [Host loops]).
+      EXPECT_GT(on["host_adds"].get<int64_t>(), 0) << on.dump();
+      EXPECT_EQ(on["host_add_passes"].get<int64_t>(),
+                HostAddConvertedAvailable(HostNarrow::kBFloat16) ? on["host_adds"].get<int64_t>()
+                                                                 : 0)
+          << on.dump();
     }
     EXPECT_EQ(off["deferred_steps"], 0) << off.dump();
     EXPECT_EQ(off["deferred_materialized"], 0) << off.dump();
@@ -357,8 +368,8 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   }
 }
 
-// A bad FSDP_OFFLOAD_STEP_SLICE or FSDP_OFFLOAD_HOST_PASS stops the run before training,
-// naming the knob and what is valid.
+// A bad FSDP_OFFLOAD_STEP_SLICE, FSDP_OFFLOAD_HOST_PASS or FSDP_OFFLOAD_HOST_THREADS stops the
+// run before training, naming the knob and what is valid.
 TEST(OffloadOverlapTrainTest, BadHostKnobsAreClearErrors) {
   struct Bad {
     std::string knob, value, message;
@@ -368,6 +379,7 @@ TEST(OffloadOverlapTrainTest, BadHostKnobsAreClearErrors) {
       {"FSDP_OFFLOAD_STEP_SLICE", "8", "FSDP_OFFLOAD_STEP_SLICE=8 is out of range"},
       {"FSDP_OFFLOAD_STEP_SLICE", "lots", "FSDP_OFFLOAD_STEP_SLICE"},
       {"FSDP_OFFLOAD_HOST_PASS", "maybe", "FSDP_OFFLOAD_HOST_PASS=maybe: valid: on, off"},
+      {"FSDP_OFFLOAD_HOST_THREADS", "0", "FSDP_OFFLOAD_HOST_THREADS=0 is out of range"},
   };
   for (const Bad& bad : bads) {
     SCOPED_TRACE(bad.knob + "=" + bad.value);

@@ -540,12 +540,17 @@ TEST(HostLoopsTest, AddConvertedEqualsAtensConversionAndAddBitwise) {
   }
 }
 
-// Every element in exactly one part, parts beginning at multiples of 16, whatever the pool's
-// size, and again while another thread spins on a core (a part a slowed thread would hold is
-// claimed by the others).
+// Every element in exactly one part, parts beginning at multiples of 16, with one thread, the
+// default and more threads than cores (SetHostLoopThreads grows the pool), and again while
+// another thread spins on a core (a part a slowed thread would hold is claimed by the others).
 TEST(HostLoopsTest, ParallelForCoversEachElementOnce) {
+  const int default_threads = HostLoopThreads();
   std::atomic<bool> stop{false};
-  for (bool busy : {false, true}) {
+  for (const auto& [busy, threads] :
+       {std::pair{false, 1}, std::pair{false, default_threads}, std::pair{false, 5},
+        std::pair{true, default_threads}, std::pair{true, 3}}) {
+    EXPECT_EQ(SetHostLoopThreads(threads), default_threads);
+    EXPECT_EQ(HostLoopThreads(), threads);
     std::thread spinner;
     if (busy) {
       spinner = std::thread([&] {
@@ -562,14 +567,16 @@ TEST(HostLoopsTest, ParallelForCoversEachElementOnce) {
         for (int64_t i = begin; i < end; ++i) ++seen[static_cast<size_t>(i)];
         ++calls;
       });
-      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n) << "n " << n << " busy " << busy;
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n)
+          << "n " << n << " busy " << busy << " threads " << threads;
       EXPECT_LE(calls.load(), std::max<int64_t>(1, (n + 1023) / 1024)) << n;
     }
     stop = true;
     if (spinner.joinable()) spinner.join();
     stop = false;
+    SetHostLoopThreads(default_threads);
   }
-  EXPECT_GE(HostLoopThreads(), 1);
+  EXPECT_GE(default_threads, 1);
 }
 
 }  // namespace
