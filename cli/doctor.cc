@@ -14,6 +14,8 @@
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/torch_status.h"
+#include "engine/host_adam.h"
+#include "sharding/host_loops.h"
 
 #ifndef FSDP_TORCH_WHEEL_VERSION
 #define FSDP_TORCH_WHEEL_VERSION "unknown"
@@ -98,6 +100,24 @@ std::string Bytes(int64_t b) {
   return StrCat(b);
 }
 
+// What parallelism.offload's host work runs here (Note [Host loops], Note [Host Adam pass]):
+// fsdp.cpp's one loops, or ATen's ops and why.
+std::string OffloadHostLine() {
+  const std::string kernels = at::get_cpu_capability();
+  std::string line = StrCat("host loops on ", HostLoopThreads(), " threads: AdamW update ");
+  if (HostAdamPassAvailable()) {
+    line += StrCat("one loop (bit for bit ATen's ", kernels, " kernels)");
+  } else {
+    line += StrCat("ATen's ops (ATen runs its ", kernels,
+                   " kernels here; the loop needs an AVX2 + FMA CPU and ATen's AVX2 or AVX512 "
+                   "kernels, and checks itself against them)");
+  }
+  line += HostAddConvertedAvailable(HostNarrow::kBFloat16)
+              ? ", bf16 gradient addition one loop"
+              : ", bf16 gradient addition ATen's ops (no AVX2)";
+  return line;
+}
+
 void PrintHeader(const DistContext& ctx) {
   std::cout << "fsdp doctor\n"
             << "  torch      " << FSDP_TORCH_WHEEL_VERSION << " (libtorch from the PyPI wheel)\n"
@@ -110,6 +130,7 @@ void PrintHeader(const DistContext& ctx) {
   if (gpus == 0) std::cout << ", no CUDA device";
   std::cout << "\n  launch     " << ctx.env().source << ", world size " << ctx.world_size()
             << ", compute on " << ctx.device().str() << "\n";
+  std::cout << "  offload    " << OffloadHostLine() << "\n";
   std::cout.flush();
 }
 

@@ -31,6 +31,7 @@ TEST_P(DoctorTest, PassesOnCpu) {
   EXPECT_TRUE(r.StdoutHas("fsdp doctor: OK")) << r.Output();
   EXPECT_TRUE(r.StdoutHas(c.expect)) << r.Output();
   EXPECT_TRUE(r.StdoutHas("torch      2.11.0")) << r.Output();
+  EXPECT_TRUE(r.StdoutHas("offload    host loops on ")) << r.Output();
   for (int rank = 0; rank < c.ranks; ++rank) {
     EXPECT_TRUE(r.StdoutHas(StrCat("[rank", rank, "]: rank ", rank, ": rank ", rank, " of ",
                                    c.ranks)))
