@@ -33,8 +33,11 @@ namespace fsdp {
 // A call's range is cut into parts of at least min_part elements, up to kPartsPerThread per
 // thread, that the threads claim one at a time: a thread that shares its core with the training
 // thread (a delayed update runs beside the next step's forward) or with another process does
-// fewer parts instead of holding up the call. Measured on the 2-core CI machine with one thread
-// spinning beside the pass: `fsdp bench host` (bench/host.cc) prints it.
+// fewer parts instead of holding up the call. `fsdp bench host` (bench/host.cc) times the loops
+// against ATen's ops with threads spinning beside them; docs/offload.md has the 2-core CI
+// machine's figures (the step's loop 0.47-0.54x of ATen's ops idle, 0.36-0.55x beside spinning
+// threads). Whether fewer threads than cores (FSDP_OFFLOAD_HOST_THREADS) is better beside a
+// spinning training thread is for a machine with many cores to show.
 
 namespace {
 
