@@ -93,16 +93,6 @@ void InPieces(int64_t n, int64_t piece, const std::function<void(int64_t, int64_
   for (int64_t b = 0; b < n; b += step) fn(b, std::min(step, n - b));
 }
 
-// ATen's conversion into a chunk-sized scratch and add_ (AddConverted in sharding/offload.cc).
-void AtenAdd(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
-  for (int64_t i = 0; i < dst.numel(); i += kSlice) {
-    const int64_t n = std::min(kSlice, dst.numel() - i);
-    at::Tensor part = scratch.narrow(0, 0, n);
-    part.copy_(src.narrow(0, i, n));
-    dst.narrow(0, i, n).add_(part);
-  }
-}
-
 struct Row {
   std::string name;
   double bytes_per_element;  // what one pass must move
@@ -187,7 +177,7 @@ int RunHost(const HostOptions& options) {
     }
     if (add_loop) {
       at::Tensor aten = sum.clone(), loop = sum.clone();
-      AtenAdd(aten, start.grad_bf16, at::empty({std::min(checked, kSlice)}));
+      AddConvertedInChunks(aten, start.grad_bf16, at::empty({std::min(checked, kSlice)}));
       OneLoopAdd(loop, start.grad_bf16, 0, checked);
       add_equal = at::equal(aten, loop);
     }
@@ -208,7 +198,8 @@ int RunHost(const HostOptions& options) {
       {"step: one loop" + loop_name, 28,
        [&] { InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStep(state, b, len); }); },
        true},
-      {"add bf16: ATen ops, 4M chunks", 10, [&] { AtenAdd(acc, state.grad_bf16, scratch); }},
+      {"add bf16: ATen ops, 4M chunks", 10,
+       [&] { AddConvertedInChunks(acc, state.grad_bf16, scratch); }},
       {"add bf16: one loop" + loop_name, 10,
        [&] {
          InPieces(n, piece,

@@ -72,10 +72,6 @@ struct Args {
   uint16_t* copy;
 };
 
-[[gnu::always_inline]] inline float Bf16ToFloat(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-}
-
 [[gnu::always_inline]] inline uint16_t FloatToBf16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -15,6 +14,7 @@
 #define FSDP_AVX2_F16C
 #endif
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -142,10 +142,6 @@ class Workers {
   std::shared_ptr<Job> job_;  // the newest Run's, under mutex_
 };
 
-[[gnu::always_inline]] inline float Bf16ToFloat(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-}
-
 template <HostNarrow kType>
 FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int64_t end) {
   int64_t i = begin;
@@ -173,6 +169,26 @@ FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int6
 }
 
 }  // namespace
+
+// dst (fp32, host) += src (a narrower float dtype, same numel), each element dst + float(src)
+// rounded once: what dst.add_(src.to(dst's dtype)) gives, without ATen's mixed-dtype add_ (not
+// vectorised, ~9x slower per byte: docs/offload.md) or a full-size temporary. A chunk at a time
+// (scratch's numel: offload's step slice, FSDP_OFFLOAD_STEP_SLICE, 16 MiB by default) is
+// converted into `scratch` (fp32, reused across calls) and added, both with ATen's vectorised
+// kernels on all of its threads: one chunk after the other, each op's fork and join amortised
+// over the chunk (the sliced step's reason, kDefaultStepSlice in offload.cc).
+void AddConvertedInChunks(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
+  at::Tensor d = dst.view(-1);
+  at::Tensor s = src.view(-1);
+  TORCH_INTERNAL_ASSERT(d.numel() == s.numel() && scratch.dtype() == d.dtype());
+  const int64_t chunk = scratch.numel();
+  for (int64_t i = 0; i < d.numel(); i += chunk) {
+    const int64_t n = std::min(chunk, d.numel() - i);
+    at::Tensor part = scratch.narrow(0, 0, n);
+    part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
+    d.narrow(0, i, n).add_(part);
+  }
+}
 
 int HostLoopThreads() { return Workers::Get().size(); }
 

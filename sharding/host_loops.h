@@ -8,8 +8,13 @@
 //   }
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <functional>
+
+namespace at {
+class Tensor;
+}  // namespace at
 
 namespace fsdp {
 
@@ -37,5 +42,15 @@ bool HostAddConvertedAvailable(HostNarrow type);
 // add_ move 18, and its mixed-dtype add_ is not vectorised), on HostParallelFor's threads.
 // Requires HostAddConvertedAvailable(type).
 void HostAddConverted(float* dst, const uint16_t* src, HostNarrow type, int64_t n);
+
+// The same sum with ATen's ops, for where the loop does not run (no AVX2, FSDP_OFFLOAD_HOST_PASS
+// =off): dst (fp32) += src (bf16 / fp16, same numel), converted a chunk of scratch.numel()
+// elements at a time into `scratch` (fp32) and added.
+void AddConvertedInChunks(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch);
+
+// A bf16 value's bits as the float it is (exact).
+[[gnu::always_inline]] inline float Bf16ToFloat(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 }  // namespace fsdp

@@ -75,28 +75,8 @@ absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool 
   return arena;
 }
 
-// dst (fp32, host) += src (a narrower float dtype, same numel), each element dst + float(src)
-// rounded once: what dst.add_(src.to(dst's dtype)) gives, without ATen's mixed-dtype add_ (not
-// vectorised, ~9x slower per byte: docs/offload.md) or a full-size temporary. A chunk at a time
-// (scratch's numel: the step's slice, FSDP_OFFLOAD_STEP_SLICE, 16 MiB by default) is converted
-// into `scratch` (fp32, reused across calls) and added, both with ATen's vectorised kernels on
-// all of its threads: one chunk after the other, each op's fork and join amortised over the
-// chunk (the sliced step's reason, kDefaultStepSlice).
-void AddConverted(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
-  at::Tensor d = dst.view(-1);
-  at::Tensor s = src.view(-1);
-  TORCH_INTERNAL_ASSERT(d.numel() == s.numel() && scratch.dtype() == d.dtype());
-  const int64_t chunk = scratch.numel();
-  for (int64_t i = 0; i < d.numel(); i += chunk) {
-    const int64_t n = std::min(chunk, d.numel() - i);
-    at::Tensor part = scratch.narrow(0, 0, n);
-    part.copy_(s.narrow(0, i, n));  // exact: fp32 holds every bf16 / fp16 value
-    d.narrow(0, i, n).add_(part);
-  }
-}
-
 // The narrow type whose addition into dst HostAddConverted does here (Note [Host loops]): an
-// fp32 dst and a bf16 or fp16 src, both contiguous; else nullopt (AddConverted's chunks).
+// fp32 dst and a bf16 or fp16 src, both contiguous; else nullopt (AddConvertedInChunks).
 std::optional<HostNarrow> OneLoopAdd(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.scalar_type() != at::kFloat || !dst.is_cpu() || !src.is_cpu() ||
       !dst.is_contiguous() || !src.is_contiguous() ||
@@ -799,7 +779,7 @@ void HostOffload::FinishOnHost(const HostTask& task) {
   } else {
     // The adder's own scratch (only the adder runs tasks), allocated at its first addition.
     if (!add_scratch_.defined()) add_scratch_ = at::empty({step_slice_}, task.dst.options());
-    AddConverted(task.dst, task.src, add_scratch_);
+    AddConvertedInChunks(task.dst, task.src, add_scratch_);
   }
   if (task.add) ++stats_.host_adds;
 }

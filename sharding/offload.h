@@ -37,11 +37,11 @@
 //              moves 2 bytes per parameter instead of 4 into host_compute_grad, and the host
 //              converts it into host_grad (ATen's copy_) or adds it there in one loop over
 //              the elements on the host loops' threads (HostAddConverted, Note [Host loops];
-//              without AVX2, or FSDP_OFFLOAD_HOST_PASS=off: AddConverted, a 16 MiB chunk at a
-//              time converted by ATen into a scratch and added with add_; ATen's mixed-dtype
-//              add_ is ~9x slower, docs/offload.md). Either way each element is a + float(b)
-//              rounded once,
-//              the sum of the fp32 path and of the run without offload, bit for bit. With
+//              without AVX2, or FSDP_OFFLOAD_HOST_PASS=off: AddConvertedInChunks, a 16 MiB
+//              chunk at a time converted by ATen into a scratch and added with add_; ATen's
+//              mixed-dtype add_ is ~9x slower, docs/offload.md). Either way each element is
+//              a + float(b) rounded once, the sum of the fp32 path and of the run without
+//              offload, bit for bit. With
 //              several shards the reduce-scatter's output is in the reduce dtype already.
 //              When the compute dtype is narrower than the shard's (mixed precision: fp32
 //              shards, bf16 compute) the host also keeps host_compute_shard, the padded shard
@@ -424,8 +424,9 @@ class HostOffload {
   std::map<FsdpParam*, uint64_t> step_task_;
   bool can_delay_ = false;     // Create's `delayed`
   int64_t step_slice_ = 0;     // StepInSlices' elements per slice (FSDP_OFFLOAD_STEP_SLICE)
-  bool host_pass_ = true;      // StepInSlices may use HostStep::run_host_pass (FSDP_OFFLOAD_HOST_PASS)
-  at::Tensor add_scratch_;     // the adder's fp32 chunk for AddConverted (offload.cc)
+  bool host_pass_ = true;      // the one loops may run (FSDP_OFFLOAD_HOST_PASS): StepInSlices'
+                               // HostStep::run_host_pass, FinishOnHost's HostAddConverted
+  at::Tensor add_scratch_;     // the adder's fp32 chunk for AddConvertedInChunks (host_loops.h)
   bool step_delayed_ = false;  // the step in step_task_ was queued delayed
   // The adder (see "Host additions" above); mutex_ guards what follows it.
   std::thread adder_;
