@@ -35,6 +35,7 @@ constexpr float kClip = 0.5f;  // clipping's scale: the gradient is multiplied b
 // One parameter's host state with a bf16 gradient, as offload params with bf16 compute keeps
 // it: the fp32 master and moments, the landed bf16 gradient, the fp32 .grad the ATen path
 // converts into, the bf16 copy that is loaded next.
+// `grad` is also the fp32 gradient of the fp32 rows (several shards, sums on the host).
 struct State {
   at::Tensor param, exp_avg, exp_avg_sq, grad_bf16, grad, copy;
   explicit State(int64_t n) {
@@ -43,7 +44,7 @@ struct State {
     exp_avg = at::randn({n}) * 0.01;
     exp_avg_sq = at::rand({n}) * 1e-4;
     grad_bf16 = at::randn({n}).to(at::kBFloat16);
-    grad = at::empty({n});
+    grad = at::randn({n});
     copy = at::empty({n}, at::kBFloat16);
   }
   State Clone() const {
@@ -72,6 +73,32 @@ void AtenStep(State& s, int64_t begin, int64_t len) {
   s.copy.narrow(0, begin, len).copy_(p);
 }
 
+// An fp32 gradient's step with ATen's ops, as before Note [Deferred clipping multiplication]:
+// clipping's multiplication of the whole .grad (the training thread's), then the fused AdamW
+// and the cast a slice at a time (offload's sliced step).
+void AtenStepWide(State& s) {
+  const int64_t n = s.param.numel();
+  s.grad.mul_(at::scalar_tensor(kClip));
+  const at::Tensor step = at::full({}, kStep, at::kFloat);
+  for (int64_t begin = 0; begin < n; begin += kSlice) {
+    const int64_t len = std::min(kSlice, n - begin);
+    at::Tensor p = s.param.narrow(0, begin, len);
+    at::_fused_adamw_({p}, {s.grad.narrow(0, begin, len)}, {s.exp_avg.narrow(0, begin, len)},
+                      {s.exp_avg_sq.narrow(0, begin, len)}, {}, {step}, kLr, kBeta1, kBeta2,
+                      kWeightDecay, kEps, false, false);
+    s.copy.narrow(0, begin, len).copy_(p);
+  }
+}
+
+// The one loop from the fp32 gradient, clipping's multiplication in it.
+void OneLoopStepWide(State& s, int64_t begin, int64_t len) {
+  HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
+  HostAdamPass(hyper, kClip, len, s.param.data_ptr<float>() + begin,
+               s.exp_avg.data_ptr<float>() + begin, s.exp_avg_sq.data_ptr<float>() + begin,
+               s.grad.const_data_ptr<float>() + begin,
+               static_cast<uint16_t*>(s.copy.data_ptr()) + begin);
+}
+
 // The one loop on [begin, begin + len), as the engine calls it once per parameter.
 void OneLoopStep(State& s, int64_t begin, int64_t len) {
   HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
@@ -98,6 +125,8 @@ struct Row {
   double bytes_per_element;  // what one pass must move
   std::function<void()> fn;
   bool one_loop = false;
+  int pass = 0;       // the pass timed: 0 the step from bf16, 1 from fp32, 2 the addition
+  bool base = false;  // the engine's ATen path for the pass: the ratios' base
 };
 
 // Median milliseconds of `repeats` calls after `warmup`, each on a thread of its own (offload
@@ -169,11 +198,17 @@ int RunHost(const HostOptions& options) {
     const State start(checked);
     const at::Tensor sum = at::randn({checked});
     if (adam_loop) {
+      auto same = [](const State& a, const State& b) {
+        return at::equal(a.param, b.param) && at::equal(a.exp_avg, b.exp_avg) &&
+               at::equal(a.exp_avg_sq, b.exp_avg_sq) && at::equal(a.copy, b.copy);
+      };
       State aten = start.Clone(), loop = start.Clone();
       AtenStep(aten, 0, checked);
       OneLoopStep(loop, 0, checked);
-      adam_equal = at::equal(aten.param, loop.param) && at::equal(aten.exp_avg, loop.exp_avg) &&
-                   at::equal(aten.exp_avg_sq, loop.exp_avg_sq) && at::equal(aten.copy, loop.copy);
+      State aten_wide = start.Clone(), loop_wide = start.Clone();
+      AtenStepWide(aten_wide);
+      OneLoopStepWide(loop_wide, 0, checked);
+      adam_equal = same(aten, loop) && same(aten_wide, loop_wide);
     }
     if (add_loop) {
       at::Tensor aten = sum.clone(), loop = sum.clone();
@@ -191,21 +226,29 @@ int RunHost(const HostOptions& options) {
   // and the fp32 sum and writes the sum (10).
   const int64_t piece = options.tensor_elements;
   const std::string loop_name = piece > 0 ? fmt::format(", per {} elements", piece) : "";
+  // The step from an fp32 gradient reads 4 bytes of it where the bf16 one reads 2 (30).
   std::vector<Row> rows = {
-      {"step: ATen ops, whole tensor", 28, [&] { AtenStep(state, 0, n); }},
+      {"step: ATen ops, whole tensor", 28, [&] { AtenStep(state, 0, n); }, false, 0},
       {"step: ATen ops, 4M slices", 28,
-       [&] { InPieces(n, kSlice, [&](int64_t b, int64_t len) { AtenStep(state, b, len); }); }},
+       [&] { InPieces(n, kSlice, [&](int64_t b, int64_t len) { AtenStep(state, b, len); }); },
+       false, 0, true},
       {"step: one loop" + loop_name, 28,
        [&] { InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStep(state, b, len); }); },
-       true},
+       true, 0},
+      {"step fp32 grad: ATen mul_, 4M slices", 30, [&] { AtenStepWide(state); }, false, 1, true},
+      {"step fp32 grad: one loop" + loop_name, 30,
+       [&] {
+         InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStepWide(state, b, len); });
+       },
+       true, 1},
       {"add bf16: ATen ops, 4M chunks", 10,
-       [&] { AddConvertedInChunks(acc, state.grad_bf16, scratch); }},
+       [&] { AddConvertedInChunks(acc, state.grad_bf16, scratch); }, false, 2, true},
       {"add bf16: one loop" + loop_name, 10,
        [&] {
          InPieces(n, piece,
                   [&](int64_t b, int64_t len) { OneLoopAdd(acc, state.grad_bf16, b, len); });
        },
-       true},
+       true, 2},
   };
   const int default_threads = HostLoopThreads();
   nlohmann::json report = {{"elements", n},
@@ -217,30 +260,28 @@ int RunHost(const HostOptions& options) {
                            {"add_values_equal", add_equal},
                            {"checked_elements", checked},
                            {"rows", nlohmann::json::array()}};
-  std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10} {:>8} {:>14}\n", "pass", "busy", "threads",
+  std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10} {:>8} {:>14}\n", "pass", "busy", "threads",
                            "ms", "GB/s", "vs ATen slices");
   for (int busy : options.busy) {
-    double aten_slices[2] = {0, 0};  // step, add: the engine's ATen path, the ratio's base
+    double aten_slices[3] = {0, 0, 0};  // per pass: the engine's ATen path, the ratio's base
     for (size_t t = 0; t < options.threads.size(); ++t) {
       const int threads = options.threads[t] > 0 ? options.threads[t] : default_threads;
       SetHostLoopThreads(threads);
-      for (size_t r = 0; r < rows.size(); ++r) {
-        const Row& row = rows[r];
-        const bool add = r >= 3;
+      for (const Row& row : rows) {
+        const bool add = row.pass == 2;
         if (!row.one_loop && t > 0) continue;  // ATen's threads do not change with --threads
         const int used = row.one_loop ? threads : at::get_num_threads();
         if (row.one_loop && !(add ? add_loop : adam_loop)) {
-          std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10}\n", row.name, busy, used,
+          std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10}\n", row.name, busy, used,
                                    "not available here");
           continue;
         }
         const double ms = MedianMs(row.fn, options.warmup, options.repeats, busy);
-        if (r == 1) aten_slices[0] = ms;
-        if (r == 3) aten_slices[1] = ms;
-        const double base = aten_slices[add ? 1 : 0];
+        if (row.base) aten_slices[row.pass] = ms;
+        const double base = aten_slices[row.pass];
         const std::string ratio = row.one_loop && base > 0 ? fmt::format("{:.3f}x", ms / base) : "";
         const double gbps = n * row.bytes_per_element / (ms * 1e6);
-        std::cout << fmt::format("{:<44} {:>5} {:>8} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy,
+        std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy,
                                  used, ms, gbps, ratio);
         report["rows"].push_back({{"pass", row.name},
                                   {"busy_threads", busy},
@@ -253,8 +294,8 @@ int RunHost(const HostOptions& options) {
   }
   SetHostLoopThreads(default_threads);
   std::cout << fmt::format(
-      "values ({} elements): the one-loop step {} ATen's ops; the one-loop "
-      "add {}\n",
+      "values ({} elements): the one-loop step (from bf16 and from fp32 gradients) {} ATen's "
+      "ops; the one-loop add {}\n",
       checked,
       !adam_loop   ? "not run"
       : adam_equal ? "equals bit for bit"

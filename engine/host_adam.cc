@@ -68,7 +68,7 @@ struct Args {
   float* param;
   float* exp_avg;
   float* exp_avg_sq;
-  const uint16_t* grad;
+  const void* grad;  // bf16 (uint16_t) or fp32, as Loop's G
   uint16_t* copy;
 };
 
@@ -79,12 +79,26 @@ struct Args {
   return static_cast<uint16_t>((rounded & ~nan) | (0x7fc0u & nan));
 }
 
+// The gradient as a float (a bf16's widening is exact).
+[[gnu::always_inline]] inline float GradAt(const uint16_t* g, int64_t i) { return Bf16ToFloat(g[i]); }
+[[gnu::always_inline]] inline float GradAt(const float* g, int64_t i) { return g[i]; }
+
+#if defined(__x86_64__)
+FSDP_AVX2_FMA [[gnu::always_inline]] inline __m256 GradsAt(const uint16_t* g, int64_t i) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+FSDP_AVX2_FMA [[gnu::always_inline]] inline __m256 GradsAt(const float* g, int64_t i) {
+  return _mm256_loadu_ps(g + i);
+}
+#endif
+
 // kTail: the elements ATen's scalar loop steps (the last numel % vector-width of the tensor).
 // Elements [begin, end) with one formula, kTail or not; the loop 8 floats at a time with AVX2
 // intrinsics (the compiler would not vectorise the plain loop), the rest one at a time. Both
 // round the same: each op is IEEE single precision, std::fma and _mm256_fmadd_ps are one
-// rounding.
-template <bool kTail, bool kSmallWeight, bool kCopy>
+// rounding. G: the gradient's element type, uint16_t (bf16) or float.
+template <typename G, bool kTail, bool kSmallWeight, bool kCopy>
 FSDP_AVX2_FMA void Loop(const Args& a, int64_t begin, int64_t end) {
   const float scale = a.scale, decay = a.decay, w = a.w, w_minus_1 = a.w_minus_1;
   const float beta2 = a.beta2, c2 = a.c2, neg_step_size = a.neg_step_size;
@@ -92,7 +106,7 @@ FSDP_AVX2_FMA void Loop(const Args& a, int64_t begin, int64_t end) {
   float* param = a.param;
   float* exp_avg = a.exp_avg;
   float* exp_avg_sq = a.exp_avg_sq;
-  const uint16_t* grad = a.grad;
+  const G* grad = static_cast<const G*>(a.grad);
   uint16_t* copy = a.copy;
   int64_t i = begin;
 #if defined(__x86_64__)
@@ -102,9 +116,7 @@ FSDP_AVX2_FMA void Loop(const Args& a, int64_t begin, int64_t end) {
   const __m256 v_neg_step = _mm256_set1_ps(neg_step_size), v_bc2 = _mm256_set1_ps(bc2_sqrt);
   const __m256 v_eps = _mm256_set1_ps(eps);
   for (; i + 8 <= end; i += 8) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + i));
-    const __m256 g = _mm256_mul_ps(
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)), v_scale);
+    const __m256 g = _mm256_mul_ps(GradsAt(grad, i), v_scale);
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(param + i), v_decay);
     __m256 m = _mm256_loadu_ps(exp_avg + i);
     m = _mm256_fmadd_ps(v_w, _mm256_sub_ps(g, m), kSmallWeight ? m : g);
@@ -131,7 +143,7 @@ FSDP_AVX2_FMA void Loop(const Args& a, int64_t begin, int64_t end) {
   }
 #endif
   for (; i < end; ++i) {
-    const float g = Bf16ToFloat(grad[i]) * scale;
+    const float g = GradAt(grad, i) * scale;
     float p = param[i] * decay;
     float m = exp_avg[i];
     m = kSmallWeight ? std::fma(w, g - m, m) : std::fma(w_minus_1, g - m, g);
@@ -145,15 +157,16 @@ FSDP_AVX2_FMA void Loop(const Args& a, int64_t begin, int64_t end) {
   }
 }
 
-template <bool kSmallWeight, bool kCopy>
+template <typename G, bool kSmallWeight, bool kCopy>
 void Range(const Args& a, int64_t begin, int64_t end, int64_t vector_end) {
   const int64_t split = std::clamp(vector_end, begin, end);
-  Loop<false, kSmallWeight, kCopy>(a, begin, split);
-  Loop<true, kSmallWeight, kCopy>(a, split, end);
+  Loop<G, false, kSmallWeight, kCopy>(a, begin, split);
+  Loop<G, true, kSmallWeight, kCopy>(a, split, end);
 }
 
+template <typename G>
 void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* param,
-             float* exp_avg, float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16) {
+             float* exp_avg, float* exp_avg_sq, const G* grad, uint16_t* copy_bf16) {
   TORCH_INTERNAL_ASSERT(lanes > 0 && HostAdamPassCovers(h), "HostAdamPass: not available here");
   if (n <= 0) return;
   // ATen reads the count as a float (state_step.item<float>()).
@@ -174,7 +187,7 @@ void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* p
   a.param = param;
   a.exp_avg = exp_avg;
   a.exp_avg_sq = exp_avg_sq;
-  a.grad = grad_bf16;
+  a.grad = grad;
   a.copy = copy_bf16;
   const bool small_weight = std::abs(a.w) < 0.5f;
   // ATen's scalar tail is itself vectorised by its compiler, 8 floats at a time on the AVX-512
@@ -183,11 +196,11 @@ void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* p
   const int64_t vector_end = n - tail + (lanes == 16 ? tail / 8 * 8 : 0);
   auto range = [&](int64_t begin, int64_t end) {
     if (a.copy != nullptr) {
-      small_weight ? Range<true, true>(a, begin, end, vector_end)
-                   : Range<false, true>(a, begin, end, vector_end);
+      small_weight ? Range<G, true, true>(a, begin, end, vector_end)
+                   : Range<G, false, true>(a, begin, end, vector_end);
     } else {
-      small_weight ? Range<true, false>(a, begin, end, vector_end)
-                   : Range<false, false>(a, begin, end, vector_end);
+      small_weight ? Range<G, true, false>(a, begin, end, vector_end)
+                   : Range<G, false, false>(a, begin, end, vector_end);
     }
   };
   // Parts of at least 2^16 elements (1.75 MiB of the pass's bytes) on the host loops' threads
@@ -213,27 +226,35 @@ bool MatchesAten() {
     grad.data_ptr<float>()[i] = next();
   }
   const at::Tensor grad_bf16 = grad.to(at::kBFloat16);
-  for (const auto& [beta1, decoupled] : {std::pair{0.9, true}, std::pair{0.3, true}}) {
-    at::Tensor p1 = param.clone(), m1 = exp_avg.clone(), v1 = exp_avg_sq.clone();
-    at::Tensor g1 = grad_bf16.to(at::kFloat);
-    g1.mul_(at::scalar_tensor(0.75f));
-    const at::Tensor step = at::full({}, 3.0, at::kFloat);
-    if (decoupled) {
-      at::_fused_adamw_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, beta1, 0.95, 0.1, 1e-8, false,
-                        false);
-    } else {
-      at::_fused_adam_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, beta1, 0.95, 0.1, 1e-8, false,
-                       false);
-    }
-    at::Tensor p2 = param.clone(), m2 = exp_avg.clone(), v2 = exp_avg_sq.clone();
-    at::Tensor copy = at::empty({n}, at::kBFloat16);
-    HostAdamHyper hyper{1e-3, beta1, 0.95, 1e-8, 0.1, decoupled, 3};
-    RunPass(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-            v2.data_ptr<float>(), reinterpret_cast<const uint16_t*>(grad_bf16.data_ptr()),
-            reinterpret_cast<uint16_t*>(copy.data_ptr()));
-    if (!at::equal(p1, p2) || !at::equal(m1, m2) || !at::equal(v1, v2) ||
-        !at::equal(p1.to(at::kBFloat16), copy)) {
-      return false;
+  for (const bool wide : {false, true}) {  // the bf16 gradient, then an fp32 one
+    for (const auto& [beta1, decoupled] : {std::pair{0.9, true}, std::pair{0.3, true}}) {
+      at::Tensor p1 = param.clone(), m1 = exp_avg.clone(), v1 = exp_avg_sq.clone();
+      at::Tensor g1 = wide ? grad.clone() : grad_bf16.to(at::kFloat);
+      g1.mul_(at::scalar_tensor(0.75f));
+      const at::Tensor step = at::full({}, 3.0, at::kFloat);
+      if (decoupled) {
+        at::_fused_adamw_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, beta1, 0.95, 0.1, 1e-8, false,
+                          false);
+      } else {
+        at::_fused_adam_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, beta1, 0.95, 0.1, 1e-8, false,
+                         false);
+      }
+      at::Tensor p2 = param.clone(), m2 = exp_avg.clone(), v2 = exp_avg_sq.clone();
+      at::Tensor copy = at::empty({n}, at::kBFloat16);
+      HostAdamHyper hyper{1e-3, beta1, 0.95, 1e-8, 0.1, decoupled, 3};
+      uint16_t* out = reinterpret_cast<uint16_t*>(copy.data_ptr());
+      if (wide) {
+        RunPass(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                v2.data_ptr<float>(), grad.const_data_ptr<float>(), out);
+      } else {
+        RunPass(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                v2.data_ptr<float>(), static_cast<const uint16_t*>(grad_bf16.const_data_ptr()),
+                out);
+      }
+      if (!at::equal(p1, p2) || !at::equal(m1, m2) || !at::equal(v1, v2) ||
+          !at::equal(p1.to(at::kBFloat16), copy)) {
+        return false;
+      }
     }
   }
   return true;
@@ -258,6 +279,11 @@ bool HostAdamPassCovers(const HostAdamHyper& hyper) {
 void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
                   float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16) {
   RunPass(AtenFloatLanes(), hyper, scale, n, param, exp_avg, exp_avg_sq, grad_bf16, copy_bf16);
+}
+
+void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
+                  float* exp_avg_sq, const float* grad, uint16_t* copy_bf16) {
+  RunPass(AtenFloatLanes(), hyper, scale, n, param, exp_avg, exp_avg_sq, grad, copy_bf16);
 }
 
 }  // namespace fsdp

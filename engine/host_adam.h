@@ -1,6 +1,6 @@
-// One loop per element for offload's host step: a bf16 gradient converted and clipped, the Adam
-// or AdamW update, and the updated master cast to its bf16 copy, rounded as ATen's fused CPU
-// kernel rounds (Note [Host Adam pass] in host_adam.cc).
+// One loop per element for offload's host step: a bf16 (or fp32) gradient converted and
+// clipped, the Adam or AdamW update, and the updated master cast to its bf16 copy, rounded as
+// ATen's fused CPU kernel rounds (Note [Host Adam pass] in host_adam.cc).
 //
 //   if (HostAdamPassAvailable()) {
 //     HostAdamPass(hyper, clip_scale, master.numel(), master_ptr, exp_avg_ptr, exp_avg_sq_ptr,
@@ -34,5 +34,11 @@ bool HostAdamPassCovers(const HostAdamHyper& hyper);
 // and copy_ to bf16 give. Requires HostAdamPassAvailable() and HostAdamPassCovers(hyper).
 void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
                   float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16);
+
+// The same from an fp32 gradient (grad[i] * scale): offload's gradients that reach the host in
+// fp32 (several shards, fp32 compute, offload optimizer), bit for bit ATen's fused kernel after
+// clipping's multiplication, and the cast when copy_bf16 is not null. The same requirements.
+void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
+                  float* exp_avg_sq, const float* grad, uint16_t* copy_bf16);
 
 }  // namespace fsdp

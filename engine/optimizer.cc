@@ -327,7 +327,11 @@ class PreparedAdamStep final : public PreparedStep {
       return t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
              (at_least ? t.numel() >= n : t.numel() == n);
     };
-    if (!usable(param, at::kFloat, false) || !usable(grad, at::kBFloat16, false) ||
+    // Undefined: the gradient the step took (the master's .grad).
+    const at::Tensor& g = grad.defined() ? grad : all.grads[i];
+    const bool narrow = g.scalar_type() == at::kBFloat16;
+    if (!usable(param, at::kFloat, false) ||
+        !usable(g, narrow ? at::kBFloat16 : at::kFloat, false) ||
         !usable(all.exp_avgs[i], at::kFloat, false) ||
         !usable(all.exp_avg_sqs[i], at::kFloat, false) ||
         (copy.defined() && !usable(copy, at::kBFloat16, true))) {
@@ -341,10 +345,15 @@ class PreparedAdamStep final : public PreparedStep {
     hyper.decoupled = std::is_same_v<Options, torch::optim::AdamWOptions>;
     hyper.step = static_cast<double>(all.step_values[i]);
     if (o.amsgrad() || !HostAdamPassCovers(hyper)) return false;
-    HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
-                 all.exp_avg_sqs[i].data_ptr<float>(),
-                 reinterpret_cast<const uint16_t*>(grad.data_ptr()),
-                 copy.defined() ? reinterpret_cast<uint16_t*>(copy.data_ptr()) : nullptr);
+    uint16_t* out = copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr;
+    if (narrow) {
+      HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
+                   all.exp_avg_sqs[i].data_ptr<float>(),
+                   static_cast<const uint16_t*>(g.const_data_ptr()), out);
+    } else {
+      HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
+                   all.exp_avg_sqs[i].data_ptr<float>(), g.const_data_ptr<float>(), out);
+    }
     return true;
   }
 

@@ -98,10 +98,11 @@ class PreparedStep {
   virtual bool CanRunSlices(const at::Tensor& /*param*/) const { return false; }
   virtual void RunSlice(const at::Tensor& param, int64_t begin, int64_t n) const;
   virtual void SlicesDone(const at::Tensor& param);
-  // The whole update of `param` (fp32, covered, not updated yet) from `grad` (bf16, param's
-  // numel) times `scale`, in one loop that also casts the result into `copy` (bf16, at least
-  // param's numel; undefined: none): Note [Host Adam pass] (engine/host_adam.cc), the values of
-  // converting, scaling, Run and copy_, bit for bit. False when this step or machine cannot
+  // The whole update of `param` (fp32, covered, not updated yet) from `grad` (bf16 or fp32,
+  // param's numel; undefined: the gradient the step took) times `scale`, in one loop that also
+  // casts the result into `copy` (bf16, at least param's numel; undefined: none): Note [Host
+  // Adam pass] (engine/host_adam.cc), the values of converting, scaling, Run and copy_, bit for
+  // bit. False when this step or machine cannot
   // (foreach, amsgrad, Adam's L2 decay, another dtype, a CPU whose ATen kernels it does not
   // match), having changed nothing. SlicesDone(param) follows, as after slices.
   virtual bool RunHostPass(const at::Tensor& /*param*/, const at::Tensor& /*grad*/,

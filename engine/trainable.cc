@@ -106,6 +106,7 @@ class FsdpTrainable final : public TrainableModel {
     const FsdpOptions& options = model_->context().options;
     model_->set_offload_defer_conversion(options.offload == Offload::kParams &&
                                          options.offload_overlap_step);
+    model_->set_offload_defer_clip_multiply(options.offload_overlap_step);
   }
   void FinishStep() override { model_->FinishHostStep(); }
 

@@ -836,6 +836,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"deferred_materialized", o.deferred_materialized},
                      {"host_passes", o.host_passes},
                      {"host_add_passes", o.host_add_passes},
+                     {"clip_multiplies_deferred", o.clip_multiplies_deferred},
                      {"delayed_steps", o.delayed_steps}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];

@@ -527,15 +527,31 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
     }
   }
   std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  std::vector<FsdpParam*> with_grad;  // in parameters()' order
+  for (const auto& unit : units_) {
+    for (FsdpParam& p : unit->params()) {
+      if (!p.requires_grad || !p.sharded.grad().defined()) continue;
+      grads.push_back(p.sharded.grad());
+      with_grad.push_back(&p);
+    }
   }
   // Replicas hold identical gradient shards: summing over the shard axis counts each once.
   // Offloaded gradients are clipped on the host (Note [CPU offload]); the norm is returned on
   // the device either way.
   const c10::Device where = ctx_.offload ? c10::Device(c10::kCPU) : ctx_.device;
-  return ClipGradientsByNorm(grads, max_norm, where,
-                             ctx_.num_shards > 1 ? ctx_.shard_group : nullptr)
+  ProcessGroup* sum_over = ctx_.num_shards > 1 ? ctx_.shard_group : nullptr;
+  // Note [Deferred clipping multiplication]: the host's fp32 .grads multiplied by the step.
+  const bool defer_multiply =
+      ctx_.offload && ctx_.offload->defers_clip_multiply() && !grads.empty() &&
+      std::all_of(grads.begin(), grads.end(), [](const at::Tensor& g) {
+        return g.device().is_cpu() && g.scalar_type() == at::kFloat;
+      });
+  if (defer_multiply) {
+    const ClipNorm clip = ClipNormFromTerms(ClipNormTerms(grads), max_norm, where, sum_over);
+    ctx_.offload->DeferClipMultiply(with_grad, clip.coef);
+    return clip.norm.to(ctx_.device, /*non_blocking=*/true);
+  }
+  return ClipGradientsByNorm(grads, max_norm, where, sum_over)
       .to(ctx_.device, /*non_blocking=*/true);
 }
 

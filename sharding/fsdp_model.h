@@ -200,8 +200,14 @@ class FsdpModel {
   void set_offload_defer_conversion(bool defer) {
     if (ctx_.offload) ctx_.offload->set_defer_conversion(defer);
   }
+  // Offload: true lets ClipGradNorm leave the multiplication of the host's fp32 .grads to the
+  // step (Note [Deferred clipping multiplication] in offload.h); the same contract.
+  void set_offload_defer_clip_multiply(bool defer) {
+    if (ctx_.offload) ctx_.offload->set_defer_clip_multiply(defer);
+  }
   // The .grads of deferred gradients written (multiplied by the clipping coefficient when
-  // ClipGradNorm ran since their backward). A no-op without any.
+  // ClipGradNorm ran since their backward), and clipping's deferred multiplications done. A
+  // no-op without any.
   void MaterializeDeferredGradients() {
     if (ctx_.offload) ctx_.offload->MaterializeDeferred();
   }

@@ -323,12 +323,17 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
   // (the device's, copied for the host: read on the adder once the copy is done).
   at::Tensor scale = std::exchange(clipped_, false) ? clip_scale_host_ : at::Tensor();
   std::shared_ptr<c10::Event> scale_ready = scale.defined() ? clip_scale_ready_ : nullptr;
+  // Note [Deferred clipping multiplication]: the fp32 .grads clipping left to this step (a CPU
+  // scalar, ready).
+  const std::set<const FsdpParam*> to_scale = std::exchange(scale_pending_, {});
+  const at::Tensor grad_scale = to_scale.empty() ? at::Tensor() : clip_scale_host_;
   // A parameter stepped in slices (Note [Deferred gradient conversion]): where its deferred
   // gradient landed (undefined: its .grad is final already), and the loaded copy its updated
   // master is cast into (undefined: none).
   struct Sliced {
     FsdpParam* p;
     at::Tensor landed, compute;
+    at::Tensor scale;  // what to multiply the gradient by first (undefined: nothing)
   };
   // A delayed step runs the groups in the order the next backward sends their gradients.
   std::vector<const std::vector<FsdpParam*>*> order;
@@ -339,6 +344,7 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
     const std::vector<FsdpParam*>& group = *group_ptr;
     if (group.empty()) continue;
     std::vector<at::Tensor> masters;
+    std::vector<at::Tensor> scaled_grads;  // masters' gradients, multiplied before their step
     std::vector<std::pair<at::Tensor, at::Tensor>> casts;  // (loaded copy, host_shard)
     // Stepped in slices: deferred gradients (converted and clipped there) and, with a loaded copy
     // to cast, the others too (the cast of each slice while it is in cache); the deferred ones
@@ -351,10 +357,17 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
       const bool deferred = deferred_.erase(p) > 0;
       const bool sliceable = shared_step->can_run_slices && shared_step->can_run_slices(p->sharded);
       const bool casts_copy = mode_ == Offload::kParams && compute.defined();
-      if (deferred || (sliceable && casts_copy)) {
+      // Note [Host Adam pass]: with the one loop, every parameter it may cover goes through
+      // StepInSlices, which tries it first (an fp32 gradient too: several shards, gradients
+      // summed on the host, fp32 compute, offload optimizer).
+      const bool one_loop = sliceable && host_pass_ && shared_step->run_host_pass != nullptr;
+      const bool scaled = to_scale.contains(p);
+      stats_.clip_multiplies_deferred += scaled ? 1 : 0;
+      if (deferred || (sliceable && casts_copy) || one_loop) {
         any_deferred = any_deferred || deferred;
         Sliced d{p, deferred ? p->host_compute_grad : at::Tensor(),
-                 casts_copy ? compute : at::Tensor()};
+                 casts_copy ? compute : at::Tensor(),
+                 deferred ? scale : (scaled ? grad_scale : at::Tensor())};
         if (sliceable) {
           stats_.deferred_steps += deferred ? 1 : 0;
           sliced.push_back(std::move(d));
@@ -363,21 +376,25 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
         converted.push_back(std::move(d));
       }
       masters.push_back(p->sharded);
+      if (scaled) scaled_grads.push_back(p->host_grad);
       if (casts_copy) casts.emplace_back(compute, p->host_shard);
     }
     stats_.deferred_materialized += static_cast<int64_t>(converted.size());
     HostTask task;
     task.job = [this, shared_step, masters = std::move(masters), casts = std::move(casts),
-                sliced = std::move(sliced), converted = std::move(converted), scale,
+                scaled_grads = std::move(scaled_grads), sliced = std::move(sliced),
+                converted = std::move(converted), scale, grad_scale,
                 scale_ready = any_deferred ? scale_ready : nullptr,
                 loads_done = first ? loads_done : nullptr] {
       RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.host_step_s);
+      at::NoGradGuard no_grad;
       if (loads_done) loads_done->synchronize();
       if (scale_ready) scale_ready->synchronize();
       for (const Sliced& d : converted) ConvertDeferred(*d.p, d.landed, scale);
+      for (const at::Tensor& g : scaled_grads) g.mul_(grad_scale);  // clipping's
       if (!masters.empty()) shared_step->run(masters);
-      for (const Sliced& d : sliced) StepInSlices(*d.p, d.landed, d.compute, *shared_step, scale);
+      for (const Sliced& d : sliced) StepInSlices(*d.p, d.landed, d.compute, *shared_step, d.scale);
       if (casts.empty()) return;
       PhaseTimer refresh(stats_.refresh_s);
       // The cast the device does without offload, as RefreshComputeShards.
@@ -408,23 +425,30 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   const at::Tensor landed = landed_grad.defined() ? landed_grad.view(-1) : at::Tensor();
   const at::Tensor compute = compute_shard.defined() ? compute_shard.view(-1) : at::Tensor();
   const int64_t n = master.numel();
-  // A deferred bf16 gradient: the optimizer's one loop over the elements (Note [Host Adam
-  // pass]), which reads the bf16 gradient and writes the loaded copy itself (host_grad stays
-  // unwritten: its .grad slot is empty by now). Else, or when it cannot, ATen's ops slice after
-  // slice, each slice converted, clipped, stepped and cast, each op on ATen's intra-op threads
-  // (kDefaultStepSlice says why the slices are large).
+  // The optimizer's one loop over the elements (Note [Host Adam pass]): from a deferred bf16
+  // gradient, which it converts and clips (host_grad stays unwritten: its .grad slot is empty
+  // by now), or from the fp32 gradient the step took, clipped already; it writes the loaded
+  // copy itself. Else, or when it cannot, ATen's ops slice after slice, each slice converted,
+  // clipped, stepped and cast, each op on ATen's intra-op threads (kDefaultStepSlice says why
+  // the slices are large); or, with neither a deferred gradient nor a copy, ATen's fused step
+  // on the whole tensor, as the unit's other masters.
   const bool one_loop =
-      host_pass_ && landed.defined() && step.run_host_pass &&
+      host_pass_ && step.run_host_pass &&
       step.run_host_pass(p.sharded, landed, scale.defined() ? scale.item<float>() : 1.0f,
                          compute);
   stats_.host_passes += one_loop ? 1 : 0;
+  if (!one_loop && !landed.defined() && !compute.defined()) {
+    if (scale.defined()) p.host_grad.mul_(scale);  // clipping's (Note [Deferred clipping ...])
+    step.run({p.sharded});
+    return;
+  }
   for (int64_t begin = 0; !one_loop && begin < n; begin += step_slice_) {
     const int64_t len = std::min(step_slice_, n - begin);
-    if (landed.defined()) {  // a deferred gradient: converted and clipped here
-      at::Tensor g = grad.narrow(0, begin, len);
-      g.copy_(landed.narrow(0, begin, len));
-      if (scale.defined()) g.mul_(scale);
-    }
+    at::Tensor g = grad.narrow(0, begin, len);
+    // A deferred gradient, converted here; then clipping's multiplication, when left to the
+    // step (Note [Deferred clipping multiplication]).
+    if (landed.defined()) g.copy_(landed.narrow(0, begin, len));
+    if (scale.defined()) g.mul_(scale);
     step.run_slice(p.sharded, begin, len);
     if (compute.defined()) compute.narrow(0, begin, len).copy_(master.narrow(0, begin, len));
   }
@@ -473,7 +497,22 @@ std::optional<at::Tensor> HostOffload::ClipDeferred(const std::vector<FsdpParam*
   return clip.norm;
 }
 
+void HostOffload::DeferClipMultiply(const std::vector<FsdpParam*>& with_grad, at::Tensor coef) {
+  clip_scale_host_ = std::move(coef);
+  clip_scale_ready_.reset();
+  scale_pending_.clear();
+  for (const FsdpParam* p : with_grad) scale_pending_.insert(p);
+}
+
 void HostOffload::MaterializeDeferred() {
+  at::NoGradGuard no_grad;
+  // Note [Deferred clipping multiplication]: the multiplications the step was to do.
+  for (const FsdpParam* p : std::exchange(scale_pending_, {})) {
+    FsdpParam& param = *const_cast<FsdpParam*>(p);
+    if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
+    WaitForDelayedStep(param);
+    param.host_grad.mul_(clip_scale_host_);
+  }
   if (deferred_.empty()) return;
   at::Tensor scale;
   if (std::exchange(clipped_, false)) {
@@ -632,6 +671,8 @@ bool HostOffload::SendComputeGrad(FsdpParam& p, const at::Tensor& grad) {
 void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   at::NoGradGuard no_grad;
   at::Tensor& grad = p.sharded.mutable_grad();
+  // Note [Deferred clipping multiplication]: a new gradient; the last one's step never came.
+  scale_pending_.erase(&p);
   stats_.to_host_bytes += g.nbytes();
   // Note [CPU offload], "params": the compute dtype's gradient lands in host_compute_grad.
   const bool narrow = g.scalar_type() != p.sharded.scalar_type();

@@ -126,6 +126,20 @@
 //     (host accumulation) converts the first before it lands.
 // Host bytes per parameter with AdamW: ~30 instead of ~56.
 //
+// Note [Deferred clipping multiplication]
+// Gradients that reach the host in fp32 (several shards, a sum over micro-batches on the host,
+// fp32 compute, offload optimizer) are clipped on the host (FsdpModel::ClipGradNorm): their sums
+// of squares and the coefficient on the training thread, then a multiplication of every .grad,
+// a pass of 8 bytes per parameter on the training thread while the device waits for the step.
+// With set_defer_clip_multiply(true) (the trainer's, with the overlapped step: it always steps
+// or materializes after clipping) the norm is computed as before, but the multiplication is left
+// to the step (DeferClipMultiply): the optimizer's one loop multiplies each gradient element by
+// the coefficient as it reads it (no pass of its own), ATen's slices multiply each slice before
+// stepping it, ATen's whole step multiplies the unit's gradients on the adder first. The values
+// are clipping's, bit for bit (one float multiplication per element either way); anything else
+// that reads the .grads first (the step in place) calls MaterializeDeferred, which multiplies
+// them there.
+//
 // Note [Delayed parameter update]
 // The overlapped step (Note [Overlapped host step], engine/trainable.cc) hides only what the
 // next forward's first units take: their loads wait for their update. On a host whose AdamW
@@ -173,6 +187,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -285,8 +300,18 @@ class HostOffload {
   std::optional<at::Tensor> ClipDeferred(const std::vector<FsdpParam*>& with_grad,
                                          double max_norm, c10::Device device);
   // Converts every deferred gradient into its .grad, multiplied by the coefficient ClipDeferred
-  // kept, if any (what clipping would have done to it). On the calling thread.
+  // kept, if any (what clipping would have done to it), and does the multiplications
+  // DeferClipMultiply left. On the calling thread.
   void MaterializeDeferred();
+  // Note [Deferred clipping multiplication]: whether FsdpModel::ClipGradNorm may leave the
+  // multiplication of the host's fp32 .grads to the step (DeferClipMultiply). Off by default.
+  void set_defer_clip_multiply(bool defer) { defer_clip_multiply_ = defer; }
+  bool defers_clip_multiply() const { return defer_clip_multiply_; }
+  // After WaitForCopies: the fp32 .grads (host_grad) of `with_grad` are to be multiplied by
+  // `coef` (a CPU fp32 scalar, clipping's coefficient) by the step that reads them
+  // (StepInOrder), or by MaterializeDeferred if anything else reads them first. A gradient that
+  // lands before either (the step was skipped) drops its parameter's pending multiplication.
+  void DeferClipMultiply(const std::vector<FsdpParam*>& with_grad, at::Tensor coef);
 
   // Whether the gradients of the backwards that follow stay on the device (p.device_grad) or,
   // false (the default), go to the host, with any sum kept on the device before them. Note [CPU
@@ -347,8 +372,12 @@ class HostOffload {
     // by the host step, and those converted apart (MaterializeDeferred, a second gradient).
     int64_t deferred_steps = 0;
     int64_t deferred_materialized = 0;
-    // Of deferred_steps: those stepped by the optimizer's one loop (Note [Host Adam pass]).
+    // Parameters stepped by the optimizer's one loop (Note [Host Adam pass]): the deferred
+    // ones from their bf16 gradient, the others from their fp32 .grad.
     int64_t host_passes = 0;
+    // Note [Deferred clipping multiplication]: parameters whose clipping multiplication the
+    // step did (in its one loop or just before ATen's step), not the training thread.
+    int64_t clip_multiplies_deferred = 0;
     // Of host_adds: the compute-dtype gradients added by one loop (HostAddConverted, Note [Host
     // loops]) instead of ATen's conversion and add_.
     int64_t host_add_passes = 0;
@@ -396,10 +425,12 @@ class HostOffload {
   void RunAdder();
   void FinishOnHost(const HostTask& task);
   // Note [Deferred gradient conversion]: p's .grad from its landed gradient, times `scale` when
-  // defined; and the sliced pass of StepInOrder's job over one parameter.
+  // defined; and the pass of StepInOrder's job over one parameter: the one loop, else slices
+  // (else, with neither `landed` nor `compute`, the step of the whole tensor).
   // `landed`: where its gradient landed (host_compute_grad when queued; StepInSlices:
   // undefined when p's .grad is final already); `compute`: the loaded copy to cast the updated
-  // master into, a slice at a time (undefined: none).
+  // master into, a slice at a time (undefined: none); `scale`: StepInSlices' multiplication of
+  // the gradient, converted or .grad (clipping's, Note [Deferred clipping multiplication]).
   void ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& scale);
   void StepInSlices(FsdpParam& p, const at::Tensor& landed, const at::Tensor& compute,
                     const HostStep& step, const at::Tensor& scale);
@@ -448,6 +479,10 @@ class HostOffload {
   at::Tensor clip_scale_host_;
   std::shared_ptr<c10::Event> clip_scale_ready_;
   bool clipped_ = false;  // ClipDeferred ran since the deferred gradients landed
+  // Note [Deferred clipping multiplication]: parameters whose host_grad still waits for
+  // clipping's multiplication by clip_scale_host_ (DeferClipMultiply).
+  bool defer_clip_multiply_ = false;
+  std::set<const FsdpParam*> scale_pending_;
   Stats stats_;
 };
 

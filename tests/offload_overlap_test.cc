@@ -264,6 +264,23 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
     EXPECT_EQ(off["overlapped_steps"], 0) << off.dump();
     EXPECT_GT(on["host_step_s"].get<double>(), 0) << on.dump();
     EXPECT_GT(on["per_step"]["host_step_ms"].get<double>(), 0) << on.dump();
+    // Two ranks, gradients summed on the host in fp32: every parameter of every step stepped by
+    // the optimizer's one loop from its fp32 gradient where it matches ATen here (Note [Host
+    // Adam pass]), casting into the loaded bf16 copy with offload params; none in place.
+    if (HostAdamPassAvailable()) {
+      EXPECT_GT(on["host_passes"].get<int64_t>(), 0) << on.dump();
+      EXPECT_EQ(on["host_passes"].get<int64_t>() % 5, 0) << on.dump();
+    }
+    EXPECT_EQ(on["deferred_steps"], 0) << on.dump();
+    EXPECT_EQ(off["host_passes"], 0) << off.dump();
+    // Clipping's multiplication (max_grad_norm 1.0) done by the step, not the training thread
+    // (Note [Deferred clipping multiplication]), for the same parameters; in place, not.
+    EXPECT_EQ(on["clip_multiplies_deferred"].get<int64_t>() % 5, 0) << on.dump();
+    EXPECT_GT(on["clip_multiplies_deferred"].get<int64_t>(), 0) << on.dump();
+    if (HostAdamPassAvailable()) {
+      EXPECT_EQ(on["clip_multiplies_deferred"], on["host_passes"]) << on.dump();
+    }
+    EXPECT_EQ(off["clip_multiplies_deferred"], 0) << off.dump();
     // The checkpoints hold the same bytes (the last one written after the last step ended).
     for (int step : {2, 4, 5}) {
       const std::string name = ckpt::StepDirName(step);
@@ -283,6 +300,68 @@ TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
     fs::remove_all(overlapped_dir);
     fs::remove_all(in_place_dir);
     fs::remove_all(resume_dir);
+  }
+}
+
+// Note [Deferred clipping multiplication] (sharding/offload.h) through fsdp train: two ranks, so
+// gradients reach the host in fp32, with clipping active (max_grad_norm well below the norms).
+// The overlapped step multiplies the .grads itself: in the optimizer's one loop (Note [Host Adam
+// pass]); with FSDP_OFFLOAD_HOST_PASS=off before ATen's step, slice by slice (offload params,
+// casting into the bf16 copy; 1040-element slices that end mid-tensor) or on the unit's
+// gradients (offload optimizer); with Adam's L2 decay, which the loop does not cover, before
+// ATen's slices or its step of the whole tensor. Each gives the losses and checkpoint bytes of
+// the step in place with the same optimizer, which multiplies on the training thread.
+TEST(OffloadOverlapTrainTest, ClippingLeftToTheStepGivesClippingsValues) {
+  namespace fs = std::filesystem;
+  struct Variant {
+    std::string optimizer, knob;  // optimizer.name; FSDP_OFFLOAD_HOST_PASS
+    bool loop;                    // the one loop may run
+  };
+  const Variant variants[] = {{"adamw", "on", true}, {"adamw", "off", false}, {"adam", "on", false}};
+  for (const char* mode : {"params", "optimizer"}) {
+    auto train = [&](const std::string& dir, const std::string& optimizer,
+                     std::vector<std::string> sets,
+                     const std::map<std::string, std::string>& env = {}) {
+      sets.insert(sets.begin(),
+                  {"training.steps=4", "training.log_interval=1", "training.eval_interval=0",
+                   "parallelism.nproc=2", "training.micro_batch_size=2", "model.n_layers=2",
+                   "training.mixed_precision=bf16", StrCat("parallelism.offload=", mode),
+                   "training.max_grad_norm=0.05", "checkpoint.enabled=true",
+                   "checkpoint.interval=4", "optimizer.name=" + optimizer});
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets, env);
+    };
+    std::map<std::string, testing::TrainRun> in_place;
+    std::map<std::string, std::string> in_place_dir;
+    for (const char* optimizer : {"adamw", "adam"}) {
+      in_place_dir[optimizer] = testing::FreshTempDir(StrCat("clip-in-place-", optimizer));
+      in_place[optimizer] =
+          train(in_place_dir[optimizer], optimizer, {"parallelism.offload_overlap_step=false"});
+      ASSERT_TRUE(in_place[optimizer].result.exit.ok()) << in_place[optimizer].result.Output();
+      ASSERT_EQ(in_place[optimizer].losses.size(), 4u) << in_place[optimizer].result.Output();
+      EXPECT_EQ(in_place[optimizer].rank0_stats["offload"]["clip_multiplies_deferred"], 0);
+    }
+    for (const Variant& v : variants) {
+      SCOPED_TRACE(StrCat(mode, " ", v.optimizer, " FSDP_OFFLOAD_HOST_PASS=", v.knob));
+      const std::string dir = testing::FreshTempDir("clip-deferred");
+      testing::TrainRun run = train(
+          dir, v.optimizer, {},
+          {{"FSDP_OFFLOAD_STEP_SLICE", "1040"}, {"FSDP_OFFLOAD_HOST_PASS", v.knob}});
+      ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
+      EXPECT_EQ(run.losses, in_place[v.optimizer].losses);
+      const nlohmann::json& on = run.rank0_stats["offload"];
+      // Every trainable parameter of every step: a multiple of 4, the same count each way.
+      const int64_t multiplied = on["clip_multiplies_deferred"].get<int64_t>();
+      EXPECT_GT(multiplied, 0) << on.dump();
+      EXPECT_EQ(multiplied % 4, 0) << on.dump();
+      const bool one_loop = v.loop && HostAdamPassAvailable();
+      EXPECT_EQ(on["host_passes"].get<int64_t>(), one_loop ? multiplied : 0) << on.dump();
+      for (const char* file : {"rank00000.bin", "rank00001.bin"}) {
+        const std::string path = "/checkpoints/" + ckpt::StepDirName(4) + "/" + file;
+        ExpectSameBytes(dir + path, in_place_dir[v.optimizer] + path);
+      }
+      fs::remove_all(dir);
+    }
+    for (const auto& [optimizer, dir] : in_place_dir) fs::remove_all(dir);
   }
 }
 
@@ -356,6 +435,11 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
                 HostAddConvertedAvailable(HostNarrow::kBFloat16) ? on["host_adds"].get<int64_t>()
                                                                  : 0)
           << on.dump();
+      // Then each step from the summed fp32 gradient by the one loop.
+      if (HostAdamPassAvailable()) {
+        EXPECT_GT(on["host_passes"].get<int64_t>(), 0) << on.dump();
+        EXPECT_EQ(on["host_passes"].get<int64_t>() % 4, 0) << on.dump();
+      }
     }
     EXPECT_EQ(off["deferred_steps"], 0) << off.dump();
     EXPECT_EQ(off["deferred_materialized"], 0) << off.dump();

@@ -388,12 +388,22 @@ TEST(PreparedStepTest, FusedSlicesEqualStepBitwise) {
 
 
 // Note [Host Adam pass]: one loop per element gives what the separate ATen ops give, bit for bit:
-// the bf16 gradient copied into fp32 and multiplied by the clipping scale, ATen's fused Adam /
-// AdamW on the whole tensor, the master cast to bf16. Sizes with and without a tail (numel not
-// a multiple of the vector width), both lerp branches (beta1 0.9 and 0.3), AdamW's decay on
-// and off and Adam without decay (Adam's L2 decay is not covered), one part and several, a first
-// and a later step.
+// the bf16 gradient copied into fp32 (or an fp32 gradient) and multiplied by the clipping scale,
+// ATen's fused Adam / AdamW on the whole tensor, the master cast to bf16 (or no copy). Sizes
+// with and without a tail (numel not a multiple of the vector width), both lerp branches (beta1
+// 0.9 and 0.3), AdamW's decay on and off and Adam without decay (Adam's L2 decay is not
+// covered), one part and several, a first and a later step.
 TEST(HostAdamPassTest, EqualsAtensSeparateOpsBitwise) {
+#if defined(__x86_64__)
+  // Where ATen runs the kernels the pass matches, the pass checked itself against them at first
+  // use and must be on: a pass whose bits drifted turns itself off, which must not go unseen.
+  const std::string capability = at::get_cpu_capability();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      (capability == "AVX2" || capability == "AVX512")) {
+    ASSERT_TRUE(HostAdamPassAvailable()) << "its self-check against ATen's " << capability
+                                         << " kernels failed";
+  }
+#endif
   if (!HostAdamPassAvailable()) {
     GTEST_SKIP() << "ATen runs its " << at::get_cpu_capability()
                  << " kernels here; the pass matches only its AVX2 / AVX-512 ones";
@@ -413,44 +423,58 @@ TEST(HostAdamPassTest, EqualsAtensSeparateOpsBitwise) {
   };
   EXPECT_FALSE(HostAdamPassCovers({1e-3, 0.9, 0.95, 1e-8, 0.1, /*decoupled=*/false, 1}));
   for (const Case& c : cases) {
-    SCOPED_TRACE(StrCat("n ", c.n, " beta1 ", c.beta1, " wd ", c.weight_decay, " decoupled ",
-                        c.decoupled, " scale ", c.scale, " step ", c.step));
-    at::manual_seed(static_cast<uint64_t>(c.n));
-    const at::Tensor grad = at::randn({c.n}).to(at::kBFloat16);
-    const at::Tensor param = at::randn({c.n});
-    const at::Tensor exp_avg = at::randn({c.n}) * 0.1;
-    const at::Tensor exp_avg_sq = at::rand({c.n}) * 0.01;
-    // The separate ops.
-    at::Tensor p1 = param.clone(), m1 = exp_avg.clone(), v1 = exp_avg_sq.clone();
-    at::Tensor g1 = grad.to(at::kFloat);
-    if (c.scale != 1.0f) g1.mul_(at::scalar_tensor(c.scale));
-    const at::Tensor step = at::full({}, c.step, at::kFloat);
-    if (c.decoupled) {
-      at::_fused_adamw_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, c.beta1, 0.95, c.weight_decay,
-                        1e-8, false, false);
-    } else {
-      at::_fused_adam_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, c.beta1, 0.95, c.weight_decay,
-                       1e-8, false, false);
+    for (const bool wide : {false, true}) {  // a bf16 gradient and a copy; fp32, with and without
+      for (const bool with_copy : {true, false}) {
+        if (!wide && !with_copy) continue;
+        SCOPED_TRACE(StrCat("n ", c.n, " beta1 ", c.beta1, " wd ", c.weight_decay, " decoupled ",
+                            c.decoupled, " scale ", c.scale, " step ", c.step,
+                            wide ? " fp32 gradient" : " bf16 gradient",
+                            with_copy ? " with a copy" : ""));
+        at::manual_seed(static_cast<uint64_t>(c.n));
+        const at::Tensor grad = wide ? at::randn({c.n}) : at::randn({c.n}).to(at::kBFloat16);
+        const at::Tensor param = at::randn({c.n});
+        const at::Tensor exp_avg = at::randn({c.n}) * 0.1;
+        const at::Tensor exp_avg_sq = at::rand({c.n}) * 0.01;
+        // The separate ops.
+        at::Tensor p1 = param.clone(), m1 = exp_avg.clone(), v1 = exp_avg_sq.clone();
+        at::Tensor g1 = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+        if (c.scale != 1.0f) g1.mul_(at::scalar_tensor(c.scale));
+        const at::Tensor step = at::full({}, c.step, at::kFloat);
+        if (c.decoupled) {
+          at::_fused_adamw_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, c.beta1, 0.95,
+                            c.weight_decay, 1e-8, false, false);
+        } else {
+          at::_fused_adam_({p1}, {g1}, {m1}, {v1}, {}, {step}, 1e-3, c.beta1, 0.95,
+                           c.weight_decay, 1e-8, false, false);
+        }
+        const at::Tensor copy1 = p1.to(at::kBFloat16);
+        // The pass.
+        at::Tensor p2 = param.clone(), m2 = exp_avg.clone(), v2 = exp_avg_sq.clone();
+        at::Tensor copy2 = at::zeros({c.n}, at::kBFloat16);
+        HostAdamHyper hyper;
+        hyper.lr = 1e-3;
+        hyper.beta1 = c.beta1;
+        hyper.beta2 = 0.95;
+        hyper.eps = 1e-8;
+        hyper.weight_decay = c.weight_decay;
+        hyper.decoupled = c.decoupled;
+        hyper.step = c.step;
+        uint16_t* out = with_copy ? static_cast<uint16_t*>(copy2.data_ptr()) : nullptr;
+        if (wide) {
+          HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                       v2.data_ptr<float>(), grad.const_data_ptr<float>(), out);
+        } else {
+          HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                       v2.data_ptr<float>(), static_cast<const uint16_t*>(grad.const_data_ptr()),
+                       out);
+        }
+        EXPECT_TRUE(at::equal(p1, p2)) << (p1 - p2).abs().max().item<float>();
+        EXPECT_TRUE(at::equal(m1, m2)) << (m1 - m2).abs().max().item<float>();
+        EXPECT_TRUE(at::equal(v1, v2)) << (v1 - v2).abs().max().item<float>();
+        // Without a copy nothing is written there.
+        EXPECT_TRUE(at::equal(with_copy ? copy1 : at::zeros_like(copy2), copy2));
+      }
     }
-    const at::Tensor copy1 = p1.to(at::kBFloat16);
-    // The pass.
-    at::Tensor p2 = param.clone(), m2 = exp_avg.clone(), v2 = exp_avg_sq.clone();
-    at::Tensor copy2 = at::empty({c.n}, at::kBFloat16);
-    HostAdamHyper hyper;
-    hyper.lr = 1e-3;
-    hyper.beta1 = c.beta1;
-    hyper.beta2 = 0.95;
-    hyper.eps = 1e-8;
-    hyper.weight_decay = c.weight_decay;
-    hyper.decoupled = c.decoupled;
-    hyper.step = c.step;
-    HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-                 v2.data_ptr<float>(), reinterpret_cast<const uint16_t*>(grad.data_ptr()),
-                 reinterpret_cast<uint16_t*>(copy2.data_ptr()));
-    EXPECT_TRUE(at::equal(p1, p2)) << (p1 - p2).abs().max().item<float>();
-    EXPECT_TRUE(at::equal(m1, m2)) << (m1 - m2).abs().max().item<float>();
-    EXPECT_TRUE(at::equal(v1, v2)) << (v1 - v2).abs().max().item<float>();
-    EXPECT_TRUE(at::equal(copy1, copy2));
   }
 }
 
