@@ -41,6 +41,9 @@ class FsdpTrainable final : public TrainableModel {
   std::vector<at::Tensor> parameters() const override { return model_->parameters(); }
   void BeginMicroBatch(int index, int count) override {
     const bool last = index == count - 1;
+    // Note [Deferred clipping multiplication] (offload.h): the norm's terms on the host's
+    // thread as the last micro-batch's gradients land.
+    model_->set_offload_final_gradients(last);
     // See Note [No-sync accumulation]: no communication before the last micro-batch.
     if (!sync_every_micro_batch_) model_->set_requires_gradient_sync(last);
     // See Note [Keeping parameters across micro-batches] (fsdp_model.h): the unsharded

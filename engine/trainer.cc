@@ -827,6 +827,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"late_adds", o.late_adds},
                      {"wait_s", o.wait_s},
                      {"add_s", o.add_s},
+                     {"clip_term_s", o.clip_term_s},
                      {"push_s", o.push_s},
                      {"refresh_s", o.refresh_s},
                      {"host_step_s", o.host_step_s},
@@ -837,6 +838,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                      {"host_passes", o.host_passes},
                      {"host_add_passes", o.host_add_passes},
                      {"clip_multiplies_deferred", o.clip_multiplies_deferred},
+                     {"clip_terms_on_adder", o.clip_terms_on_adder},
                      {"delayed_steps", o.delayed_steps}};
     // Each total per step; seconds as milliseconds (x_s -> x_ms).
     nlohmann::json& per_step = offload_stats["per_step"];

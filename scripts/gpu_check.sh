@@ -563,8 +563,8 @@ for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep
         continue
     per = json.load(open(stats)).get("offload", {}).get("per_step", {})
     keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
-            "refresh_ms", "late_adds", "deferred_steps", "host_passes", "delayed_steps", "to_device_bytes",
-            "to_host_bytes")
+            "refresh_ms", "late_adds", "deferred_steps", "host_passes", "host_add_passes",
+            "clip_multiplies_deferred", "clip_terms_on_adder", "delayed_steps", "to_device_bytes", "to_host_bytes")
     print(f"{name} per step: " + ", ".join(
         f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
 # The AC runs on several ranks sharing the GPU: each rank's peak and state (rank_stats), the

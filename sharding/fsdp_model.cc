@@ -547,7 +547,12 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
         return g.device().is_cpu() && g.scalar_type() == at::kFloat;
       });
   if (defer_multiply) {
-    const ClipNorm clip = ClipNormFromTerms(ClipNormTerms(grads), max_norm, where, sum_over);
+    // The terms the adder computed during the backward; the others here, with the same op.
+    std::vector<at::Tensor> terms = ctx_.offload->TakeClipTerms(with_grad);
+    for (size_t i = 0; i < terms.size(); ++i) {
+      if (!terms[i].defined()) terms[i] = ClipNormTerms({grads[i]}).front();
+    }
+    const ClipNorm clip = ClipNormFromTerms(terms, max_norm, where, sum_over);
     ctx_.offload->DeferClipMultiply(with_grad, clip.coef);
     return clip.norm.to(ctx_.device, /*non_blocking=*/true);
   }

@@ -205,6 +205,11 @@ class FsdpModel {
   void set_offload_defer_clip_multiply(bool defer) {
     if (ctx_.offload) ctx_.offload->set_defer_clip_multiply(defer);
   }
+  // Offload: whether this backward's gradients are the last before ClipGradNorm (the last
+  // micro-batch), so that the host may compute the norm's terms as they land (the same Note).
+  void set_offload_final_gradients(bool final) {
+    if (ctx_.offload) ctx_.offload->set_final_gradients(final);
+  }
   // The .grads of deferred gradients written (multiplied by the clipping coefficient when
   // ClipGradNorm ran since their backward), and clipping's deferred multiplications done. A
   // no-op without any.

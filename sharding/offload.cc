@@ -671,8 +671,10 @@ bool HostOffload::SendComputeGrad(FsdpParam& p, const at::Tensor& grad) {
 void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   at::NoGradGuard no_grad;
   at::Tensor& grad = p.sharded.mutable_grad();
-  // Note [Deferred clipping multiplication]: a new gradient; the last one's step never came.
+  // Note [Deferred clipping multiplication]: a new gradient; the last one's step never came,
+  // and its term is the old gradient's.
   scale_pending_.erase(&p);
+  clip_terms_.erase(&p);
   stats_.to_host_bytes += g.nbytes();
   // Note [CPU offload], "params": the compute dtype's gradient lands in host_compute_grad.
   const bool narrow = g.scalar_type() != p.sharded.scalar_type();
@@ -702,6 +704,8 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
     deferred_[&p] = ClipNormTerms({g}).front();  // on the device, from the bf16 values
     clipped_ = false;  // a new backward: the last coefficient is not these gradients'
   }
+  // The norm's term once the .grad is complete (Note [Deferred clipping multiplication]).
+  const bool term = final_gradients_ && defer_clip_multiply_ && !defer;
   if (!device_.is_cuda()) {
     // Synchronous copies; the adder does the same additions as without offload (collectives.cc).
     if (narrow) {
@@ -713,6 +717,7 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
       p.host_grad.copy_(g);
     }
     if (!add) grad = p.host_grad;
+    if (term) QueueClipTerm(p, nullptr);
     return;
   }
   ReapFinished();
@@ -739,11 +744,37 @@ void HostOffload::SendToHost(FsdpParam& p, const at::Tensor& g) {
   copied->record(*to_host_);
   in_flight_.push_back(InFlight{g, copied});
   if (defer) {
-    Enqueue(p, {at::Tensor(), target, false, std::move(copied), {}});  // the landing only
+    Enqueue(p, {at::Tensor(), target, false, copied, {}});  // the landing only
   } else if (narrow || add) {
-    Enqueue(p, {add ? grad : p.host_grad, target, add, std::move(copied), {}});
+    Enqueue(p, {add ? grad : p.host_grad, target, add, copied, {}});
   }
+  if (term) QueueClipTerm(p, std::move(copied));  // after p's addition: the adder is FIFO
   if (!add) grad = p.host_grad;  // not to be read before WaitForCopies
+}
+
+void HostOffload::QueueClipTerm(FsdpParam& p, std::shared_ptr<c10::Event> copied) {
+  auto slot = std::make_shared<at::Tensor>();
+  clip_terms_[&p] = slot;
+  HostTask task;
+  task.job = [this, slot, grad = p.host_grad, copied = std::move(copied)] {
+    if (copied) copied->synchronize();
+    RECORD_FUNCTION("fsdp::offload_clip_term", std::vector<c10::IValue>());
+    PhaseTimer timer(stats_.clip_term_s);
+    *slot = ClipNormTerms({grad}).front();
+    ++stats_.clip_terms_on_adder;
+  };
+  Enqueue(p, std::move(task));
+}
+
+std::vector<at::Tensor> HostOffload::TakeClipTerms(const std::vector<FsdpParam*>& with_grad) {
+  std::vector<at::Tensor> terms;
+  terms.reserve(with_grad.size());
+  for (const FsdpParam* p : with_grad) {
+    auto it = clip_terms_.find(p);
+    terms.push_back(it != clip_terms_.end() ? *it->second : at::Tensor());
+  }
+  clip_terms_.clear();
+  return terms;
 }
 
 // ---- the adder (Note [CPU offload], "Host additions") -----------------------------------------

@@ -138,7 +138,13 @@
 // stepping it, ATen's whole step multiplies the unit's gradients on the adder first. The values
 // are clipping's, bit for bit (one float multiplication per element either way); anything else
 // that reads the .grads first (the step in place) calls MaterializeDeferred, which multiplies
-// them there.
+// them there. The norm's terms (each .grad's sum of squares, ATen's own op so that the norm
+// keeps its bits) leave the training thread too: a gradient complete on the host during the
+// last micro-batch's backward gets a task on the adder that computes its term
+// (set_final_gradients, QueueClipTerm), so clipping after the backward only sums them
+// (TakeClipTerms) and all-reduces the sum. ATen's sum splits its work by at::get_num_threads(),
+// which the adder's thread shares with the training thread (ATen sets it on each thread at its
+// first parallel op), so the adder's sums are the training thread's, bit for bit.
 //
 // Note [Delayed parameter update]
 // The overlapped step (Note [Overlapped host step], engine/trainable.cc) hides only what the
@@ -312,6 +318,14 @@ class HostOffload {
   // (StepInOrder), or by MaterializeDeferred if anything else reads them first. A gradient that
   // lands before either (the step was skipped) drops its parameter's pending multiplication.
   void DeferClipMultiply(const std::vector<FsdpParam*>& with_grad, at::Tensor coef);
+  // Note [Deferred clipping multiplication], the norm's terms: true says the gradients that
+  // land from now on are their parameters' last before clipping (the trainer's last
+  // micro-batch); with set_defer_clip_multiply(true), each fp32 .grad's term (ClipNormTerms) is
+  // then computed on the adder once the gradient is complete, while the backward goes on.
+  void set_final_gradients(bool final) { final_gradients_ = final; }
+  // After WaitForCopies: the terms the adder computed for `with_grad`, in its order (undefined
+  // where it computed none); forgets every term.
+  std::vector<at::Tensor> TakeClipTerms(const std::vector<FsdpParam*>& with_grad);
 
   // Whether the gradients of the backwards that follow stay on the device (p.device_grad) or,
   // false (the default), go to the host, with any sum kept on the device before them. Note [CPU
@@ -352,13 +366,16 @@ class HostOffload {
     int64_t to_host_compute_bytes = 0;  // of which in the compute dtype (kParams, one shard)
     int64_t to_device_bytes = 0;  // parameter shards copied host->device
     int64_t host_adds = 0;        // gradient shards added on the host (accumulation)
-    int64_t late_adds = 0;        // host additions and conversions not done yet when the end of
-                                  // backward began to wait for them (not hidden behind compute)
+    int64_t late_adds = 0;        // host additions, conversions and the norm's terms not done
+                                  // yet when the end of backward began to wait for them (not
+                                  // hidden behind compute)
     double wait_s = 0;            // training thread blocked on copies in flight and on the
                                   // adder (fsdp::offload_wait)
     double add_s = 0;             // the adder's additions of gradients, and conversions of
                                   // compute-dtype ones into host_grad (fsdp::offload_host_add;
                                   // off the training thread)
+    double clip_term_s = 0;       // the adder's terms of the clipping norm (Note [Deferred
+                                  // clipping multiplication]; fsdp::offload_clip_term)
     double push_s = 0;            // issuing the masters' host->device copies (offload_push)
     double refresh_s = 0;         // kParams: casting the masters into host_compute_shard
                                   // (fsdp::offload_refresh; on the adder when overlapped)
@@ -378,6 +395,8 @@ class HostOffload {
     // Note [Deferred clipping multiplication]: parameters whose clipping multiplication the
     // step did (in its one loop or just before ATen's step), not the training thread.
     int64_t clip_multiplies_deferred = 0;
+    // Of those, the parameters whose term of the norm the adder computed during the backward.
+    int64_t clip_terms_on_adder = 0;
     // Of host_adds: the compute-dtype gradients added by one loop (HostAddConverted, Note [Host
     // loops]) instead of ATen's conversion and add_.
     int64_t host_add_passes = 0;
@@ -432,6 +451,9 @@ class HostOffload {
   // master into, a slice at a time (undefined: none); `scale`: StepInSlices' multiplication of
   // the gradient, converted or .grad (clipping's, Note [Deferred clipping multiplication]).
   void ConvertDeferred(FsdpParam& p, const at::Tensor& landed, const at::Tensor& scale);
+  // Queues the term of p's .grad (host_grad) for the norm, after `copied` (CUDA: the copy into
+  // host_grad; may be null) and p's tasks queued before.
+  void QueueClipTerm(FsdpParam& p, std::shared_ptr<c10::Event> copied);
   void StepInSlices(FsdpParam& p, const at::Tensor& landed, const at::Tensor& compute,
                     const HostStep& step, const at::Tensor& scale);
 
@@ -483,6 +505,10 @@ class HostOffload {
   // clipping's multiplication by clip_scale_host_ (DeferClipMultiply).
   bool defer_clip_multiply_ = false;
   std::set<const FsdpParam*> scale_pending_;
+  // The norm's terms the adder computes (each written by its task before Drain returns; the
+  // map itself only on the training thread).
+  bool final_gradients_ = false;
+  std::map<const FsdpParam*, std::shared_ptr<at::Tensor>> clip_terms_;
   Stats stats_;
 };
 

@@ -493,7 +493,12 @@ TEST(OffloadTrainTest, Bf16ParamsLoadHalfTheBytesPerStep) {
   EXPECT_EQ(per_step_bf16["to_host_bytes"], per_step_fp32["to_host_bytes"]) << per_step_bf16.dump();
   EXPECT_EQ(per_step_bf16["to_host_compute_bytes"], 0) << per_step_bf16.dump();
   EXPECT_GT(per_step_bf16["host_adds"].get<int64_t>(), 0) << per_step_bf16.dump();
-  EXPECT_LE(per_step_bf16["late_adds"].get<int64_t>(), per_step_bf16["host_adds"].get<int64_t>())
+  // Late: additions, and the norm's terms the adder computes after them (Note [Deferred
+  // clipping multiplication]), one per trainable shard per step.
+  EXPECT_EQ(per_step_bf16["clip_terms_on_adder"], per_step_bf16["host_adds"]) << per_step_bf16.dump();
+  EXPECT_LE(per_step_bf16["late_adds"].get<int64_t>(),
+            per_step_bf16["host_adds"].get<int64_t>() +
+                per_step_bf16["clip_terms_on_adder"].get<int64_t>())
       << per_step_bf16.dump();
   // The host holds the bf16 copies too: 2 bytes per parameter of shard beyond the fp32 run's.
   const int64_t host_fp32 = fp32.rank0_stats["model_state"]["host_bytes"].get<int64_t>();
@@ -538,6 +543,39 @@ TEST(HostLoopsTest, AddConvertedEqualsAtensConversionAndAddBitwise) {
       EXPECT_FALSE(at::equal(got, dst));  // it added something
     }
   }
+}
+
+// Note [Deferred clipping multiplication]: the adder computes the norm's terms with ATen's sum
+// on its own thread, and the norm keeps its bits only if that sum splits its work as it does on
+// the training thread. ATen gives a thread the process's count at its first parallel op: sums of
+// squares on a fresh thread equal the calling thread's at 2, 3 and 4 threads. The control: the
+// same sums on 1 thread round differently for at least one of them, so these sizes show a split.
+TEST(HostLoopsTest, SumsOfSquaresOnAnotherThreadAreTheSame) {
+  const int before = at::get_num_threads();
+  at::manual_seed(7);
+  std::vector<at::Tensor> grads;
+  for (int64_t n : {int64_t{1} << 20, (int64_t{1} << 20) + 13, int64_t{3} << 20, int64_t{5000011}}) {
+    grads.push_back(at::randn({n}));
+  }
+  at::set_num_threads(1);
+  const std::vector<at::Tensor> serial = ClipNormTerms(grads);
+  bool split_shows = false;
+  for (int threads : {2, 3, 4}) {
+    SCOPED_TRACE(StrCat(threads, " threads"));
+    at::set_num_threads(threads);
+    const std::vector<at::Tensor> here = ClipNormTerms(grads);
+    std::vector<at::Tensor> there;
+    std::thread([&] { there = ClipNormTerms(grads); }).join();
+    ASSERT_EQ(there.size(), grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      EXPECT_TRUE(at::equal(here[i], there[i]))
+          << grads[i].numel() << " elements: " << here[i].item<float>() << " here, "
+          << there[i].item<float>() << " on another thread";
+      split_shows = split_shows || !at::equal(here[i], serial[i]);
+    }
+  }
+  at::set_num_threads(before);
+  EXPECT_TRUE(split_shows) << "no size rounds differently on 1 thread: the test shows nothing";
 }
 
 // Every element in exactly one part, parts beginning at multiples of 16, with one thread, the
