@@ -80,7 +80,9 @@ struct Args {
 }
 
 // The gradient as a float (a bf16's widening is exact).
-[[gnu::always_inline]] inline float GradAt(const uint16_t* g, int64_t i) { return Bf16ToFloat(g[i]); }
+[[gnu::always_inline]] inline float GradAt(const uint16_t* g, int64_t i) {
+  return Bf16ToFloat(g[i]);
+}
 [[gnu::always_inline]] inline float GradAt(const float* g, int64_t i) { return g[i]; }
 
 #if defined(__x86_64__)

@@ -495,7 +495,8 @@ TEST(OffloadTrainTest, Bf16ParamsLoadHalfTheBytesPerStep) {
   EXPECT_GT(per_step_bf16["host_adds"].get<int64_t>(), 0) << per_step_bf16.dump();
   // Late: additions, and the norm's terms the adder computes after them (Note [Deferred
   // clipping multiplication]), one per trainable shard per step.
-  EXPECT_EQ(per_step_bf16["clip_terms_on_adder"], per_step_bf16["host_adds"]) << per_step_bf16.dump();
+  EXPECT_EQ(per_step_bf16["clip_terms_on_adder"], per_step_bf16["host_adds"])
+      << per_step_bf16.dump();
   EXPECT_LE(per_step_bf16["late_adds"].get<int64_t>(),
             per_step_bf16["host_adds"].get<int64_t>() +
                 per_step_bf16["clip_terms_on_adder"].get<int64_t>())
@@ -554,7 +555,8 @@ TEST(HostLoopsTest, SumsOfSquaresOnAnotherThreadAreTheSame) {
   const int before = at::get_num_threads();
   at::manual_seed(7);
   std::vector<at::Tensor> grads;
-  for (int64_t n : {int64_t{1} << 20, (int64_t{1} << 20) + 13, int64_t{3} << 20, int64_t{5000011}}) {
+  for (int64_t n :
+       {int64_t{1} << 20, (int64_t{1} << 20) + 13, int64_t{3} << 20, int64_t{5000011}}) {
     grads.push_back(at::randn({n}));
   }
   at::set_num_threads(1);
