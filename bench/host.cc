@@ -90,21 +90,13 @@ void AtenStepWide(State& s) {
   }
 }
 
-// The one loop from the fp32 gradient, clipping's multiplication in it.
-void OneLoopStepWide(State& s, int64_t begin, int64_t len) {
+// The one loop on [begin, begin + len), as the engine calls it once per parameter: from the
+// bf16 gradient, or (`wide`) the fp32 one, clipping's multiplication in it.
+void OneLoopStep(State& s, int64_t begin, int64_t len, bool wide = false) {
   HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
   HostAdamPass(hyper, kClip, len, s.param.data_ptr<float>() + begin,
                s.exp_avg.data_ptr<float>() + begin, s.exp_avg_sq.data_ptr<float>() + begin,
-               s.grad.const_data_ptr<float>() + begin,
-               static_cast<uint16_t*>(s.copy.data_ptr()) + begin);
-}
-
-// The one loop on [begin, begin + len), as the engine calls it once per parameter.
-void OneLoopStep(State& s, int64_t begin, int64_t len) {
-  HostAdamHyper hyper{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*decoupled=*/true, kStep};
-  HostAdamPass(hyper, kClip, len, s.param.data_ptr<float>() + begin,
-               s.exp_avg.data_ptr<float>() + begin, s.exp_avg_sq.data_ptr<float>() + begin,
-               static_cast<const uint16_t*>(s.grad_bf16.const_data_ptr()) + begin,
+               (wide ? s.grad : s.grad_bf16).narrow(0, begin, len),
                static_cast<uint16_t*>(s.copy.data_ptr()) + begin);
 }
 
@@ -207,7 +199,7 @@ int RunHost(const HostOptions& options) {
       OneLoopStep(loop, 0, checked);
       State aten_wide = start.Clone(), loop_wide = start.Clone();
       AtenStepWide(aten_wide);
-      OneLoopStepWide(loop_wide, 0, checked);
+      OneLoopStep(loop_wide, 0, checked, /*wide=*/true);
       adam_equal = same(aten, loop) && same(aten_wide, loop_wide);
     }
     if (add_loop) {
@@ -238,7 +230,7 @@ int RunHost(const HostOptions& options) {
       {"step fp32 grad: ATen mul_, 4M slices", 30, [&] { AtenStepWide(state); }, false, 1, true},
       {"step fp32 grad: one loop" + loop_name, 30,
        [&] {
-         InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStepWide(state, b, len); });
+         InPieces(n, piece, [&](int64_t b, int64_t len) { OneLoopStep(state, b, len, true); });
        },
        true, 1},
       {"add bf16: ATen ops, 4M chunks", 10,

@@ -80,7 +80,8 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
       "host",
       "Time CPU offload's host work on this machine (no GPU, no config): the AdamW step from a "
       "bf16 gradient with ATen's ops (whole tensor, 4M-element slices) and as fsdp.cpp's one "
-      "loop, the bf16 gradient's addition into fp32 with ATen's ops and as one loop; each with "
+      "loop, the same from an fp32 gradient (clipping's mul_, ATen's step in slices; one loop), "
+      "the bf16 gradient's addition into fp32 with ATen's ops and as one loop; each with "
       "--busy threads spinning beside it; print median ms, GB/s and the loops' ratio to ATen's "
       "slices, after checking they give ATen's values bit for bit (exit 1 if not).\n"
       "Example: fsdp bench host --elements 480e6   (llama_1b's parameters on one rank)");

@@ -210,6 +210,23 @@ void RunPass(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* p
   HostParallelFor(n, int64_t{1} << 16, range);
 }
 
+// RunPass on `grad`'s elements, by its dtype (HostAdamPass's requirements).
+void RunPassOn(int lanes, const HostAdamHyper& h, float scale, int64_t n, float* param,
+               float* exp_avg, float* exp_avg_sq, const at::Tensor& grad, uint16_t* copy_bf16) {
+  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() >= n,
+              "HostAdamPass: the gradient must be a contiguous CPU tensor of at least ", n,
+              " elements");
+  if (grad.scalar_type() == at::kBFloat16) {
+    RunPass(lanes, h, scale, n, param, exp_avg, exp_avg_sq,
+            static_cast<const uint16_t*>(grad.const_data_ptr()), copy_bf16);
+  } else {
+    TORCH_CHECK(grad.scalar_type() == at::kFloat, "HostAdamPass: a ", grad.scalar_type(),
+                " gradient; valid: BFloat16, Float");
+    RunPass(lanes, h, scale, n, param, exp_avg, exp_avg_sq, grad.const_data_ptr<float>(),
+            copy_bf16);
+  }
+}
+
 // One small pass per arithmetic branch against ATen's ops (Note [Host Adam pass]), so that a
 // torch built with other rounding turns the pass off instead of changing the values.
 bool MatchesAten() {
@@ -244,15 +261,9 @@ bool MatchesAten() {
       at::Tensor p2 = param.clone(), m2 = exp_avg.clone(), v2 = exp_avg_sq.clone();
       at::Tensor copy = at::empty({n}, at::kBFloat16);
       HostAdamHyper hyper{1e-3, beta1, 0.95, 1e-8, 0.1, decoupled, 3};
-      uint16_t* out = reinterpret_cast<uint16_t*>(copy.data_ptr());
-      if (wide) {
-        RunPass(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-                v2.data_ptr<float>(), grad.const_data_ptr<float>(), out);
-      } else {
-        RunPass(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-                v2.data_ptr<float>(), static_cast<const uint16_t*>(grad_bf16.const_data_ptr()),
-                out);
-      }
+      RunPassOn(CandidateLanes(), hyper, 0.75f, n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                v2.data_ptr<float>(), wide ? grad : grad_bf16,
+                static_cast<uint16_t*>(copy.data_ptr()));
       if (!at::equal(p1, p2) || !at::equal(m1, m2) || !at::equal(v1, v2) ||
           !at::equal(p1.to(at::kBFloat16), copy)) {
         return false;
@@ -279,13 +290,8 @@ bool HostAdamPassCovers(const HostAdamHyper& hyper) {
 }
 
 void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
-                  float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16) {
-  RunPass(AtenFloatLanes(), hyper, scale, n, param, exp_avg, exp_avg_sq, grad_bf16, copy_bf16);
-}
-
-void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
-                  float* exp_avg_sq, const float* grad, uint16_t* copy_bf16) {
-  RunPass(AtenFloatLanes(), hyper, scale, n, param, exp_avg, exp_avg_sq, grad, copy_bf16);
+                  float* exp_avg_sq, const at::Tensor& grad, uint16_t* copy_bf16) {
+  RunPassOn(AtenFloatLanes(), hyper, scale, n, param, exp_avg, exp_avg_sq, grad, copy_bf16);
 }
 
 }  // namespace fsdp

@@ -4,11 +4,15 @@
 //
 //   if (HostAdamPassAvailable()) {
 //     HostAdamPass(hyper, clip_scale, master.numel(), master_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-//                  grad_bf16_ptr, copy_bf16_ptr);   // copy_bf16_ptr may be null
+//                  grad, copy_bf16_ptr);   // grad: bf16 or fp32; copy_bf16_ptr may be null
 //   }
 #pragma once
 
 #include <cstdint>
+
+namespace at {
+class Tensor;
+}  // namespace at
 
 namespace fsdp {
 
@@ -28,17 +32,14 @@ bool HostAdamPassAvailable();
 bool HostAdamPassCovers(const HostAdamHyper& hyper);
 
 // Steps `n` fp32 elements in place (param, exp_avg, exp_avg_sq) with the gradient
-// float(grad_bf16[i]) * scale, on threads of its own, and writes the updated param rounded to
-// bf16 into copy_bf16 when it is not null. Bit for bit what copying the gradient into fp32,
-// multiplying it by `scale` (skipped when scale is 1), ATen's fused kernel on the whole tensor
-// and copy_ to bf16 give. Requires HostAdamPassAvailable() and HostAdamPassCovers(hyper).
+// float(grad[i]) * scale, on threads of its own, and writes the updated param rounded to bf16
+// into copy_bf16 when it is not null. `grad`: bf16 (offload params' deferred gradient) or fp32
+// (gradients that reach the host in fp32: several shards, sums on the host, fp32 compute,
+// offload optimizer), on the CPU, contiguous, at least n elements. Bit for bit what copying the
+// gradient into fp32, multiplying it by `scale` (skipped when scale is 1), ATen's fused kernel
+// on the whole tensor and copy_ to bf16 give. Requires HostAdamPassAvailable() and
+// HostAdamPassCovers(hyper).
 void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
-                  float* exp_avg_sq, const uint16_t* grad_bf16, uint16_t* copy_bf16);
-
-// The same from an fp32 gradient (grad[i] * scale): offload's gradients that reach the host in
-// fp32 (several shards, fp32 compute, offload optimizer), bit for bit ATen's fused kernel after
-// clipping's multiplication, and the cast when copy_bf16 is not null. The same requirements.
-void HostAdamPass(const HostAdamHyper& hyper, float scale, int64_t n, float* param, float* exp_avg,
-                  float* exp_avg_sq, const float* grad, uint16_t* copy_bf16);
+                  float* exp_avg_sq, const at::Tensor& grad, uint16_t* copy_bf16);
 
 }  // namespace fsdp

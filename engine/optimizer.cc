@@ -345,15 +345,9 @@ class PreparedAdamStep final : public PreparedStep {
     hyper.decoupled = std::is_same_v<Options, torch::optim::AdamWOptions>;
     hyper.step = static_cast<double>(all.step_values[i]);
     if (o.amsgrad() || !HostAdamPassCovers(hyper)) return false;
-    uint16_t* out = copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr;
-    if (narrow) {
-      HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
-                   all.exp_avg_sqs[i].data_ptr<float>(),
-                   static_cast<const uint16_t*>(g.const_data_ptr()), out);
-    } else {
-      HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
-                   all.exp_avg_sqs[i].data_ptr<float>(), g.const_data_ptr<float>(), out);
-    }
+    HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
+                 all.exp_avg_sqs[i].data_ptr<float>(), g,
+                 copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr);
     return true;
   }
 

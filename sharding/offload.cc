@@ -444,11 +444,13 @@ void HostOffload::StepInSlices(FsdpParam& p, const at::Tensor& landed_grad,
   }
   for (int64_t begin = 0; !one_loop && begin < n; begin += step_slice_) {
     const int64_t len = std::min(step_slice_, n - begin);
-    at::Tensor g = grad.narrow(0, begin, len);
     // A deferred gradient, converted here; then clipping's multiplication, when left to the
     // step (Note [Deferred clipping multiplication]).
-    if (landed.defined()) g.copy_(landed.narrow(0, begin, len));
-    if (scale.defined()) g.mul_(scale);
+    if (landed.defined() || scale.defined()) {
+      at::Tensor g = grad.narrow(0, begin, len);
+      if (landed.defined()) g.copy_(landed.narrow(0, begin, len));
+      if (scale.defined()) g.mul_(scale);
+    }
     step.run_slice(p.sharded, begin, len);
     if (compute.defined()) compute.narrow(0, begin, len).copy_(master.narrow(0, begin, len));
   }

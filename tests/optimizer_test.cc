@@ -459,15 +459,9 @@ TEST(HostAdamPassTest, EqualsAtensSeparateOpsBitwise) {
         hyper.weight_decay = c.weight_decay;
         hyper.decoupled = c.decoupled;
         hyper.step = c.step;
-        uint16_t* out = with_copy ? static_cast<uint16_t*>(copy2.data_ptr()) : nullptr;
-        if (wide) {
-          HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-                       v2.data_ptr<float>(), grad.const_data_ptr<float>(), out);
-        } else {
-          HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
-                       v2.data_ptr<float>(), static_cast<const uint16_t*>(grad.const_data_ptr()),
-                       out);
-        }
+        HostAdamPass(hyper, c.scale, c.n, p2.data_ptr<float>(), m2.data_ptr<float>(),
+                     v2.data_ptr<float>(), grad,
+                     with_copy ? static_cast<uint16_t*>(copy2.data_ptr()) : nullptr);
         EXPECT_TRUE(at::equal(p1, p2)) << (p1 - p2).abs().max().item<float>();
         EXPECT_TRUE(at::equal(m1, m2)) << (m1 - m2).abs().max().item<float>();
         EXPECT_TRUE(at::equal(v1, v2)) << (v1 - v2).abs().max().item<float>();
