@@ -18,10 +18,12 @@
 //   for (const EnvKnob& knob : AllEnvKnobs()) std::cout << knob.name << ": " << knob.description;
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace fsdp {
 
@@ -144,6 +146,14 @@ inline constexpr EnvKnob kTestSigterm{
     "that reaches one rank only)",
     "unset (no signal)", "R@S with a rank R and a step S", "device_mesh/watchdog.cc"};
 
+// FSDP_TEST_NONFINITE: fault injection for the on_nonfinite tests.
+inline constexpr EnvKnob kTestNonFinite{
+    "FSDP_TEST_NONFINITE",
+    "testing only: 'R@S' makes rank R's loss not a number in step S (its first micro-batch's, "
+    "before the backward), so that every gradient and the step's global norm are NaN: one "
+    "non-finite step between finite ones, to test training.on_nonfinite",
+    "unset (no injection)", "R@S with a rank R and a step S", "engine/trainer.cc"};
+
 // FSDP_TEST_VERBOSE: the multi-rank test harness prints every rank's output.
 inline constexpr EnvKnob kTestVerbose{
     "FSDP_TEST_VERBOSE",
@@ -153,6 +163,10 @@ inline constexpr EnvKnob kTestVerbose{
 
 // Every knob above, in this order.
 std::span<const EnvKnob> AllEnvKnobs();
+
+// A fault-injection knob's 'R@S' (FSDP_TEST_SIGSTOP, ...): {R, S}, or {-1, -1} when it is unset
+// or malformed (a test's typo injects nothing rather than stopping a run).
+std::pair<int, int64_t> GetRankAtStepKnob(const EnvKnob& knob);
 
 // The knob's value in the process environment; nullopt when it is unset (an empty value is
 // returned as "", as getenv would).

@@ -71,24 +71,13 @@ class RecordedWork : public c10d::Work {
   int64_t seq_;
 };
 
-// A fault-injection knob's R@S: {R, S}, or {-1, -1} when unset or malformed.
-std::pair<int, int64_t> RankAtStep(const EnvKnob& knob) {
-  std::optional<std::string> v = GetEnvKnob(knob);
-  if (!v) return std::pair<int, int64_t>{-1, -1};
-  std::vector<std::string_view> parts = Split(*v, "@");
-  std::optional<int> r = parts.size() == 2 ? ParseInt<int>(parts[0]) : std::nullopt;
-  std::optional<int64_t> s = parts.size() == 2 ? ParseInt<int64_t>(parts[1]) : std::nullopt;
-  if (!r || !s) return std::pair<int, int64_t>{-1, -1};
-  return std::pair<int, int64_t>{*r, *s};
-}
-
 // FSDP_TEST_SIGSTOP and FSDP_TEST_SIGTERM, parsed once.
 std::pair<int, int64_t> SigstopAt() {
-  static const std::pair<int, int64_t> at = RankAtStep(kTestSigstop);
+  static const std::pair<int, int64_t> at = GetRankAtStepKnob(kTestSigstop);
   return at;
 }
 std::pair<int, int64_t> SigtermAt() {
-  static const std::pair<int, int64_t> at = RankAtStep(kTestSigterm);
+  static const std::pair<int, int64_t> at = GetRankAtStepKnob(kTestSigterm);
   return at;
 }
 
@@ -97,7 +86,8 @@ struct Progress {
 };
 
 std::optional<Progress> ParseProgress(const std::vector<uint8_t>& v) {
-  std::vector<std::string_view> parts = Split(std::string(v.begin(), v.end()), " ");
+  const std::string text(v.begin(), v.end());  // the pieces below are views into it
+  std::vector<std::string_view> parts = Split(text, " ");
   if (parts.size() != 4) return std::nullopt;
   Progress p;
   int64_t* fields[] = {&p.step, &p.issued, &p.completed, &p.beat};

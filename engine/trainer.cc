@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <utility>
 
 #include <ATen/Context.h>
 #include <ATen/record_function.h>
@@ -19,6 +21,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "checkpoint/format.h"
+#include "common/env_knobs.h"
 #include "common/failure.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -339,9 +342,11 @@ struct StepOutput {
 };
 
 // `delayed`: the update may run through the next step (parallelism.offload_delayed_update).
+// `poisoned`: FSDP_TEST_NONFINITE names this rank and step; its first loss becomes NaN.
 absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
                                      torch::optim::Optimizer& optimizer, DataLoader& loader,
-                                     const TrainingSection& t, c10::Device device, bool delayed) {
+                                     const TrainingSection& t, c10::Device device, bool delayed,
+                                     bool poisoned) {
   RECORD_FUNCTION("fsdp::train_step", std::vector<c10::IValue>());
   StepOutput out;
   out.loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -357,6 +362,7 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
       RECORD_FUNCTION("fsdp::forward", std::vector<c10::IValue>());
       loss = model.Loss(BatchToDevice(b->inputs, device), BatchToDevice(b->targets, device)) /
              static_cast<double>(t.grad_accum_steps);
+      if (poisoned && m == 0) loss = loss * std::numeric_limits<double>::quiet_NaN();
     }
     {
       RECORD_FUNCTION("fsdp::backward", std::vector<c10::IValue>());
@@ -747,8 +753,10 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     // See Note [Delayed parameter update] (sharding/offload.h).
     const bool delayed = config.parallelism.offload_delayed_update &&
                          step >= config.parallelism.offload_delayed_update_warmup;
-    FSDP_ASSIGN_OR_RETURN(StepOutput out,
-                          TrainStep(*model, *trained, *optimizer, loader, t, device, delayed));
+    static const std::pair<int, int64_t> nonfinite_at = GetRankAtStepKnob(kTestNonFinite);
+    const bool poisoned = nonfinite_at == std::pair<int, int64_t>{rank, done};
+    FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t,
+                                                    device, delayed, poisoned));
     optimizer_s += out.optimizer_s;
     if (rank == 0 && loader.position().epoch > epoch && !epoch_noted) {
       std::cout << fmt::format(

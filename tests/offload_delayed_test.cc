@@ -7,6 +7,7 @@
 // micro-batches, 1 and 2 ranks); and through `fsdp train`: the warm-up steps train as without
 // the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -367,6 +368,56 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
     for (const std::string& dir : {delayed_dir, plain_dir, warmup_dir, resume_dir}) {
       fs::remove_all(dir);
     }
+  }
+}
+
+// A skipped step (training.on_nonfinite: skip; FSDP_TEST_NONFINITE makes step 3 non-finite)
+// makes every delayed update visible, as a checkpoint does (Note [Delayed parameter update]):
+// the run with a checkpoint right after the skipped step trains on as the run without one. If
+// the skip left update 2 pending, step 4 of the run without the checkpoint would use the
+// parameters from before it.
+TEST(OffloadDelayedTrainTest, SkippedStepMakesTheUpdatesVisible) {
+  namespace fs = std::filesystem;
+  struct Mode {
+    std::vector<std::string> sets;
+    std::string poisoned;  // FSDP_TEST_NONFINITE
+  };
+  const Mode modes[] = {
+      {{"parallelism.offload=params", "parallelism.nproc=1", "training.grad_accum_steps=2",
+        "training.grad_sync=last", "parallelism.reshard_between_micro_batches=false"},
+       "0@3"},
+      {{"parallelism.offload=optimizer", "parallelism.nproc=2", "training.grad_accum_steps=2"},
+       "1@3"},
+  };
+  for (const Mode& mode : modes) {
+    SCOPED_TRACE(StrJoin(mode.sets, " "));
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=5", "training.log_interval=1", "training.eval_interval=0",
+                   "training.micro_batch_size=2", "model.n_layers=2",
+                   "training.mixed_precision=bf16", "training.max_grad_norm=0.05",
+                   "training.on_nonfinite=skip", "parallelism.offload_delayed_update=true"});
+      sets.insert(sets.end(), mode.sets.begin(), mode.sets.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
+                               {{"FSDP_TEST_NONFINITE", mode.poisoned}});
+    };
+    const std::string skipped_dir = testing::FreshTempDir("delayed-skip"),
+                      saved_dir = testing::FreshTempDir("delayed-skip-saved");
+    testing::TrainRun skipped = train(skipped_dir, {});
+    ASSERT_TRUE(skipped.result.exit.ok()) << skipped.result.Output();
+    testing::TrainRun saved =
+        train(saved_dir, {"checkpoint.enabled=true", "checkpoint.interval=3"});
+    ASSERT_TRUE(saved.result.exit.ok()) << saved.result.Output();
+    const std::vector<double> losses = testing::LossSeries(skipped);
+    ASSERT_EQ(losses.size(), 5u) << skipped.result.Output();
+    EXPECT_TRUE(std::isnan(losses[2])) << skipped.result.Output();
+    EXPECT_TRUE(skipped.step_records[2].value("skipped", false)) << skipped.step_records[2];
+    EXPECT_TRUE(std::isfinite(losses[4])) << skipped.result.Output();
+    EXPECT_EQ(skipped.losses, saved.losses);
+    // Every step but the skipped one updated with the delay.
+    EXPECT_EQ(skipped.rank0_stats["offload"]["delayed_steps"], 4) << skipped.rank0_stats.dump();
+    fs::remove_all(skipped_dir);
+    fs::remove_all(saved_dir);
   }
 }
 

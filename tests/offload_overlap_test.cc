@@ -5,6 +5,7 @@
 // runs unit by unit in forward order on the host's thread without blocking the caller, and the
 // trainer's rank statistics count it.
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -391,6 +392,90 @@ TEST(OffloadOverlapTrainTest, ClippingLeftToTheStepGivesClippingsValues) {
       fs::remove_all(dir);
     }
     for (const auto& [optimizer, dir] : in_place_dir) fs::remove_all(dir);
+  }
+}
+
+// A record's loss, grad norm and skip flag as written (a non-finite number is null).
+std::vector<std::string> StepSummaries(const testing::TrainRun& run) {
+  std::vector<std::string> out;
+  for (const nlohmann::json& r : run.step_records) {
+    out.push_back(StrCat(r["step"].dump(), " loss ", r["loss"].dump(), " grad_norm ",
+                         r["grad_norm"].dump(), " skipped ", r.value("skipped", false)));
+  }
+  return out;
+}
+
+// One non-finite step between finite ones (FSDP_TEST_NONFINITE: one rank's loss is NaN in step
+// 2, so every gradient and the global norm are) with training.on_nonfinite: skip, clipping
+// active, a checkpoint and an evaluation right after the skipped step. What the overlapped step
+// left pending when the step was skipped must not reach the next one: the clipping coefficient
+// (NaN) of the fp32 .grads' deferred multiplications (Note [Deferred clipping multiplication]),
+// the norm's terms the adder computed, the bf16 gradients left for the one pass (Note [Deferred
+// gradient conversion]). Each layout gives the records (a skipped step 2 on both), losses, norms
+// and checkpoint bytes of the step in place with the same injection.
+TEST(OffloadOverlapTrainTest, SkippedNonFiniteStepLeavesNothingPending) {
+  namespace fs = std::filesystem;
+  struct Layout {
+    std::vector<std::string> sets;
+    std::string poisoned;  // FSDP_TEST_NONFINITE
+    bool fp32_grads;       // the gradients reach the host in fp32 (else bf16, deferred)
+  };
+  const Layout layouts[] = {
+      {{"parallelism.offload=params", "parallelism.nproc=2"}, "1@2", true},
+      {{"parallelism.offload=optimizer", "parallelism.nproc=2"}, "0@2", true},
+      {{"parallelism.offload=params", "parallelism.nproc=1", "training.grad_accum_steps=2"},
+       "0@2",
+       true},
+      {{"parallelism.offload=params", "parallelism.nproc=1"}, "0@2", false},
+  };
+  for (const Layout& layout : layouts) {
+    SCOPED_TRACE(StrJoin(layout.sets, " "));
+    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+      sets.insert(sets.begin(),
+                  {"training.steps=4", "training.log_interval=1", "training.eval_interval=2",
+                   "training.micro_batch_size=2", "model.n_layers=2",
+                   "training.mixed_precision=bf16", "training.max_grad_norm=0.05",
+                   "training.on_nonfinite=skip", "checkpoint.enabled=true",
+                   "checkpoint.interval=2"});
+      sets.insert(sets.end(), layout.sets.begin(), layout.sets.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
+                               {{"FSDP_TEST_NONFINITE", layout.poisoned}});
+    };
+    const std::string overlapped_dir = testing::FreshTempDir("skip-overlapped"),
+                      in_place_dir = testing::FreshTempDir("skip-in-place");
+    testing::TrainRun overlapped = train(overlapped_dir, {});
+    ASSERT_TRUE(overlapped.result.exit.ok()) << overlapped.result.Output();
+    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
+    const std::vector<std::string> records = StepSummaries(overlapped);
+    ASSERT_EQ(records.size(), 4u) << overlapped.result.Output();
+    EXPECT_EQ(records[1], "2 loss null grad_norm null skipped true") << overlapped.result.Output();
+    EXPECT_EQ(records, StepSummaries(in_place));
+    EXPECT_TRUE(std::isfinite(overlapped.losses.at(4))) << overlapped.result.Output();
+    for (int step : {2, 4}) {
+      for (const std::string& file : {std::string("rank00000.bin"), std::string("rank00001.bin")}) {
+        const std::string path = "/checkpoints/" + ckpt::StepDirName(step) + "/" + file;
+        if (!fs::exists(in_place_dir + path)) continue;  // one rank
+        ExpectSameBytes(overlapped_dir + path, in_place_dir + path);
+      }
+    }
+    // Three updates ran; the skipped step's clipping was computed (its terms too) and dropped.
+    const nlohmann::json& on = overlapped.rank0_stats["offload"];
+    EXPECT_EQ(on["overlapped_steps"], 3) << on.dump();
+    if (layout.fp32_grads) {
+      const int64_t multiplied = on["clip_multiplies_deferred"].get<int64_t>();
+      const int64_t terms = on["clip_terms_on_adder"].get<int64_t>();
+      EXPECT_GT(multiplied, 0) << on.dump();
+      EXPECT_EQ(multiplied % 3, 0) << on.dump();
+      EXPECT_EQ(terms, multiplied / 3 * 4) << on.dump();
+    } else {
+      // The skipped step's deferred bf16 gradients were dropped, never converted.
+      EXPECT_GT(on["deferred_steps"].get<int64_t>(), 0) << on.dump();
+      EXPECT_EQ(on["deferred_steps"].get<int64_t>() % 3, 0) << on.dump();
+      EXPECT_EQ(on["deferred_materialized"], 0) << on.dump();
+    }
+    fs::remove_all(overlapped_dir);
+    fs::remove_all(in_place_dir);
   }
 }
 
