@@ -330,11 +330,14 @@ class PreparedAdamStep final : public PreparedStep {
     // Undefined: the gradient the step took (the master's .grad).
     const at::Tensor& g = grad.defined() ? grad : all.grads[i];
     const bool narrow = g.scalar_type() == at::kBFloat16;
+    // The copy: bf16, written by the loop; fp32 (fp32 compute's spare copy under the delayed
+    // update, Note [Delayed parameter update]), copied from the updated master after it.
+    const bool wide_copy = copy.defined() && usable(copy, at::kFloat, true);
     if (!usable(param, at::kFloat, false) ||
         !usable(g, narrow ? at::kBFloat16 : at::kFloat, false) ||
         !usable(all.exp_avgs[i], at::kFloat, false) ||
         !usable(all.exp_avg_sqs[i], at::kFloat, false) ||
-        (copy.defined() && !usable(copy, at::kBFloat16, true))) {
+        (copy.defined() && !wide_copy && !usable(copy, at::kBFloat16, true))) {
       return false;
     }
     HostAdamHyper hyper;
@@ -347,7 +350,8 @@ class PreparedAdamStep final : public PreparedStep {
     if (o.amsgrad() || !HostAdamPassCovers(hyper)) return false;
     HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
                  all.exp_avg_sqs[i].data_ptr<float>(), g,
-                 copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr);
+                 copy.defined() && !wide_copy ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr);
+    if (wide_copy) copy.view(-1).narrow(0, 0, n).copy_(param.view(-1));
     return true;
   }
 

@@ -100,9 +100,9 @@ class PreparedStep {
   virtual void SlicesDone(const at::Tensor& param);
   // The whole update of `param` (fp32, covered, not updated yet) from `grad` (bf16 or fp32,
   // param's numel; undefined: the gradient the step took) times `scale`, in one loop that also
-  // casts the result into `copy` (bf16, at least param's numel; undefined: none): Note [Host
-  // Adam pass] (engine/host_adam.cc), the values of converting, scaling, Run and copy_, bit for
-  // bit. False when this step or machine cannot
+  // casts the result into `copy` (bf16, at least param's numel; fp32: copied after the loop;
+  // undefined: none): Note [Host Adam pass] (engine/host_adam.cc), the values of converting,
+  // scaling, Run and copy_, bit for bit. False when this step or machine cannot
   // (foreach, amsgrad, Adam's L2 decay, another dtype, a CPU whose ATen kernels it does not
   // match), having changed nothing. SlicesDone(param) follows, as after slices.
   virtual bool RunHostPass(const at::Tensor& /*param*/, const at::Tensor& /*grad*/,

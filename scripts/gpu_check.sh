@@ -62,6 +62,9 @@ stage_order=(
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
   offload_params_delayed_2x4  # the same, the host's update one step delayed (opt-in)
   offload_ops_2x4     # offload_params_last_2x4 with ATen's ops instead of the one loop (FSDP_OFFLOAD_HOST_PASS=off)
+  fsdp_2x16           # issue 14: the offload baseline at 16 micro-batches per step
+  offload_params_last_2x16  # offload_params_last_2x4 at 2 x 16: the host's work is per step
+  offload_params_delayed_2x16  # offload_params_delayed_2x4 at 2 x 16
   compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
   offload_optimizer_2x4
   compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
@@ -87,7 +90,9 @@ stage_order=(
 # path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25 [host_bench]=40
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45 [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45
+  [fsdp_2x16]=40 [offload_params_last_2x16]=60 [offload_params_delayed_2x16]=60
+  [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
   [ac_full_8x1]=25 [ac_selective_8x1]=25 [ac_ranks_8x1]=150 [deterministic_2x4]=25 [composite_2x4]=25
@@ -100,7 +105,7 @@ case "$part" in
   large) wanted=(base_8x1 ac_full_8x1 ac_selective_8x1 ac_ranks_8x1 fsdp_2x4 host_bench
                  offload_params_2x4
                  offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
-                 offload_ops_2x4
+                 offload_ops_2x4 fsdp_2x16 offload_params_last_2x16 offload_params_delayed_2x16
                  compare_offload_2x4
                  offload_optimizer_2x4 offload_optimizer_delayed_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
@@ -282,6 +287,9 @@ plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration,
     >"$out/$name.plan.log" 2>&1 || log "plan $name failed (see $out/$name.plan.log)"
 }
 accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
+# 16 micro-batches per step, 12 steps (medians over steps 6-12): each step ~4x a 2 x 4 step.
+accum2x16=(--set training.micro_batch_size=2 --set training.grad_accum_steps=16
+           --set training.steps=12 --set training.log_interval=12)
 mb8=(--set training.micro_batch_size=8 --set training.grad_accum_steps=1)
 big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
 big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
@@ -294,6 +302,12 @@ plan plan_2x4_keep_last "$config" "${accum2x4[@]}" \
 plan plan_2x4_optimizer_delayed "$config" "${accum2x4[@]}" \
   --set parallelism.offload_delayed_update=true --set parallelism.offload=optimizer
 plan plan_2x4_delayed "$config" "${accum2x4[@]}" \
+  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
+  --set parallelism.offload_delayed_update=true --set parallelism.offload=params
+plan plan_2x16 "$config" "${accum2x16[@]}"
+plan plan_2x16_keep_last "$config" "${accum2x16[@]}" \
+  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+plan plan_2x16_delayed "$config" "${accum2x16[@]}" \
   --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
   --set parallelism.offload_delayed_update=true --set parallelism.offload=params
 [ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
@@ -378,6 +392,20 @@ stage_offload_ops_2x4() {
   FSDP_OFFLOAD_HOST_PASS=off \
     run offload_ops_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
     --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+}
+# Offload at 16 micro-batches per step: the host's work (the step, one gradient send with
+# grad_sync last, one load with the units kept) is per step, the device's per micro-batch, so the
+# ratio to the run without offload falls with accumulation (`fsdp plan`: 2.62x at 2 x 4, 1.43x
+# at 2 x 16 for kept + last, a125e85's estimates).
+stage_fsdp_2x16() { run fsdp_2x16 "${accum2x16[@]}"; }
+stage_offload_params_last_2x16() {
+  run offload_params_last_2x16 "${accum2x16[@]}" --set parallelism.offload=params \
+    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+}
+stage_offload_params_delayed_2x16() {
+  run offload_params_delayed_2x16 "${accum2x16[@]}" --set parallelism.offload=params \
+    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
+    --set parallelism.offload_delayed_update=true
 }
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
@@ -482,7 +510,8 @@ for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tens
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
              "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
-             "offload_optimizer_delayed_2x4", "deterministic_2x4", "big_1gpu"):
+             "offload_optimizer_delayed_2x4", "fsdp_2x16", "offload_params_last_2x16",
+             "offload_params_delayed_2x16", "deterministic_2x4", "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(out, name + ".log")):
@@ -517,6 +546,8 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_params_delayed_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x (delayed update)"),
                          ("offload_ops_2x4", "fsdp_2x4", "offload_params_last_2x4 with ATen's ops for the host step"),
                          ("offload_optimizer_delayed_2x4", "fsdp_2x4", "delayed update; the <= 15% state target is for params"),
+                         ("offload_params_last_2x16", "fsdp_2x16", "target: state on device <= 15%, step <= 1.6x (2 x 16)"),
+                         ("offload_params_delayed_2x16", "fsdp_2x16", "target: state on device <= 15%, step <= 1.6x (2 x 16, delayed update)"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
     if name in medians and base in medians and peak_bytes.get(base) and medians[base]:
         line = (f"{name} / {base}: step {medians[name] / medians[base]:.3f}x, "
@@ -535,6 +566,9 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
              "offload_ops_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_optimizer_delayed_2x4": ("plan_2x4_optimizer_delayed", "none", "optimizer"),
+             "fsdp_2x16": ("plan_2x16", "none", "none"),
+             "offload_params_last_2x16": ("plan_2x16_keep_last", "none", "params"),
+             "offload_params_delayed_2x16": ("plan_2x16_delayed", "none", "params"),
              "big_1gpu": ("plan_big", None, None)}
 for name, (plan, ckpt, offload) in predicted.items():
     path = os.path.join(out, plan + ".plan.json")
@@ -557,7 +591,8 @@ for name, (plan, ckpt, offload) in predicted.items():
 # the forward waited for it, the waits for copies and the host additions.
 for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
              "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
-             "offload_optimizer_delayed_2x4"):
+             "offload_optimizer_delayed_2x4", "offload_params_last_2x16",
+             "offload_params_delayed_2x16"):
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
     if not os.path.exists(stats):
         continue

@@ -20,6 +20,7 @@
 
 #include "checkpoint/format.h"
 #include "common/strings.h"
+#include "engine/host_adam.h"
 #include "engine/optimizer.h"
 #include "sharding/fsdp_model.h"
 #include "tests/gpu_skip.h"
@@ -149,6 +150,12 @@ RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device dev
       prepared->RunSlice(p, begin, n);
     };
     host_step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
+    if (!slow_host) {  // else the sleeping Run above steps every group
+      host_step.run_host_pass = [prepared](const at::Tensor& p, const at::Tensor& grad,
+                                           float scale, const at::Tensor& copy) {
+        return prepared->RunHostPass(p, grad, scale, copy);
+      };
+    }
     w.fsdp->StepOnHost(std::move(host_step), /*delayed=*/true);
     w.optimizer->zero_grad();
   }
@@ -231,6 +238,13 @@ TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
         EXPECT_GT(std::abs(delayed.losses[1] - fresh.losses[1]), 1e-3 * std::abs(fresh.losses[1]));
         EXPECT_EQ(delayed.stats.delayed_steps, kSteps);
         EXPECT_EQ(delayed.stats.overlapped_steps, kSteps);
+        // Every parameter of every update by the optimizer's one loop where it matches ATen
+        // here (Note [Host Adam pass]), into the spare loaded copy with offload params (bf16:
+        // written by the loop; fp32 compute: copied after it).
+        if (HostAdamPassAvailable()) {
+          EXPECT_GT(delayed.stats.host_passes, 0);
+          EXPECT_EQ(delayed.stats.host_passes % kSteps, 0);
+        }
         // The second buffers, in the host's model state: offload params a loaded copy per
         // parameter (fp32 compute: two, where it had none) and, bf16 on one rank, a landing
         // buffer; offload optimizer none.
