@@ -291,25 +291,25 @@ accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
 accum2x16=(--set training.micro_batch_size=2 --set training.grad_accum_steps=16
            --set training.steps=12 --set training.log_interval=12)
 mb8=(--set training.micro_batch_size=8 --set training.grad_accum_steps=1)
+# Offload params with the fewest copies (planner: the fastest offload row): units kept across
+# micro-batches (one load per step) and the micro-batches' gradients summed in bf16 on the
+# device until the last one sends them (training.grad_sync: last, Note [No-sync accumulation]).
+keep_last=(--set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last)
+params_last=(--set parallelism.offload=params "${keep_last[@]}")
+delayed=(--set parallelism.offload_delayed_update=true)  # Note [Delayed parameter update]
 big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
 big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
 # The planner's predictions that the table sets beside issue 14's runs.
 plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"
 plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
-plan plan_2x4_keep_last "$config" "${accum2x4[@]}" \
-  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
-plan plan_2x4_optimizer_delayed "$config" "${accum2x4[@]}" \
-  --set parallelism.offload_delayed_update=true --set parallelism.offload=optimizer
-plan plan_2x4_delayed "$config" "${accum2x4[@]}" \
-  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
-  --set parallelism.offload_delayed_update=true --set parallelism.offload=params
+plan plan_2x4_keep_last "$config" "${accum2x4[@]}" "${keep_last[@]}"
+plan plan_2x4_optimizer_delayed "$config" "${accum2x4[@]}" "${delayed[@]}" \
+  --set parallelism.offload=optimizer
+plan plan_2x4_delayed "$config" "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
 plan plan_2x16 "$config" "${accum2x16[@]}"
-plan plan_2x16_keep_last "$config" "${accum2x16[@]}" \
-  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
-plan plan_2x16_delayed "$config" "${accum2x16[@]}" \
-  --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
-  --set parallelism.offload_delayed_update=true --set parallelism.offload=params
+plan plan_2x16_keep_last "$config" "${accum2x16[@]}" "${keep_last[@]}"
+plan plan_2x16_delayed "$config" "${accum2x16[@]}" "${params_last[@]}" "${delayed[@]}"
 [ -n "${selected[big_1gpu]:-}" ] && plan plan_big "$big_config" "${big[@]}"
 
 # One function per stage after gpu_tests, run in stage_order (Note [Stages in one call]).
@@ -373,46 +373,32 @@ stage_offload_params_keep_2x4() {
   run offload_params_keep_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
     --set parallelism.reshard_between_micro_batches=false
 }
-# Offload params with the fewest copies (planner: the fastest offload row): units kept across
-# micro-batches (one load per step) and the micro-batches' gradients summed in bf16 on the
-# device until the last one sends them (training.grad_sync: last, Note [No-sync accumulation]).
-stage_offload_params_last_2x4() {
-  run offload_params_last_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
-    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
-}
+# Offload params with the fewest copies (params_last, above).
+stage_offload_params_last_2x4() { run offload_params_last_2x4 "${accum2x4[@]}" "${params_last[@]}"; }
 # Note [Delayed parameter update] (sharding/offload.h): opt in, parameters one step stale.
 stage_offload_params_delayed_2x4() {
-  run offload_params_delayed_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
-    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
-    --set parallelism.offload_delayed_update=true
+  run offload_params_delayed_2x4 "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
 }
 # The same as offload_params_last_2x4 with the host step in ATen's ops (4M-element slices) instead
 # of the optimizer's one loop (Note [Host Adam pass]): the one loop's gain, side by side.
 stage_offload_ops_2x4() {
-  FSDP_OFFLOAD_HOST_PASS=off \
-    run offload_ops_2x4 "${accum2x4[@]}" --set parallelism.offload=params \
-    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
+  FSDP_OFFLOAD_HOST_PASS=off run offload_ops_2x4 "${accum2x4[@]}" "${params_last[@]}"
 }
 # Offload at 16 micro-batches per step: the host's work (the step, one gradient send with
 # grad_sync last, one load with the units kept) is per step, the device's per micro-batch, so the
-# ratio to the run without offload falls with accumulation (`fsdp plan`: 2.62x at 2 x 4, 1.43x
-# at 2 x 16 for kept + last, a125e85's estimates).
+# ratio to the run without offload falls with accumulation (`fsdp plan`, estimates: kept + last
+# 2.62x at 2 x 4, 1.43x at 2 x 16).
 stage_fsdp_2x16() { run fsdp_2x16 "${accum2x16[@]}"; }
-stage_offload_params_last_2x16() {
-  run offload_params_last_2x16 "${accum2x16[@]}" --set parallelism.offload=params \
-    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last
-}
+stage_offload_params_last_2x16() { run offload_params_last_2x16 "${accum2x16[@]}" "${params_last[@]}"; }
 stage_offload_params_delayed_2x16() {
-  run offload_params_delayed_2x16 "${accum2x16[@]}" --set parallelism.offload=params \
-    --set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last \
-    --set parallelism.offload_delayed_update=true
+  run offload_params_delayed_2x16 "${accum2x16[@]}" "${params_last[@]}" "${delayed[@]}"
 }
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
 }
 stage_offload_optimizer_delayed_2x4() {
   run offload_optimizer_delayed_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer \
-    --set parallelism.offload_delayed_update=true
+    "${delayed[@]}"
 }
 # ---- issue 15: the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
 # [Checkpoint staging]). Each save line says the loop's blocked ms, how much of it waited for the
