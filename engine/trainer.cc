@@ -45,6 +45,7 @@
 #include "engine/unwrapped.h"
 #include "models/model.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/host_loops.h"
 #include "sharding/comm_stats.h"
 #include "sharding/memory_tracker.h"
 
@@ -856,6 +857,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
       per_step[seconds ? key.substr(0, key.size() - 2) + "_ms" : key] =
           (seconds ? 1e3 : 1.0) * value.get<double>() / steps;
     }
+    offload_stats["host_threads"] = HostLoopThreads();  // the one loops' (Note [Host loops])
   }
   WriteRankStats(run_dir, rank, t.steps - start_step, ProcessPeakRssBytes(),
                  DevicePeakBytes(device), state_bytes, model_state, config.parallelism.offload,

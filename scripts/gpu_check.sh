@@ -65,6 +65,7 @@ stage_order=(
   fsdp_2x16           # issue 14: the offload baseline at 16 micro-batches per step
   offload_params_last_2x16  # offload_params_last_2x4 at 2 x 16: the host's work is per step
   offload_params_delayed_2x16  # offload_params_delayed_2x4 at 2 x 16
+  offload_delayed_threads_2x4  # offload_params_delayed_2x4 leaving 2 cores to the training thread
   compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
   offload_optimizer_2x4
   compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
@@ -92,6 +93,7 @@ declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25 [host_bench]=40
   [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45
   [fsdp_2x16]=40 [offload_params_last_2x16]=60 [offload_params_delayed_2x16]=60
+  [offload_delayed_threads_2x4]=45
   [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
   [offload_optimizer_2x4]=50
   [compare_keep_2x4]=90 [profile_2x4]=25 [keep_2x4]=25 [unwrapped_2x4]=25 [base_8x1]=25
@@ -106,6 +108,7 @@ case "$part" in
                  offload_params_2x4
                  offload_params_keep_2x4 offload_params_last_2x4 offload_params_delayed_2x4
                  offload_ops_2x4 fsdp_2x16 offload_params_last_2x16 offload_params_delayed_2x16
+                 offload_delayed_threads_2x4
                  compare_offload_2x4
                  offload_optimizer_2x4 offload_optimizer_delayed_2x4 deterministic_2x4 big_1gpu) ;;
   *) echo "gpu_check: GPU_CHECK_PART=$part: expected all, speed or large" >&2; exit 2 ;;
@@ -393,6 +396,14 @@ stage_offload_params_last_2x16() { run offload_params_last_2x16 "${accum2x16[@]}
 stage_offload_params_delayed_2x16() {
   run offload_params_delayed_2x16 "${accum2x16[@]}" "${params_last[@]}" "${delayed[@]}"
 }
+# The delayed update's host step took 500 ms beside the device's step against 416 alone (H100
+# machine, stop 33). One candidate: the loops' threads (one per core by default) share cores with
+# the training thread, which spins while the GPU's launch queue is full, and the copy threads.
+# The same run with the loops on all cores but two (FSDP_OFFLOAD_HOST_THREADS).
+stage_offload_delayed_threads_2x4() {
+  FSDP_OFFLOAD_HOST_THREADS=$(($(nproc) > 3 ? $(nproc) - 2 : 1)) \
+    run offload_delayed_threads_2x4 "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
+}
 stage_offload_optimizer_2x4() {
   run offload_optimizer_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer
 }
@@ -497,7 +508,8 @@ for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tens
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
              "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
              "offload_optimizer_delayed_2x4", "fsdp_2x16", "offload_params_last_2x16",
-             "offload_params_delayed_2x16", "deterministic_2x4", "big_1gpu"):
+             "offload_params_delayed_2x16", "offload_delayed_threads_2x4", "deterministic_2x4",
+             "big_1gpu"):
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         if os.path.exists(os.path.join(out, name + ".log")):
@@ -532,6 +544,7 @@ for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step 
                          ("offload_params_delayed_2x4", "fsdp_2x4", "target: state on device <= 15%, step <= 1.6x (delayed update)"),
                          ("offload_ops_2x4", "fsdp_2x4", "offload_params_last_2x4 with ATen's ops for the host step"),
                          ("offload_optimizer_delayed_2x4", "fsdp_2x4", "delayed update; the <= 15% state target is for params"),
+                         ("offload_delayed_threads_2x4", "fsdp_2x4", "offload_params_delayed_2x4 with FSDP_OFFLOAD_HOST_THREADS = cores - 2"),
                          ("offload_params_last_2x16", "fsdp_2x16", "target: state on device <= 15%, step <= 1.6x (2 x 16)"),
                          ("offload_params_delayed_2x16", "fsdp_2x16", "target: state on device <= 15%, step <= 1.6x (2 x 16, delayed update)"),
                          ("deterministic_2x4", "fsdp_2x4", "its cost")):
@@ -550,6 +563,7 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_keep_2x4": ("plan_2x4_keep", "none", "params"),
              "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
+             "offload_delayed_threads_2x4": ("plan_2x4_delayed", "none", "params"),
              "offload_ops_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_optimizer_delayed_2x4": ("plan_2x4_optimizer_delayed", "none", "optimizer"),
              "fsdp_2x16": ("plan_2x16", "none", "none"),
@@ -578,16 +592,17 @@ for name, (plan, ckpt, offload) in predicted.items():
 for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
              "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
              "offload_optimizer_delayed_2x4", "offload_params_last_2x16",
-             "offload_params_delayed_2x16"):
+             "offload_params_delayed_2x16", "offload_delayed_threads_2x4"):
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
     if not os.path.exists(stats):
         continue
-    per = json.load(open(stats)).get("offload", {}).get("per_step", {})
+    offload = json.load(open(stats)).get("offload", {})
+    per = offload.get("per_step", {})
     keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
             "refresh_ms", "late_adds", "deferred_steps", "host_passes", "host_add_passes",
             "clip_multiplies_deferred", "clip_terms_on_adder", "delayed_steps", "to_device_bytes", "to_host_bytes")
-    print(f"{name} per step: " + ", ".join(
-        f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
+    print(f"{name} per step ({offload.get('host_threads', '?')} host loop threads): " +
+          ", ".join(f"{k} {per[k]:.4g}" for k in keys if isinstance(per.get(k), (int, float))))
 # The AC runs on several ranks sharing the GPU: each rank's peak and state (rank_stats), the
 # largest over the ranks, against the run without AC on as many ranks.
 ac_peaks = {}

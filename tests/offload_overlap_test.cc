@@ -530,6 +530,12 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
     EXPECT_EQ(one_pass.losses, in_place.losses);
     const nlohmann::json& on = one_pass.rank0_stats["offload"];
     const nlohmann::json& off = in_place.rank0_stats["offload"];
+    // The loops' threads: FSDP_OFFLOAD_HOST_THREADS where set, else at::get_num_threads().
+    if (c.env.contains("FSDP_OFFLOAD_HOST_THREADS")) {
+      EXPECT_EQ(on["host_threads"].dump(), c.env.at("FSDP_OFFLOAD_HOST_THREADS")) << on.dump();
+    } else {
+      EXPECT_GE(on["host_threads"].get<int64_t>(), 1) << on.dump();
+    }
     if (c.deferred_steps) {
       // Every trainable parameter of every step went through the one pass.
       EXPECT_GT(on["deferred_steps"].get<int64_t>(), 0) << on.dump();
