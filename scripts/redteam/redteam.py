@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -724,18 +725,41 @@ class Harness:
 
     # ---- numerical faults ---------------------------------------------------------------------
     def numeric(self):
-        cases = [("lr 1e12, stop", ["optimizer.lr=1e12"]),
-                 ("lr 1e12, skip", ["optimizer.lr=1e12", "training.on_nonfinite=skip"]),
-                 ("lr 1e12, async saves", ["optimizer.lr=1e12", "checkpoint.async=true"]),
-                 ("lr 1e12, bf16", ["optimizer.lr=1e12", "training.mixed_precision=bf16"])]
-        print(f"numeric: {len(cases)} diverging runs saving every step", flush=True)
-        for name, sets in cases:
+        # (name, sets, env): diverging runs must stop; one non-finite step between finite ones
+        # (FSDP_TEST_NONFINITE=R@S: rank R's loss is NaN in step S) must stop with on_nonfinite:
+        # stop and train on with skip, through offload's overlapped and delayed host steps too.
+        one_nan = {"FSDP_TEST_NONFINITE": "0@3"}
+        bf16_kept_last = ["training.mixed_precision=bf16", "training.grad_accum_steps=2",
+                          "parallelism.reshard_between_micro_batches=false",
+                          "training.grad_sync=last"]
+        skip = ["training.on_nonfinite=skip"]
+        cases = [("lr 1e12, stop", ["optimizer.lr=1e12"], None),
+                 ("lr 1e12, skip", ["optimizer.lr=1e12", "training.on_nonfinite=skip"], None),
+                 ("lr 1e12, async saves", ["optimizer.lr=1e12", "checkpoint.async=true"], None),
+                 ("lr 1e12, bf16", ["optimizer.lr=1e12", "training.mixed_precision=bf16"], None),
+                 ("NaN at step 3, stop, offload params",
+                  ["parallelism.offload=params", "checkpoint.async=true"], one_nan),
+                 ("NaN at step 3, skip, offload params", ["parallelism.offload=params"] + skip,
+                  one_nan),
+                 ("NaN at step 3, skip, offload params bf16 kept + last, async saves",
+                  ["parallelism.offload=params", "checkpoint.async=true"] + bf16_kept_last + skip,
+                  one_nan),
+                 ("NaN at step 3, skip, offload params delayed update",
+                  ["parallelism.offload=params", "parallelism.offload_delayed_update=true"]
+                  + bf16_kept_last + skip, one_nan),
+                 ("NaN at step 3 on rank 1 of 2, skip, offload optimizer delayed update",
+                  ["parallelism.offload=optimizer", "parallelism.offload_delayed_update=true",
+                   "parallelism.nproc=2"] + skip, {"FSDP_TEST_NONFINITE": "1@3"})]
+        print(f"numeric: {len(cases)} runs with non-finite steps, saving every step", flush=True)
+        for name, sets, env in cases:
             d = self.fresh("num")
+            one_step = env is not None and "training.on_nonfinite=skip" in sets
             code, out, secs = self.train(d, ["training.steps=20", "training.log_interval=1",
                                              "checkpoint.enabled=true", "checkpoint.interval=1",
-                                             "checkpoint.keep_latest_k=2"] + sets, timeout=120)
+                                             "checkpoint.keep_latest_k=2"] + sets, timeout=120,
+                                         env=env)
             outcome, detail = classify(code, out, ["non-finite", "nan", "NaN", "diverged"],
-                                       "refuse")
+                                       "accept" if one_step else "refuse")
             ck = os.path.join(d, "checkpoints")
             bad = []
             for s in sorted(os.listdir(ck)) if os.path.isdir(ck) else []:
@@ -751,10 +775,15 @@ class Harness:
                     r = json.loads(line) if line.strip() else {}
                     if "loss" in r:
                         recorded.append(r["step"])
+            seen = losses(d)
             if bad:
                 outcome, detail = "silent", f"non-finite or broken checkpoints kept: {bad}"
             elif len(recorded) != len(set(recorded)):
                 outcome, detail = "silent", "metrics.jsonl repeats a step"
+            elif one_step and outcome == "ok" and (
+                    sorted(seen) != list(range(1, 21)) or seen[3] is not None or
+                    any(v is None or not math.isfinite(v) for k, v in seen.items() if k != 3)):
+                outcome, detail = "silent", f"not one skipped step 3 among finite ones: {seen}"
             shutil.rmtree(d, ignore_errors=True)
             self.add(Trial("numeric", name, outcome, detail, code, secs))
 
