@@ -96,7 +96,8 @@ TEST(CommandLineErrors, HelpStillExitsZero) {
 }
 
 // `fsdp plan`'s peak memory per rank beside `fsdp train`'s measured peak on this CPU (issue 14's
-// target: within 15%), with activation checkpointing, offload and bf16, on one rank and two. On a
+// target: within 15%), with activation checkpointing (full, selective), offload (optimizer,
+// params, the delayed update, params kept with grad_sync last) and bf16, on one rank and two. On a
 // CPU the host state (offload) lives in the memory the peak counts, so it is added. At one rank
 // in fp32 the accounting is exact up to the allocator's slack (Note [One shard]: parameters alias
 // their shards, gradients become theirs, nothing is gathered or reduced), which the planner once
@@ -112,8 +113,21 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
            {1, {}, 0.05},
            {1, {"training.activation_checkpointing=full"}, 0.15},
            {1, {"training.mixed_precision=bf16"}, 0.15},
+           {1, {"training.activation_checkpointing=selective"}, 0.15},
            {2, {}, 0.15},
            {2, {"parallelism.offload=optimizer"}, 0.15},
+           {2, {"parallelism.offload=params"}, 0.15},
+           // The delayed update's second loaded copy and landing buffer (Note [Delayed parameter
+           // update]), and offload params with one load and one gradient send per step.
+           {1,
+            {"parallelism.offload=params", "training.mixed_precision=bf16",
+             "parallelism.offload_delayed_update=true"},
+            0.15},
+           {1,
+            {"parallelism.offload=params", "training.mixed_precision=bf16",
+             "parallelism.reshard_between_micro_batches=false", "training.grad_sync=last",
+             "training.grad_accum_steps=2"},
+            0.15},
        }) {
     const std::string what = StrCat(c.ranks, " rank(s) ", StrJoin(c.sets, " "));
     const std::string run_dir = StrCat(dir, "/run");
