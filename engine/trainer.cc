@@ -44,9 +44,9 @@
 #include "engine/trainable.h"
 #include "engine/unwrapped.h"
 #include "models/model.h"
+#include "sharding/comm_stats.h"
 #include "sharding/fsdp_model.h"
 #include "sharding/host_loops.h"
-#include "sharding/comm_stats.h"
 #include "sharding/memory_tracker.h"
 
 namespace fsdp {
@@ -742,6 +742,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
                         device, rank);
   FSDP_RETURN_IF_ERROR(WithFailureClass(profiler.Prepare(), FailureClass::kIo));
   TermWatch term_watch(ctx->world());
+  const std::pair<int, int64_t> nonfinite_at = GetRankAtStepKnob(kTestNonFinite);  // testing
   metrics.Start();
   for (int64_t step = start_step; step < t.steps; ++step) {
     const int64_t done = step + 1;
@@ -754,7 +755,6 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     // See Note [Delayed parameter update] (sharding/offload.h).
     const bool delayed = config.parallelism.offload_delayed_update &&
                          step >= config.parallelism.offload_delayed_update_warmup;
-    static const std::pair<int, int64_t> nonfinite_at = GetRankAtStepKnob(kTestNonFinite);
     const bool poisoned = nonfinite_at == std::pair<int, int64_t>{rank, done};
     FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t,
                                                     device, delayed, poisoned));

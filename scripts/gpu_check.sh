@@ -91,7 +91,8 @@ stage_order=(
 # path converts deferred gradients in the host step, and compare_offload_2x4 is new).
 declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25 [host_bench]=40
-  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45 [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45
+  [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45
+  [offload_params_delayed_2x4]=45 [offload_ops_2x4]=45
   [fsdp_2x16]=40 [offload_params_last_2x16]=60 [offload_params_delayed_2x16]=60
   [offload_delayed_threads_2x4]=45
   [compare_offload_2x4]=120 [big_1gpu]=130 [ckpt_125m]=35
@@ -377,7 +378,9 @@ stage_offload_params_keep_2x4() {
     --set parallelism.reshard_between_micro_batches=false
 }
 # Offload params with the fewest copies (params_last, above).
-stage_offload_params_last_2x4() { run offload_params_last_2x4 "${accum2x4[@]}" "${params_last[@]}"; }
+stage_offload_params_last_2x4() {
+  run offload_params_last_2x4 "${accum2x4[@]}" "${params_last[@]}"
+}
 # Note [Delayed parameter update] (sharding/offload.h): opt in, parameters one step stale.
 stage_offload_params_delayed_2x4() {
   run offload_params_delayed_2x4 "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
@@ -392,7 +395,9 @@ stage_offload_ops_2x4() {
 # ratio to the run without offload falls with accumulation (`fsdp plan`, estimates: kept + last
 # 2.62x at 2 x 4, 1.43x at 2 x 16).
 stage_fsdp_2x16() { run fsdp_2x16 "${accum2x16[@]}"; }
-stage_offload_params_last_2x16() { run offload_params_last_2x16 "${accum2x16[@]}" "${params_last[@]}"; }
+stage_offload_params_last_2x16() {
+  run offload_params_last_2x16 "${accum2x16[@]}" "${params_last[@]}"
+}
 stage_offload_params_delayed_2x16() {
   run offload_params_delayed_2x16 "${accum2x16[@]}" "${params_last[@]}" "${delayed[@]}"
 }

@@ -5,8 +5,8 @@
 // runs unit by unit in forward order on the host's thread without blocking the caller, and the
 // trainer's rank statistics count it.
 #include <atomic>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
