@@ -332,12 +332,13 @@ class PreparedAdamStep final : public PreparedStep {
     const bool narrow = g.scalar_type() == at::kBFloat16;
     // The copy: bf16, written by the loop; fp32 (fp32 compute's spare copy under the delayed
     // update, Note [Delayed parameter update]), copied from the updated master after it.
+    const bool bf16_copy = copy.defined() && usable(copy, at::kBFloat16, true);
     const bool wide_copy = copy.defined() && usable(copy, at::kFloat, true);
     if (!usable(param, at::kFloat, false) ||
         !usable(g, narrow ? at::kBFloat16 : at::kFloat, false) ||
         !usable(all.exp_avgs[i], at::kFloat, false) ||
         !usable(all.exp_avg_sqs[i], at::kFloat, false) ||
-        (copy.defined() && !wide_copy && !usable(copy, at::kBFloat16, true))) {
+        (copy.defined() && !bf16_copy && !wide_copy)) {
       return false;
     }
     HostAdamHyper hyper;
@@ -350,7 +351,7 @@ class PreparedAdamStep final : public PreparedStep {
     if (o.amsgrad() || !HostAdamPassCovers(hyper)) return false;
     HostAdamPass(hyper, scale, n, param.data_ptr<float>(), all.exp_avgs[i].data_ptr<float>(),
                  all.exp_avg_sqs[i].data_ptr<float>(), g,
-                 copy.defined() && !wide_copy ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr);
+                 bf16_copy ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr);
     if (wide_copy) copy.view(-1).narrow(0, 0, n).copy_(param.view(-1));
     return true;
   }

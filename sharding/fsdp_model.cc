@@ -512,29 +512,22 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 }
 
 at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
+  std::vector<FsdpParam*> with_grad;  // in parameters()' order
+  for (const auto& unit : units_) {
+    for (FsdpParam& p : unit->params()) {
+      if (p.requires_grad && p.sharded.grad().defined()) with_grad.push_back(&p);
+    }
+  }
   // Deferred gradients (Note [Deferred gradient conversion] in offload.h): the norm from their
   // contributions, the multiplication left to the host step.
   if (ctx_.offload && ctx_.offload->has_deferred()) {
-    std::vector<FsdpParam*> with_grad;
-    for (const auto& unit : units_) {
-      for (FsdpParam& p : unit->params()) {
-        if (p.requires_grad && p.sharded.grad().defined()) with_grad.push_back(&p);
-      }
-    }
     if (std::optional<at::Tensor> norm =
             ctx_.offload->ClipDeferred(with_grad, max_norm, ctx_.device)) {
       return *norm;
     }
   }
-  std::vector<at::Tensor> grads;
-  std::vector<FsdpParam*> with_grad;  // in parameters()' order
-  for (const auto& unit : units_) {
-    for (FsdpParam& p : unit->params()) {
-      if (!p.requires_grad || !p.sharded.grad().defined()) continue;
-      grads.push_back(p.sharded.grad());
-      with_grad.push_back(&p);
-    }
-  }
+  std::vector<at::Tensor> grads;  // written by ClipDeferred's MaterializeDeferred, if it ran
+  for (const FsdpParam* p : with_grad) grads.push_back(p->sharded.grad());
   // Replicas hold identical gradient shards: summing over the shard axis counts each once.
   // Offloaded gradients are clipped on the host (Note [CPU offload]); the norm is returned on
   // the device either way.

@@ -511,8 +511,7 @@ void HostOffload::MaterializeDeferred() {
   // Note [Deferred clipping multiplication]: the multiplications the step was to do.
   for (const FsdpParam* p : std::exchange(scale_pending_, {})) {
     FsdpParam& param = *const_cast<FsdpParam*>(p);
-    if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
-    WaitForDelayedStep(param);
+    WaitForHostGrad(param);
     param.host_grad.mul_(clip_scale_host_);
   }
   if (deferred_.empty()) return;
@@ -523,8 +522,7 @@ void HostOffload::MaterializeDeferred() {
   }
   for (auto& [p, contribution] : deferred_) {
     FsdpParam& param = *const_cast<FsdpParam*>(p);
-    if (auto last = last_task_.find(&param); last != last_task_.end()) WaitForTask(last->second);
-    WaitForDelayedStep(param);  // Note [Delayed parameter update]: it may still use host_grad
+    WaitForHostGrad(param);
     ConvertDeferred(param, param.host_compute_grad, scale);
     ++stats_.deferred_materialized;
   }
@@ -555,6 +553,11 @@ std::optional<std::vector<FsdpParam*>> HostOffload::TakeStepped(std::vector<Fsdp
   }
   for (FsdpParam* p : stepped) step_task_.erase(p);
   return stepped;
+}
+
+void HostOffload::WaitForHostGrad(FsdpParam& p) {
+  if (auto last = last_task_.find(&p); last != last_task_.end()) WaitForTask(last->second);
+  WaitForDelayedStep(p);  // Note [Delayed parameter update]: it may still use host_grad
 }
 
 void HostOffload::WaitForDelayedStep(FsdpParam& p) {

@@ -438,6 +438,9 @@ class HostOffload {
   // Note [Delayed parameter update]: before p's fp32 host_grad is written, its delayed update
   // (which reads it) is waited for.
   void WaitForDelayedStep(FsdpParam& p);
+  // Before the training thread writes p's host_grad: the adder's tasks queued for p, and its
+  // delayed update, done.
+  void WaitForHostGrad(FsdpParam& p);
   // Blocks until the adder finished the `seq`-th task queued (1-based); rethrows its error.
   void WaitForTask(uint64_t seq);
   // The adder's loop; FinishOnHost runs one task on it.
