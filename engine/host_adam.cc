@@ -17,6 +17,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "sharding/host_loops.h"
+#include "sharding/host_simd.h"
 
 namespace fsdp {
 
@@ -87,8 +88,7 @@ struct Args {
 
 #if defined(__x86_64__)
 FSDP_AVX2_FMA [[gnu::always_inline]] inline __m256 GradsAt(const uint16_t* g, int64_t i) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  return Bf16x8ToFloats(g + i);
 }
 FSDP_AVX2_FMA [[gnu::always_inline]] inline __m256 GradsAt(const float* g, int64_t i) {
   return _mm256_loadu_ps(g + i);

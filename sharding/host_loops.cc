@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "sharding/host_simd.h"
+
 namespace fsdp {
 
 // Note [Host loops]
@@ -147,12 +149,11 @@ FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int6
   int64_t i = begin;
 #if defined(__x86_64__)
   for (; i + 8 <= end; i += 8) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     __m256 s;
     if constexpr (kType == HostNarrow::kBFloat16) {
-      s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      s = Bf16x8ToFloats(src + i);
     } else {
-      s = _mm256_cvtph_ps(raw);
+      s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     }
     _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(dst + i), s));
   }
