@@ -512,7 +512,11 @@ TEST(RecommendTest, Llama3_8bOn64H100FitsOnlyWithCheckpointing) {
   for (const Prediction& p : rec->configured) EXPECT_FALSE(p.fits) << p.runs_as;
   // Without checkpointing nothing fits, whatever the offload.
   for (const std::string offload : {"none", "optimizer", "params"}) {
-    for (const Prediction& p : *EnumerateLayouts(WithModes(r, "none", offload))) {
+    // Named: a range-for over *EnumerateLayouts(...) would read the destroyed StatusOr.
+    const absl::StatusOr<std::vector<Prediction>> layouts =
+        EnumerateLayouts(WithModes(r, "none", offload));
+    ASSERT_TRUE(layouts.ok()) << layouts.status();
+    for (const Prediction& p : *layouts) {
       EXPECT_FALSE(p.fits) << offload << " " << p.runs_as;
     }
   }
