@@ -4,6 +4,9 @@
 #   make train   build, then train the tiny default GPT (configs/default.yaml); TRAIN_ARGS adds
 #                options, e.g. TRAIN_ARGS="--set training.steps=50"
 #   make gpu-check  on a GPU machine: scripts/gpu_check.sh (GPU tests, llama_1b benchmarks)
+#   make sanitize-test  the suite built with AddressSanitizer and UBSan in build-asan (not part
+#                of make test: a build from scratch and a slower suite); reports also land in
+#                build-asan/sanitizer-logs/ (every rank's process writes its own)
 #   make clean   remove the build folder
 # Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
 # wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
@@ -12,7 +15,7 @@ JOBS ?= $(shell nproc)
 CTEST_ARGS ?=
 FSDP_CUDA_MODE ?= auto
 
-.PHONY: all build test train bootstrap configure clean gpu-check
+.PHONY: all build test train bootstrap configure clean gpu-check sanitize-test
 
 all: build
 
@@ -37,6 +40,25 @@ test: build
 # On a machine with a GPU: build with its torch, ctest -L gpu, llama_1b runs, one table.
 gpu-check:
 	scripts/gpu_check.sh
+
+# The CPU build (no CUDA code, no fuzz harnesses: fuzz/ has its own sanitized build) with
+# -fsanitize=address,undefined; the first report of either stops that process. Package.InstallBuildRun is left out: the
+# project it builds against the installed libraries links without the sanitizers' runtimes.
+SANITIZE_DIR ?= build-asan
+SANITIZE_LOGS = $(abspath $(SANITIZE_DIR))/sanitizer-logs
+sanitize-test: bootstrap
+	@torch_dir="$${FSDP_TORCH_DIR:-$$(sed -n 's/^torch_dir=//p' $(BUILD_DIR).bootstrap.out)}"; \
+	cmake -S . -B $(SANITIZE_DIR) -G Ninja -DFSDP_TORCH_DIR="$$torch_dir" -DFSDP_CUDA_MODE=off \
+	  -DFSDP_FUZZ=OFF -DFSDP_SANITIZE=address,undefined >/dev/null
+	cmake --build $(SANITIZE_DIR) -j $(JOBS)
+	rm -rf $(SANITIZE_LOGS) && mkdir -p $(SANITIZE_LOGS)
+	@cd $(SANITIZE_DIR) && \
+	ASAN_OPTIONS=log_path=$(SANITIZE_LOGS)/asan \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(SANITIZE_LOGS)/ubsan \
+	  ctest --output-on-failure -j $(JOBS) --timeout 900 -E '^Package[.]' $(CTEST_ARGS); \
+	rc=$$?; reports=$$(ls $(SANITIZE_LOGS)); \
+	for f in $$reports; do echo "==== $(SANITIZE_LOGS)/$$f"; head -40 "$(SANITIZE_LOGS)/$$f"; done; \
+	[ $$rc -eq 0 ] && [ -z "$$reports" ]
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).bootstrap.out
