@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
@@ -80,11 +81,16 @@ std::map<std::string, std::string> StyleEnv(EnvStyle style, int rank, int world,
   return env;
 }
 
-std::string Tail(const WorkerExit& exit) {
-  std::string out;
+// The last `max_lines` lines of a rank's output (all kept lines by default).
+std::string Tail(const WorkerExit& exit, size_t max_lines = SIZE_MAX) {
+  std::vector<const std::string*> lines;
   // libtorch's exceptions carry a backtrace of "frame #N" lines: the message is what matters.
   for (const std::string& line : exit.tail) {
-    if (!StartsWith(line, "frame #")) out += "    | " + line + "\n";
+    if (!StartsWith(line, "frame #")) lines.push_back(&line);
+  }
+  std::string out;
+  for (size_t i = lines.size() > max_lines ? lines.size() - max_lines : 0; i < lines.size(); ++i) {
+    out += "    | " + *lines[i] + "\n";
   }
   return out;
 }
@@ -180,9 +186,18 @@ void RunOnRanks(int world_size, const std::function<void(int rank)>& body,
       return;
     case GroupResult::Outcome::kWorkerFailed: {
       const WorkerExit& f = *result.first_failure;
+      // The other ranks' last lines too: a rank that fails because a peer went away (Gloo's
+      // "Connection closed by peer") is not always the one whose error explains it.
+      std::string others;
+      for (const WorkerExit& e : result.exits) {
+        if (e.rank == f.rank) continue;
+        others += StrCat("  rank ", e.rank, " ", e.killed_by_us ? "was stopped" : e.Describe(),
+                         "; its last lines:\n", Tail(e, 12));
+      }
       ADD_FAILURE() << "rank " << f.rank << " of " << world_size << " " << f.Describe()
                     << "; its output ends with:\n"
-                    << Tail(f);
+                    << Tail(f) << "the other ranks:\n"
+                    << others;
       return;
     }
     case GroupResult::Outcome::kTimedOut:
