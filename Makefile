@@ -22,8 +22,11 @@ all: build
 bootstrap:
 	@scripts/bootstrap.sh > $(BUILD_DIR).bootstrap.out || (rm -f $(BUILD_DIR).bootstrap.out; exit 1)
 
+# The torch the build uses, as a shell expression: FSDP_TORCH_DIR, else what bootstrap installed.
+TORCH_DIR = $${FSDP_TORCH_DIR:-$$(sed -n 's/^torch_dir=//p' $(BUILD_DIR).bootstrap.out)}
+
 configure: bootstrap
-	@torch_dir="$${FSDP_TORCH_DIR:-$$(sed -n 's/^torch_dir=//p' $(BUILD_DIR).bootstrap.out)}"; \
+	@torch_dir="$(TORCH_DIR)"; \
 	if [ ! -f $(BUILD_DIR)/build.ninja ] || ! grep -qF "FSDP_TORCH_DIR:PATH=$$torch_dir" $(BUILD_DIR)/CMakeCache.txt; then \
 	  cmake -S . -B $(BUILD_DIR) -G Ninja -DFSDP_TORCH_DIR="$$torch_dir" -DFSDP_CUDA_MODE=$(FSDP_CUDA_MODE); \
 	fi
@@ -42,12 +45,13 @@ gpu-check:
 	scripts/gpu_check.sh
 
 # The CPU build (no CUDA code, no fuzz harnesses: fuzz/ has its own sanitized build) with
-# -fsanitize=address,undefined; the first report of either stops that process. Package.InstallBuildRun is left out: the
-# project it builds against the installed libraries links without the sanitizers' runtimes.
+# -fsanitize=address,undefined; the first report of either stops that process.
+# Package.InstallBuildRun is left out: the project it builds against the installed libraries
+# links without the sanitizers' runtimes.
 SANITIZE_DIR ?= build-asan
 SANITIZE_LOGS = $(abspath $(SANITIZE_DIR))/sanitizer-logs
 sanitize-test: bootstrap
-	@torch_dir="$${FSDP_TORCH_DIR:-$$(sed -n 's/^torch_dir=//p' $(BUILD_DIR).bootstrap.out)}"; \
+	@torch_dir="$(TORCH_DIR)"; \
 	cmake -S . -B $(SANITIZE_DIR) -G Ninja -DFSDP_TORCH_DIR="$$torch_dir" -DFSDP_CUDA_MODE=off \
 	  -DFSDP_FUZZ=OFF -DFSDP_SANITIZE=address,undefined >/dev/null
 	cmake --build $(SANITIZE_DIR) -j $(JOBS)

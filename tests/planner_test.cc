@@ -1176,9 +1176,9 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
 
 // Note [Offload]: the delayed update (opt in) runs behind the whole next step on a GPU:
 // exposed only beyond the device's step, at 1.2x (kHostBesideStepCost), never more than the
-// overlapped step's; nothing
-// changes on a CPU profile. Offload params keeps a second loaded copy and landing buffer on the
-// host (bf16: 2 + 2 bytes per parameter), offload optimizer nothing more.
+// overlapped step's; nothing changes on a CPU profile. Offload params keeps a second loaded copy
+// and landing buffer on the host (bf16: 2 + 2 bytes per parameter), offload optimizer nothing
+// more.
 TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
   for (const char* mode : {"optimizer", "params"}) {
     SCOPED_TRACE(mode);
