@@ -886,7 +886,9 @@ TEST(LayoutsTest, TheSearchIsBoundedForAnyInput) {
     for (size_t i = 3; i < modes.size(); ++i) {
       const int checkpointed = blocks / modes[i].every;
       EXPECT_EQ(largest_k[checkpointed], modes[i].every);
-      if (i > 3) EXPECT_GT(checkpointed, blocks / modes[i - 1].every);  // fewest first
+      if (i > 3) {
+        EXPECT_GT(checkpointed, blocks / modes[i - 1].every);  // fewest first
+      }
     }
   }
   for (int world : {1, 2, 7, 12, 64, 720720, 2147483647}) {
@@ -899,7 +901,9 @@ TEST(LayoutsTest, TheSearchIsBoundedForAnyInput) {
     EXPECT_EQ(layouts.size(), (world > 1 ? 3u : 1u) + 2u * divisors);
     for (size_t i = 0; i < layouts.size(); ++i) {
       EXPECT_EQ(static_cast<int64_t>(layouts[i].replicate) * layouts[i].shard, world);
-      if (i > 4) EXPECT_GE(layouts[i].shard, layouts[i - 2].shard);
+      if (i > 4) {
+        EXPECT_GE(layouts[i].shard, layouts[i - 2].shard);
+      }
     }
   }
   // Answers (and the largest every:k it recommends is one of the candidates).
