@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "common/logging.h"
+#include "common/status.h"
 #include "device_mesh/cuda_support.h"
 #include "device_mesh/torch_status.h"
 #include "device_mesh/watchdog.h"
@@ -17,6 +18,44 @@ namespace {
 int64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
 }  // namespace
+
+// Note [A group is created when every member has created it]
+// Gloo's connectFullMesh returns on a rank once its own end of every pair is connected, which
+// can be before the peer's end has seen the connection: the side that makes the connection is
+// done when it has written its hello, the side that accepts it when it has read that hello. A
+// rank that returns and then ends (a test, or a run that stops right after building its mesh)
+// closes the socket, and a peer whose event loop sees that EOF before its own connect call has
+// woken fails with "Connection closed by peer" while creating a group that was fine. Like
+// torch.distributed.new_group's store barrier, no member leaves Create until every member's
+// Gloo backend exists; a member that never gets there is named after `timeout`.
+absl::Status WaitForGroupMembers(c10d::Store& store, const std::string& name,
+                                 const std::vector<int>& global_ranks, int my_global_rank,
+                                 std::chrono::milliseconds timeout) {
+  const std::string group = StrCat("process group '", name, "' [", StrJoin(global_ranks, ", "),
+                                   "] on rank ", my_global_rank);
+  const std::string created = name + "/created/";
+  const std::string all = name + "/all_created";
+  FSDP_RETURN_IF_ERROR(CallTorch(StrCat(group, ": counting the members that created it"), [&] {
+    store.set(StrCat(created, my_global_rank), std::vector<uint8_t>{1});
+    if (store.add(name + "/created_count", 1) == static_cast<int64_t>(global_ranks.size())) {
+      store.set(all, std::vector<uint8_t>{1});
+    }
+  }));
+  absl::Status waited = CallTorch("", [&] { store.wait({all}, timeout); });
+  if (waited.ok()) return waited;
+  std::vector<int> missing;
+  for (int r : global_ranks) {
+    bool there = true;
+    CallTorch("", [&] { there = store.check({StrCat(created, r)}); }).IgnoreError();
+    if (!there) missing.push_back(r);
+  }
+  return absl::Status(
+      waited.code(),
+      StrCat(group, ": ",
+             missing.empty() ? "not every member" : StrCat("rank(s) ", StrJoin(missing, ", ")),
+             " did not finish creating it within ", timeout.count(), " ms (this rank did)",
+             std::string(waited.message())));
+}
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
     const c10::intrusive_ptr<c10d::Store>& store, std::string name,
@@ -49,6 +88,8 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> ProcessGroup::Create(
                                                                  gloo_options);
   });
   if (!status.ok()) return status;
+  FSDP_RETURN_IF_ERROR(
+      WaitForGroupMembers(*store, name, global_ranks, my_global_rank, options.timeout));
   if (options.cpu_collectives != "p2p" && options.cpu_collectives != "gloo") {
     return absl::InvalidArgumentError(StrCat("cpu_collectives is '", options.cpu_collectives,
                                              "'; valid: p2p, gloo"));

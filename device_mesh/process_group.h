@@ -50,6 +50,13 @@ struct GroupOptions {
   std::string cpu_collectives = "p2p";
 };
 
+// The store barrier that ends ProcessGroup::Create (Note [A group is created when every member
+// has created it]): marks `my_global_rank` as having created group `name`, then waits until
+// every one of `global_ranks` has. After `timeout` the error names the members that did not.
+absl::Status WaitForGroupMembers(c10d::Store& store, const std::string& name,
+                                 const std::vector<int>& global_ranks, int my_global_rank,
+                                 std::chrono::milliseconds timeout);
+
 class ProcessGroup {
  public:
   // Collective over the members (blocks until all have joined, up to options.timeout).
