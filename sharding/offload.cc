@@ -339,7 +339,11 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
   std::vector<const std::vector<FsdpParam*>*> order;
   for (const std::vector<FsdpParam*>& group : groups) order.push_back(&group);
   if (delayed) std::reverse(order.begin(), order.end());
-  bool first = true;
+  // Every group's job is made before the first is queued: a job removes the masters it stepped
+  // from the shared step, whose can_run_slices this loop asks, so the loop must not overlap the
+  // adder running the jobs queued before it (a data race on the optimizer's map of parameters,
+  // found by ThreadSanitizer: docs/architecture.md).
+  std::vector<std::pair<const std::vector<FsdpParam*>*, HostTask>> jobs;
   for (const std::vector<FsdpParam*>* group_ptr : order) {
     const std::vector<FsdpParam*>& group = *group_ptr;
     if (group.empty()) continue;
@@ -385,7 +389,7 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
                 scaled_grads = std::move(scaled_grads), sliced = std::move(sliced),
                 converted = std::move(converted), scale, grad_scale,
                 scale_ready = any_deferred ? scale_ready : nullptr,
-                loads_done = first ? loads_done : nullptr] {
+                loads_done = jobs.empty() ? loads_done : nullptr] {
       RECORD_FUNCTION("fsdp::offload_host_step", std::vector<c10::IValue>());
       PhaseTimer timer(stats_.host_step_s);
       at::NoGradGuard no_grad;
@@ -400,9 +404,11 @@ void HostOffload::StepInOrder(const std::vector<std::vector<FsdpParam*>>& groups
       // The cast the device does without offload, as RefreshComputeShards.
       for (const auto& [compute, master] : casts) compute.copy_(master);
     };
-    first = false;
+    jobs.emplace_back(&group, std::move(task));
+  }
+  for (auto& [group, task] : jobs) {
     const uint64_t seq = EnqueueTask(std::move(task));
-    for (FsdpParam* p : group) step_task_[p] = seq;
+    for (FsdpParam* p : *group) step_task_[p] = seq;
   }
   // Note [Delayed parameter update]: the next backward's gradients land in the other buffer.
   if (delayed) {

@@ -219,7 +219,9 @@ struct ModelStateBytes {
 
 // The optimizer's step as StepInOrder runs it: engine/optimizer.h's PreparedStep given as
 // functions (sharding/ does not depend on engine/). `run` updates whole masters; the others
-// are optional: the slices of Note [Deferred gradient conversion].
+// are optional: the slices of Note [Deferred gradient conversion]. StepInOrder calls
+// can_run_slices on the training thread before the adder runs any of the others, which forget
+// the masters they updated (the functions need not be safe to call from two threads at once).
 struct HostStep {
   std::function<void(const std::vector<at::Tensor>&)> run;
   std::function<bool(const at::Tensor&)> can_run_slices;
