@@ -6,7 +6,8 @@
 #   make gpu-check  on a GPU machine: scripts/gpu_check.sh (GPU tests, llama_1b benchmarks)
 #   make sanitize-test  the suite built with AddressSanitizer and UBSan in build-asan (not part
 #                of make test: a build from scratch and a slower suite); reports also land in
-#                build-asan/sanitizer-logs/ (every rank's process writes its own)
+#                build-asan/sanitizer-logs/ (every rank's process writes its own);
+#                SANITIZE=thread: with ThreadSanitizer instead, in build-tsan
 #   make clean   remove the build folder
 # Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
 # wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
@@ -45,20 +46,32 @@ gpu-check:
 	scripts/gpu_check.sh
 
 # The CPU build (no CUDA code, no fuzz harnesses: fuzz/ has its own sanitized build) with
-# -fsanitize=address,undefined; the first report of either stops that process.
+# -fsanitize=$(SANITIZE). address,undefined: the first report of either stops that process.
+# thread: libtorch, OpenMP and Gloo are not instrumented, so ThreadSanitizer cannot see their
+# atomics order anything, and their own accesses (a tensor or a Work freed on Gloo's thread,
+# ATen's copies on OpenMP's) would read as races with ours: reports are kept to instrumented
+# code (ignore_noninstrumented_modules) and ATen's ops run on the calling thread
+# (OMP_NUM_THREADS=1; offload's host loops keep threads of their own: FSDP_OFFLOAD_HOST_THREADS).
 # Package.InstallBuildRun is left out: the project it builds against the installed libraries
 # links without the sanitizers' runtimes.
-SANITIZE_DIR ?= build-asan
+SANITIZE ?= address,undefined
 SANITIZE_LOGS = $(abspath $(SANITIZE_DIR))/sanitizer-logs
+ifeq ($(SANITIZE),thread)
+SANITIZE_DIR ?= build-tsan
+SANITIZE_ENV = OMP_NUM_THREADS=1 FSDP_OFFLOAD_HOST_THREADS=3 \
+  TSAN_OPTIONS=ignore_noninstrumented_modules=1:log_path=$(SANITIZE_LOGS)/tsan
+else
+SANITIZE_DIR ?= build-asan
+SANITIZE_ENV = ASAN_OPTIONS=log_path=$(SANITIZE_LOGS)/asan \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(SANITIZE_LOGS)/ubsan
+endif
 sanitize-test: bootstrap
 	@torch_dir="$(TORCH_DIR)"; \
 	cmake -S . -B $(SANITIZE_DIR) -G Ninja -DFSDP_TORCH_DIR="$$torch_dir" -DFSDP_CUDA_MODE=off \
-	  -DFSDP_FUZZ=OFF -DFSDP_SANITIZE=address,undefined >/dev/null
+	  -DFSDP_FUZZ=OFF -DFSDP_SANITIZE=$(SANITIZE) >/dev/null
 	cmake --build $(SANITIZE_DIR) -j $(JOBS)
 	rm -rf $(SANITIZE_LOGS) && mkdir -p $(SANITIZE_LOGS)
-	@cd $(SANITIZE_DIR) && \
-	ASAN_OPTIONS=log_path=$(SANITIZE_LOGS)/asan \
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(SANITIZE_LOGS)/ubsan \
+	@cd $(SANITIZE_DIR) && $(SANITIZE_ENV) \
 	  ctest --output-on-failure -j $(JOBS) --timeout 900 -E '^Package[.]' $(CTEST_ARGS); \
 	rc=$$?; reports=$$(ls $(SANITIZE_LOGS)); \
 	for f in $$reports; do echo "==== $(SANITIZE_LOGS)/$$f"; head -40 "$(SANITIZE_LOGS)/$$f"; done; \
