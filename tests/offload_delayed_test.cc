@@ -6,6 +6,7 @@
 // for each update (offload params and optimizer, fp32 and bf16 compute, one and two
 // micro-batches, 1 and 2 ranks); and through `fsdp train`: the warm-up steps train as without
 // the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -139,20 +140,27 @@ RunResult TrainDelayed(const Case& c, DeviceMesh& mesh, int rank, at::Device dev
     if (prepared == nullptr) return run;
     for (const at::Tensor& p : prepared->params()) p.mutable_grad().reset();
     HostStep host_step;
-    host_step.run = [prepared, slow_host](const std::vector<at::Tensor>& masters) {
+    // StepInOrder asks can_run_slices of every master before the adder runs any job, which
+    // changes the prepared step (the jobs were queued group by group once: a data race).
+    auto job_began = std::make_shared<std::atomic<bool>>(false);
+    host_step.run = [prepared, slow_host, job_began](const std::vector<at::Tensor>& masters) {
+      *job_began = true;
       if (slow_host) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       prepared->Run(masters);
     };
-    host_step.can_run_slices = [prepared](const at::Tensor& p) {
+    host_step.can_run_slices = [prepared, job_began](const at::Tensor& p) {
+      EXPECT_FALSE(job_began->load()) << "can_run_slices asked while the step's jobs run";
       return prepared->CanRunSlices(p);
     };
-    host_step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
+    host_step.run_slice = [prepared, job_began](const at::Tensor& p, int64_t begin, int64_t n) {
+      *job_began = true;
       prepared->RunSlice(p, begin, n);
     };
     host_step.slices_done = [prepared](const at::Tensor& p) { prepared->SlicesDone(p); };
     if (!slow_host) {  // else the sleeping Run above steps every group
-      host_step.run_host_pass = [prepared](const at::Tensor& p, const at::Tensor& grad,
-                                           float scale, const at::Tensor& copy) {
+      host_step.run_host_pass = [prepared, job_began](const at::Tensor& p, const at::Tensor& grad,
+                                                      float scale, const at::Tensor& copy) {
+        *job_began = true;
         return prepared->RunHostPass(p, grad, scale, copy);
       };
     }
