@@ -99,7 +99,8 @@ absl::StatusOr<double> Evaluate(Model& model, const DataLoader& loader, int64_t 
 // the step keeps alive: the model states the ZeRO formulas count), the same model states
 // counted tensor by tensor and split into device and host memory (model_state: what
 // parallelism.offload moves; on a CPU both are host RAM, the split says which would be on a
-// GPU), and the collectives it
+// GPU; host_untouched_bytes: gradient buffers reserved but never written, which take no
+// memory: Note [Gradients committed on demand] in sharding/offload.cc), and the collectives it
 // issued (calls, bytes of the full buffers, seconds blocked waiting), and the model FLOPs per
 // token and the device (its name and peak FLOP/s) behind the MFU figures. With offload,
 // "offload" holds the host's share of the steps (docs/offload.md): optimizer_step_s, the
@@ -122,6 +123,7 @@ void WriteRankStats(const std::filesystem::path& run_dir, int rank, int64_t step
                           {"model_state",
                            {{"device_bytes", model_state.device},
                             {"host_bytes", model_state.host},
+                            {"host_untouched_bytes", model_state.host_untouched},
                             {"offload", OffloadName(offload)}}},
                           {"flops_per_token", flops_per_token},
                           {"peak_flops_per_device", peak_flops},
@@ -867,9 +869,14 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   if (rank == 0 && trained->fsdp() != nullptr && !options.quiet) {
     std::cout << fmt::format(
         "fsdp train: model state on rank 0 (parameters, gradients, optimizer): {:.2f} MiB on the "
-        "device, {:.2f} MiB in host memory (parallelism.offload: {})\n",
+        "device, {:.2f} MiB in host memory (parallelism.offload: {}){}\n",
         model_state.device / 1048576.0, model_state.host / 1048576.0,
-        OffloadName(config.parallelism.offload));
+        OffloadName(config.parallelism.offload),
+        model_state.host_untouched > 0
+            ? fmt::format("; {:.2f} MiB of gradient buffers reserved on the host and never "
+                          "written take none",
+                          model_state.host_untouched / 1048576.0)
+            : "");
   }
   FSDP_RETURN_IF_ERROR(metrics.Finish(t.steps));
   ctx->world().Barrier()->wait();

@@ -275,7 +275,9 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     that reduces (fp32; with one shard and an exact cast to the reduce dtype, in the compute
 //     dtype: cb bytes, landing in cb more bytes per parameter of pinned host memory), and a
 //     host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
-//     computes: only what the additions take beyond that compute is exposed.
+//     computes: only what the additions take beyond that compute is exposed. Their fp32
+//     gradients (4 bytes per parameter) take host memory only when written: not when each
+//     lands alone and the one loop steps from it (host_grads_unwritten below).
 // Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
@@ -386,6 +388,16 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // their cast to the reduce dtype is exact (Note [Offload]).
   const bool narrow_grads_to_host =
       offload == Offload::kParams && s == 1 && r == 1 && cb < 4 && (rb == cb || rb == 4);
+  // Note [Gradients committed on demand] (sharding/offload.cc): those gradients' fp32 .grads are
+  // reserved but never written when each lands alone (one micro-batch, or grad_sync last) and
+  // the overlapped step's one loop updates the master from it: fused AdamW, or Adam without
+  // decay, on a CPU with AVX2 (assumed: every GPU host in the profiles).
+  const OptimizerSection& o = config.optimizer;
+  const bool one_loop_optimizer =
+      o.implementation == OptimizerImplementation::kFused &&
+      (o.kind == OptimizerKind::kAdamW || (o.kind == OptimizerKind::kAdam && o.weight_decay == 0));
+  const bool host_grads_unwritten = narrow_grads_to_host && (accum == 1 || no_sync) &&
+                                    sharding.options.offload_overlap_step && one_loop_optimizer;
   const bool grads_on_device = offload == Offload::kNone || sums_on_device;
   switch (offload) {
     case Offload::kNone:
@@ -408,7 +420,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       mem.params = keep ? padded_total / n * loaded_bytes
                         : std::max(root, blocks_unsharded * block) / n * loaded_bytes;
       mem.grads = largest_unit / n * 4;
-      mem.host = padded_total / n * 4 + real / n * (4 + state_bytes) +
+      mem.host = padded_total / n * 4 +
+                 real / n * ((host_grads_unwritten ? 0 : 4) + state_bytes) +
                  (loaded_bytes < 4 ? padded_total / n * loaded_bytes : 0) +
                  (narrow_grads_to_host ? real / n * cb : 0);
       // A delayed update's second buffers: the loaded copy (fp32 compute too) and the landing.

@@ -37,6 +37,8 @@ struct FsdpParam {
                                   // (or any, with a delayed update): host_shard cast to it,
                                   // what is loaded (Note [CPU offload])
   at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
+  bool host_grad_on_demand = false;  // host_grad's pages are committed when first written
+                                     // (Note [Gradients committed on demand], offload.cc)
   at::Tensor host_compute_grad;  // offload params, one shard, trainable, compute dtype narrower:
                                  // sharded's shape in the compute dtype, host; where each
                                  // backward's gradient lands before host_grad (Note [CPU offload])

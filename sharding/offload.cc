@@ -1,9 +1,15 @@
 #include "sharding/offload.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,6 +60,47 @@ class PhaseTimer {
   double& seconds_;
   std::chrono::steady_clock::time_point start_;
 };
+
+// Note [Gradients committed on demand]
+// With offload params and one shard in a narrower compute dtype, each gradient lands in bf16
+// (host_compute_grad) and the fp32 host_grad is written only by the host: converting or adding
+// into it (several micro-batches summed on the host), or a deferred gradient materialized. With
+// the deferred conversion and the optimizer's one loop (Note [Deferred gradient conversion]),
+// the common case of a big model on one GPU, nothing writes it at all. So those gradients are
+// not in the pinned arena (no copy ever targets them) but in an anonymous mapping reserved
+// without committing memory (MAP_NORESERVE): a page takes host memory when it is first written,
+// and one never written takes none. Each starts on a page, so that a gradient's pages are its
+// own, and ModelStateBytes counts what is resident (mincore) in `host` and the rest in
+// `host_untouched`. For llama3_8b_one_gpu.yaml this is 4 of the 20 bytes per parameter of host
+// memory (30 GiB).
+constexpr int64_t kPageBytes = 4096;
+
+// 1-D, `numel` fp32 elements in an anonymous private mapping that commits a page when it is
+// first written (Note [Gradients committed on demand]); zero until then.
+absl::StatusOr<at::Tensor> OnDemandHostArena(int64_t numel) {
+  const size_t bytes = static_cast<size_t>(RoundUp(numel * 4, kPageBytes));
+  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (memory == MAP_FAILED) {
+    return absl::ResourceExhaustedError(StrCat("mmap of ", bytes, " bytes: ", strerror(errno)));
+  }
+  return at::from_blob(
+      memory, {numel}, [bytes](void* data) { munmap(data, bytes); },
+      at::TensorOptions().dtype(at::kFloat).device(c10::kCPU));
+}
+
+// Bytes of [data, data + bytes) in resident pages, at most `bytes` (data on a page boundary).
+int64_t ResidentBytes(const void* data, int64_t bytes) {
+  if (bytes <= 0) return 0;
+  const int64_t pages = RoundUp(bytes, kPageBytes) / kPageBytes;
+  std::vector<unsigned char> resident(static_cast<size_t>(pages));
+  if (mincore(const_cast<void*>(data), static_cast<size_t>(bytes), resident.data()) != 0) {
+    return bytes;  // not known: counted as used
+  }
+  int64_t count = 0;
+  for (unsigned char r : resident) count += r & 1;
+  return std::min(bytes, count * kPageBytes);
+}
 
 // 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
 absl::StatusOr<at::Tensor> HostArena(int64_t numel, c10::ScalarType dtype, bool pinned) {
@@ -134,7 +181,9 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   struct Slot {
     int64_t shard = 0, grad = -1, compute = -1, compute_grad = -1;
     int64_t compute_spare = -1, compute_grad_spare = -1;
+    bool grad_on_demand = false;  // Note [Gradients committed on demand]
   };
+  int64_t on_demand_numel = 0;
   std::map<c10::ScalarType, int64_t> numel;
   std::vector<Slot> slots;
   auto place = [&](c10::ScalarType dtype, int64_t n) {
@@ -147,8 +196,15 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     const c10::ScalarType dtype = p->padded_shard.scalar_type();
     Slot slot;
     slot.shard = place(dtype, p->padded_shard.numel());
-    if (p->requires_grad) slot.grad = place(dtype, p->sharded.numel());
     const bool narrower = c10::elementSize(p->compute_dtype) < c10::elementSize(dtype);
+    slot.grad_on_demand = mode == Offload::kParams && narrower && one_shard &&
+                          p->requires_grad && dtype == at::kFloat;
+    if (slot.grad_on_demand) {
+      slot.grad = on_demand_numel;
+      on_demand_numel += RoundUp(p->sharded.numel(), kPageBytes / 4);
+    } else if (p->requires_grad) {
+      slot.grad = place(dtype, p->sharded.numel());
+    }
     if (mode == Offload::kParams && (narrower || delayed)) {
       slot.compute = place(p->compute_dtype, p->padded_shard.numel());
       if (delayed) slot.compute_spare = place(p->compute_dtype, p->padded_shard.numel());
@@ -173,6 +229,16 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     }
     offload->arenas_[dtype] = *std::move(arena);
   }
+  if (on_demand_numel > 0) {
+    absl::StatusOr<at::Tensor> arena = OnDemandHostArena(on_demand_numel);
+    if (!arena.ok()) {
+      return absl::ResourceExhaustedError(
+          StrCat("parallelism.offload=", OffloadName(mode), ": cannot reserve ",
+                 GiB(on_demand_numel * 4), " GiB of host address space for the fp32 gradients "
+                 "of this rank (", std::string(arena.status().message()), ")"));
+    }
+    offload->on_demand_grads_ = *std::move(arena);
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     FsdpParam& p = *params[i];
     const at::Tensor& arena = offload->arenas_.at(p.padded_shard.scalar_type());
@@ -182,7 +248,12 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
     at::Tensor master = Carve(arena, slots[i].shard, p.sharded.sizes());
     master.set_requires_grad(p.requires_grad);
     p.sharded = master;
-    if (p.requires_grad) p.host_grad = Carve(arena, slots[i].grad, p.sharded.sizes());
+    if (slots[i].grad_on_demand) {
+      p.host_grad = Carve(offload->on_demand_grads_, slots[i].grad, p.sharded.sizes());
+      p.host_grad_on_demand = true;
+    } else if (p.requires_grad) {
+      p.host_grad = Carve(arena, slots[i].grad, p.sharded.sizes());
+    }
     if (slots[i].compute >= 0) {
       p.host_compute_shard =
           Carve(offload->arenas_.at(p.compute_dtype), slots[i].compute, p.padded_shard.sizes());
@@ -900,9 +971,15 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   };
   bytes.device += size(p.padded_shard) + size(p.device_grad);
   if (p.host_shard.defined()) {
-    bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_grad) +
-                  size(p.host_compute_grad) + size(p.host_compute_shard_spare) +
-                  size(p.host_compute_grad_spare);
+    bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_compute_grad) +
+                  size(p.host_compute_shard_spare) + size(p.host_compute_grad_spare);
+    if (p.host_grad_on_demand) {  // Note [Gradients committed on demand]
+      const int64_t resident = ResidentBytes(p.host_grad.data_ptr(), size(p.host_grad));
+      bytes.host += resident;
+      bytes.host_untouched += size(p.host_grad) - resident;
+    } else {
+      bytes.host += size(p.host_grad);
+    }
   } else {
     bytes.device += size(p.sharded.grad());
   }

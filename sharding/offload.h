@@ -214,7 +214,9 @@ namespace fsdp {
 struct ModelStateBytes {
   int64_t device = 0;  // padded shards and gradient shards resident on the device
   int64_t host = 0;    // offload: host shards (with their compute-dtype copies) and
-                       // gradient buffers
+                       // gradient buffers, those committed on demand as far as written
+  int64_t host_untouched = 0;  // gradient buffers committed on demand, the part never written
+                               // (Note [Gradients committed on demand] in offload.cc)
 };
 
 // The optimizer's step as StepInOrder runs it: engine/optimizer.h's PreparedStep given as
@@ -470,6 +472,9 @@ class HostOffload {
   Offload mode_;
   c10::Device device_;
   std::vector<FsdpParam*> params_;
+  // Note [Gradients committed on demand] (offload.cc): the fp32 gradients of parameters whose
+  // gradients land in the compute dtype; pages taken when first written.
+  at::Tensor on_demand_grads_;
   std::map<c10::ScalarType, at::Tensor> arenas_;  // 1-D each: shards (host and compute
                                                   // copies) and gradient buffers
   std::optional<c10::Stream> to_host_;            // CUDA only: device->host copies

@@ -445,6 +445,33 @@ TEST(OffloadTest, OneShardBf16ParamsOffloadSendsBf16Gradients) {
   EXPECT_NEAR(2 * b.time.host_copy_s, f.time.host_copy_s, 1e-9 * f.time.host_copy_s);
 }
 
+// Note [Gradients committed on demand] (sharding/offload.cc): those bf16 gradients' fp32 .grads
+// take host memory only when written. One micro-batch, or grad_sync last, with the overlapped
+// step's one loop (fused AdamW): never, 4 bytes per parameter less. Summed on the host (two
+// micro-batches, every one reducing), stepped in place, or by an optimizer the loop does not
+// cover: written.
+TEST(OffloadTest, OneShardBf16GradientsTakeHostMemoryOnlyWhenWritten) {
+  const Layout layout{Strategy::kFullShard, 1, 1};
+  auto host = [&](std::vector<std::string> sets) {
+    sets.insert(sets.begin(), "training.grad_accum_steps=2");  // the case's may override it
+    return Predict(WithModes(Request("llama_1b", 1, 1, "h100", sets), "none", "params"), layout)
+        ->memory.host;
+  };
+  const double p = static_cast<double>(CountModel(Request("llama_1b", 1, 1, "h100").config.model)
+                                           .params);
+  const double summed = host({});
+  EXPECT_NEAR(summed - host({"training.grad_sync=last"}), 4 * p, 0.01 * 4 * p);
+  EXPECT_NEAR(summed - host({"training.grad_accum_steps=1"}), 4 * p, 0.01 * 4 * p);
+  for (const char* written : {"parallelism.offload_overlap_step=false", "optimizer.name=sgd",
+                              "optimizer.implementation=foreach", "optimizer.name=adam"}) {
+    SCOPED_TRACE(written);
+    // SGD has half AdamW's state: compare with its own sums.
+    const std::string name = written;
+    const double base = name == "optimizer.name=sgd" ? host({written}) : summed;
+    EXPECT_DOUBLE_EQ(host({"training.grad_sync=last", written}), base);
+  }
+}
+
 TEST(OffloadTest, ACpuProfileHasOnePoolAndTheHostMustFit) {
   // On a CPU profile the "host" is the same memory: offload saves nothing there.
   PlanRequest r = Request("default", 2, 2, "cpu");
