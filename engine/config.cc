@@ -395,6 +395,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"offload_overlap_step", &c.parallelism.offload_overlap_step},
         {"offload_delayed_update", &c.parallelism.offload_delayed_update},
         {"offload_delayed_update_warmup", &c.parallelism.offload_delayed_update_warmup},
+        {"offload_compute_copy", &c.parallelism.offload_compute_copy},
         {"collective_timeout_s", &c.parallelism.collective_timeout_s}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
@@ -856,6 +857,12 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
       "needs parallelism.offload_overlap_step: true (the delayed update is an overlapped step "
       "that the next step does not wait for)",
       {"parallelism.offload_overlap_step"}));
+  FSDP_RETURN_IF_ERROR(v.Check(
+      c.parallelism.offload_compute_copy || !c.parallelism.offload_delayed_update,
+      "parallelism.offload_compute_copy",
+      "false cannot go with parallelism.offload_delayed_update: true (the next step loads the "
+      "copies while the delayed update writes the masters); set one of them to its default",
+      {"parallelism.offload_delayed_update"}));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("parallelism.offload_delayed_update_warmup",
                                           c.parallelism.offload_delayed_update_warmup, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
@@ -1138,6 +1145,7 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   options.offload = config.parallelism.offload;
   options.offload_overlap_step = config.parallelism.offload_overlap_step;
   options.offload_delayed_update = config.parallelism.offload_delayed_update;
+  options.offload_compute_copy = config.parallelism.offload_compute_copy;
   options.reshard_between_micro_batches = config.parallelism.reshard_between_micro_batches;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {

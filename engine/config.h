@@ -173,6 +173,10 @@ struct ParallelismSection {
   // see every update (sharding/offload.h: Note [Delayed parameter update]).
   bool offload_delayed_update = false;
   int64_t offload_delayed_update_warmup = 0;
+  // Offload params with a compute dtype narrower than fp32: the host keeps each shard cast to
+  // it and loads that (half the host->device bytes, 2 bytes per parameter of host memory);
+  // false loads the fp32 masters and the device casts them (FsdpOptions::offload_compute_copy).
+  bool offload_compute_copy = true;
   // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
   // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.
   int64_t collective_timeout_s = 600;

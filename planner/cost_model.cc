@@ -271,7 +271,7 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
 //     bytes of host memory traffic; the overlapped step's slices cost the same, measured),
 //     and that copy is what moves and what the device holds: cb bytes per parameter instead
-//     of 4. Gradient shards go to the host every micro-batch
+//     of 4 (parallelism.offload_compute_copy false: no copy, 4 move, the device casts). Gradient shards go to the host every micro-batch
 //     that reduces (fp32; with one shard and an exact cast to the reduce dtype, in the compute
 //     dtype: cb bytes, landing in cb more bytes per parameter of pinned host memory), and a
 //     host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
@@ -337,8 +337,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const ModelCounts& counts = counted.counts;
   const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
   const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
-  // Offload params: bytes per parameter of each shard loaded to the device (Note [Offload]).
-  const double loaded_bytes = std::min(4.0, cb);
+  // Offload params: bytes per parameter of each shard loaded to the device (Note [Offload]):
+  // the compute dtype's copy, or without one (parallelism.offload_compute_copy false) the fp32
+  // master.
+  const double loaded_bytes = sharding.options.offload_compute_copy ? std::min(4.0, cb) : 4.0;
   const double n = s;
   // parallelism.reshard_between_micro_batches false (Note [Keeping parameters across
   // micro-batches] in sharding/fsdp_model.h): every unit gathered once per step and kept

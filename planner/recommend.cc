@@ -145,8 +145,9 @@ std::vector<int64_t> DivisorsBelow(int64_t n, int64_t below) {
 // predicts to fit, each tried on the whole search: a smaller micro-batch with more accumulation
 // steps for exactly the same batch (the largest divisor of micro-batch x accumulation steps
 // below the micro-batch that fits), bf16 (only for an fp32 configuration), more ranks (up to
-// kMaxWorldGrowth x, whole nodes), one unit gathered at a time (parallelism.max_unsharded_units
-// 1), a shorter model.seq_len (halving). When none of them alone fits it tries micro-batch 1
+// kMaxWorldGrowth x, whole nodes), offload params without its bf16 host copies
+// (parallelism.offload_compute_copy false: when host memory is what does not fit), one unit
+// gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving). When none of them alone fits it tries micro-batch 1
 // with bf16, and otherwise names the largest part of the smallest run (activations, gathered
 // units, model state or host memory) and what shrinks it: a smaller model, a device with at
 // least the memory the smallest run needs. So it never tells a bf16 run to use bf16, asks for
@@ -210,6 +211,20 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
           StrCat("--world-size ", r.world_size, " (", r.world_size / r.gpus_per_node,
                  r.world_size / r.gpus_per_node == 1 ? " node)" : " nodes)"));
       break;
+    }
+  }
+  // Offload params without its host copies in the compute dtype: less host memory.
+  const ParallelismSection& par = request.config.parallelism;
+  if (par.offload_compute_copy && !par.offload_delayed_update &&
+      t.mixed_precision != Precision::kFp32) {
+    PlanRequest r = request;
+    r.config.parallelism.offload_compute_copy = false;
+    FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
+    if (fits) {
+      helps.push_back(
+          "--set parallelism.offload_compute_copy=false (offload params keeps no bf16 copy of "
+          "the shards on the host: 2 bytes per parameter less host memory, twice the "
+          "host->device bytes)");
     }
   }
   if (request.config.parallelism.max_unsharded_units > 1) {
@@ -367,7 +382,8 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
         OffloadName(best.offload), StrJoin(chosen_sets, " --set "), 1e3 * fastest.time.step_s,
         1e3 * best.time.step_s, fastest.memory.total / kGiB, best.memory.total / kGiB, what);
   }
-  if (!config.parallelism.offload_delayed_update && config.parallelism.offload_overlap_step) {
+  if (!config.parallelism.offload_delayed_update && config.parallelism.offload_overlap_step &&
+      config.parallelism.offload_compute_copy) {  // the delayed update loads the copies
     PlanRequest r = chosen_request;
     r.config.parallelism.offload_delayed_update = true;
     absl::StatusOr<Prediction> p = PredictCounted(r, best.layout, model);

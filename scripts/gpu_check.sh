@@ -24,10 +24,12 @@
 # configs/llama_1b.yaml), GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml),
 # GPU_CHECK_SKIP_BUILD=1 (use the existing build), GPU_CHECK_CPU=1 (run without a GPU: checks
 # the script itself, measures nothing), GPU_CHECK_BIG_CONFIG (default
-# configs/llama3_8b_one_gpu.yaml) and GPU_CHECK_BIG_LAYERS (default 20: 5.4B parameters, ~81 GiB
-# of pinned host memory by `fsdp plan`, which a 128 GiB host holds; the full 32 layers need
-# ~120 GiB) for big_1gpu, GPU_CHECK_KERNELS (auto, fused, composite: model.kernels for every run;
-# default auto, or composite when a fused-kernel GPU test failed).
+# configs/llama3_8b_one_gpu.yaml), GPU_CHECK_BIG_LAYERS (default 20: 5.4B parameters, 80.7 GiB
+# of host memory by `fsdp plan`, which a 128 GiB host holds; the full 32 layers need 119.7 GiB)
+# and GPU_CHECK_BIG_COPY (default true; false: parallelism.offload_compute_copy=false, 14
+# instead of 16 bytes per parameter: 104.7 GiB for 32 layers) for big_1gpu, GPU_CHECK_KERNELS
+# (auto, fused, composite: model.kernels for every run; default auto, or composite when a
+# fused-kernel GPU test failed).
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
 # Under the device tool ($OUT set), what comes back is small: the table (table-PART.txt), every
 # log, metrics and plan file in one archive (gpu_check-PART.tar.gz) and the profile's trace
@@ -302,7 +304,8 @@ keep_last=(--set parallelism.reshard_between_micro_batches=false --set training.
 params_last=(--set parallelism.offload=params "${keep_last[@]}")
 delayed=(--set parallelism.offload_delayed_update=true)  # Note [Delayed parameter update]
 big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
-big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
+big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}"
+     --set parallelism.offload_compute_copy="${GPU_CHECK_BIG_COPY:-true}")
 # The planner's predictions that the table sets beside issue 14's runs.
 plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"

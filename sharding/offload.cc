@@ -151,8 +151,10 @@ constexpr int64_t kDefaultStepSlice = int64_t{1} << 22;
 
 absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c10::Device device,
                                                                  std::vector<FsdpParam*> params,
-                                                                 bool one_shard, bool delayed) {
+                                                                 bool one_shard, bool delayed,
+                                                                 bool compute_copy) {
   TORCH_INTERNAL_ASSERT(mode != Offload::kNone);
+  TORCH_INTERNAL_ASSERT(compute_copy || !delayed, "a delayed update loads the compute copies");
   std::unique_ptr<HostOffload> offload(new HostOffload(mode, device));
   offload->can_delay_ = delayed;
   // Slices start at multiples of 16 elements (Note [Prepared steps]).
@@ -176,7 +178,7 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
-  // and, with one shard, its gradient's landing buffer there; with a delayed update (Note
+  // (unless !compute_copy) and, with one shard, its gradient's landing buffer there; with a delayed update (Note
   // [Delayed parameter update]) the compute-dtype copy whatever the dtype, and a second of each.
   struct Slot {
     int64_t shard = 0, grad = -1, compute = -1, compute_grad = -1;
@@ -206,7 +208,7 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
       slot.grad = place(dtype, p->sharded.numel());
     }
     if (mode == Offload::kParams && (narrower || delayed)) {
-      slot.compute = place(p->compute_dtype, p->padded_shard.numel());
+      if (compute_copy) slot.compute = place(p->compute_dtype, p->padded_shard.numel());
       if (delayed) slot.compute_spare = place(p->compute_dtype, p->padded_shard.numel());
       if (narrower && one_shard && p->requires_grad) {
         slot.compute_grad = place(p->compute_dtype, p->sharded.numel());

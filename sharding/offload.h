@@ -246,9 +246,12 @@ class HostOffload {
   // `one_shard`: gradients reach AccumulateGrad/SendComputeGrad unreduced (one shard, no
   // replicas), so kParams allocates host_compute_grad for them.
   // `delayed`: allocates the second buffers of Note [Delayed parameter update].
+  // `compute_copy` false (FsdpOptions::offload_compute_copy): kParams keeps no compute-dtype
+  // copy of the shards (not with `delayed`); loads copy the fp32 masters.
   static absl::StatusOr<std::unique_ptr<HostOffload>> Create(Offload mode, c10::Device device,
                                                              std::vector<FsdpParam*> params,
-                                                             bool one_shard, bool delayed = false);
+                                                             bool one_shard, bool delayed = false,
+                                                             bool compute_copy = true);
   ~HostOffload();
 
   Offload mode() const { return mode_; }

@@ -372,7 +372,8 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     FSDP_RETURN_IF_ERROR(CallTorch("offloading the shards", [&] {
       offload = HostOffload::Create(options.offload, ctx.device, std::move(params),
                                     /*one_shard=*/ctx.num_shards == 1 && !ctx.replicate_group,
-                                    /*delayed=*/options.offload_delayed_update);
+                                    /*delayed=*/options.offload_delayed_update,
+                                    /*compute_copy=*/options.offload_compute_copy);
     }));
     FSDP_ASSIGN_OR_RETURN(ctx.offload, std::move(offload));
   }

@@ -412,6 +412,14 @@ TEST(RunConfigParseTest, CrossKeyErrorsPointAtWhereEitherKeyWasSet) {
                          {"parallelism.offload_overlap_step=false"}),
               InvalidArgumentWith(HasSubstr("t.yaml:3: parallelism.offload_delayed_update: needs "
                                             "parallelism.offload_overlap_step: true")));
+  // The delayed update's next step loads the compute copies: it cannot go without them.
+  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n",
+                         {"parallelism.offload_compute_copy=false"}),
+              InvalidArgumentWith(HasSubstr(
+                  "--set parallelism.offload_compute_copy=false: "
+                  "parallelism.offload_compute_copy: false cannot go with "
+                  "parallelism.offload_delayed_update: true")));
+  EXPECT_TRUE(Parse("parallelism:\n  offload: params\n  offload_compute_copy: false\n").ok());
   EXPECT_THAT(ParseError("", {"parallelism.offload=params",
                               "parallelism.offload_delayed_update_warmup=-1"}),
               InvalidArgumentWith(HasSubstr("parallelism.offload_delayed_update_warmup: must be "

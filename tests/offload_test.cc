@@ -58,8 +58,9 @@ struct RunResult {
 // `device`: where the model and the batches live (CUDA: the offload's copies run on streams).
 // `on_device`: the micro-batches but the last accumulate their gradients on the device
 // (FsdpModel::set_offload_accumulate_on_device, as the trainer does with offload optimizer).
+// `compute_copy`: FsdpOptions::offload_compute_copy.
 RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
-                at::Device device = at::kCPU, bool on_device = false) {
+                at::Device device = at::kCPU, bool on_device = false, bool compute_copy = true) {
   TinyGptConfig config;
   config.layers = 6;  // more units than the prefetch reaches
   torch::manual_seed(1234);
@@ -68,6 +69,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
   Strategy strategy = *ParseStrategy(c.strategy);
   FsdpOptions options = OptionsForStrategy(strategy);
   options.offload = offload;
+  options.offload_compute_copy = compute_copy;
   options.reshard_group_size = c.reshard_group;
   if (c.bf16) {
     options.mixed_precision.param_dtype = at::kBFloat16;
@@ -144,8 +146,8 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
       EXPECT_FALSE(p->padded_shard.defined()) << name;
       // Note [CPU offload]: with bf16 compute the host keeps each shard cast to bf16, refreshed
       // after every step: the cast of the current master.
-      EXPECT_EQ(p->host_compute_shard.defined(), c.bf16) << name;
-      if (c.bf16) {
+      EXPECT_EQ(p->host_compute_shard.defined(), c.bf16 && compute_copy) << name;
+      if (c.bf16 && compute_copy) {
         EXPECT_EQ(p->host_compute_shard.scalar_type(), at::kBFloat16) << name;
         EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
         run.host_compute_bytes += static_cast<int64_t>(p->host_compute_shard.nbytes());
@@ -234,6 +236,19 @@ void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
       if (c.strategy == "full_shard" && c.reshard_group == 0) {
         // The root, the current unit and the two the prefetch copies ahead: 4 of 7 units.
         EXPECT_LT(params.peak_loaded, opt.bytes.device);
+      }
+      if (c.bf16) {
+        // parallelism.offload_compute_copy false: no bf16 copies on the host; the loads copy
+        // the fp32 masters (twice the bytes) and the device casts them as it does without
+        // offload: the same values.
+        RunResult no_copy = Train(c, Offload::kParams, mesh, rank, at::kCPU, false,
+                                  /*compute_copy=*/false);
+        ExpectSame(base, no_copy, c.Name() + " offload params without the compute copy");
+        EXPECT_EQ(no_copy.host_compute_bytes, 0);
+        EXPECT_EQ(no_copy.bytes.host, params.bytes.host - params.host_compute_bytes);
+        EXPECT_EQ(no_copy.stats.to_device_bytes, 2 * params.stats.to_device_bytes);
+        EXPECT_EQ(no_copy.stats.to_host_bytes, params.stats.to_host_bytes);  // unchanged
+        EXPECT_EQ(no_copy.stats.refresh_s, 0);
       }
       if (rank == 0) {
         std::cout << "[offload] world " << world << " " << c.Name() << ": losses "

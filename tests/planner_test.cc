@@ -426,6 +426,23 @@ TEST(OffloadTest, Bf16ParamsOffloadLoadsHalfTheBytes) {
   EXPECT_GT(b.time.optimizer_s, f.time.optimizer_s);  // the host's cast after the step
 }
 
+// parallelism.offload_compute_copy false: no bf16 copies on the host (2 bytes per parameter of
+// padded shard less), the fp32 masters loaded (twice the bytes, twice the loaded shards on the
+// device), no cast after the step.
+TEST(OffloadTest, WithoutTheComputeCopyParamsOffloadLoadsFp32) {
+  const Layout layout{Strategy::kFullShard, 1, 8};
+  PlanRequest copy = WithModes(Request("llama_1b", 8, 8, "h100"), "none", "params");
+  PlanRequest no_copy = copy;
+  no_copy.config.parallelism.offload_compute_copy = false;
+  Prediction c = *Predict(copy, layout);
+  Prediction nc = *Predict(no_copy, layout);
+  const double p = static_cast<double>(CountModel(copy.config.model).params);
+  EXPECT_NEAR(c.memory.host - nc.memory.host, 2 * p / 8, 0.01 * 2 * p / 8);
+  EXPECT_DOUBLE_EQ(nc.memory.params, 2 * c.memory.params);
+  EXPECT_GT(nc.time.host_copy_s, c.time.host_copy_s);
+  EXPECT_LT(nc.time.optimizer_s, c.time.optimizer_s);  // no cast after the step
+}
+
 // Note [Offload]: with one shard and bf16 compute, offload params sends each micro-batch's
 // gradient to the host in bf16 (its cast to the reduce dtype is exact), into 2 bytes per
 // parameter more of pinned host memory: every copy, both ways, moves half the bytes of the fp32
@@ -667,6 +684,22 @@ TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
   EXPECT_THAT(rec->message, HasSubstr("offload none"));  // the smallest that the host allows
   EXPECT_THAT(rec->message, HasSubstr("--world-size 2"));
   EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("micro_batch_size")));
+  EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("offload_compute_copy")));
+
+  // Llama 3 8B on one GPU with a 140 GiB host (112 usable): offload params needs 119.7 GiB of
+  // it with its bf16 copies (as does offload optimizer), 104.7 without them.
+  PlanRequest one_gpu = Request("llama3_8b_one_gpu", 1, 1, "h100");
+  one_gpu.hw.host_memory_bytes = 140.0 * (1 << 30);
+  rec = Recommend(one_gpu);
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  EXPECT_FALSE(rec->best.has_value()) << rec->message;
+  EXPECT_THAT(rec->message, HasSubstr("--set parallelism.offload_compute_copy=false"));
+  one_gpu.config.parallelism.offload_compute_copy = false;
+  rec = Recommend(one_gpu);
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  ASSERT_TRUE(rec->best.has_value()) << rec->message;
+  EXPECT_EQ(rec->best->offload, Offload::kParams);
+  EXPECT_LE(rec->best->memory.host, 112.0 * (1 << 30));
 }
 
 // Red team: micro-batch 5 was told "micro_batch_size=2 grad_accum_steps=3 (the same batch)",
