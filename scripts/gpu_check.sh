@@ -594,6 +594,19 @@ for name, (plan, ckpt, offload) in predicted.items():
         print(f"{name}: plan {mem / 2**30:.2f} GiB / {step:.0f} ms, measured "
               f"{peak_bytes[name] / 2**30:.2f} GiB / {medians[name]:.0f} ms (memory "
               f"{100 * (mem / peak_bytes[name] - 1):+.0f}%, step {100 * (step / medians[name] - 1):+.0f}%)")
+    # Host memory with offload: the plan's against the model state resident on the host
+    # (rank_stats: gradient buffers never written take none; the process's peak RSS beside it).
+    host = match[0]["memory_bytes"].get("host", 0)
+    stats = os.path.join(out, name, "rank_stats", "rank0.json")
+    if host and os.path.exists(stats):
+        r = json.load(open(stats))
+        resident = r.get("model_state", {}).get("host_bytes", 0)
+        untouched = r.get("model_state", {}).get("host_untouched_bytes", 0)
+        if resident:
+            print(f"{name}: host memory plan {host / 2**30:.2f} GiB, measured {resident / 2**30:.2f} "
+                  f"GiB of model state ({100 * (host / resident - 1):+.0f}%; "
+                  f"{untouched / 2**30:.2f} GiB reserved and never written), peak RSS "
+                  f"{r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB")
 # Where the offload runs' host time went (rank_stats' offload.per_step, docs/offload.md): the
 # host step (overlapped with the next forward: host_step_ms; in place: optimizer_step_ms), what
 # the forward waited for it, the waits for copies and the host additions.

@@ -2,8 +2,14 @@
 
 #include "device_mesh/cuda_support.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -23,7 +29,64 @@ constexpr size_t kHeader = 64;
 CpuMemoryTracker* g_tracker = nullptr;
 c10::Allocator* g_base = nullptr;
 
+int64_t PageBytes() {
+  static const int64_t page = [] {
+    const long size = sysconf(_SC_PAGESIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{4096};
+  }();
+  return page;
+}
+
+// MapOnDemand's mappings: start -> bytes.
+std::mutex g_on_demand_mutex;
+std::map<const void*, int64_t>& OnDemandRegions() {
+  static auto* regions = new std::map<const void*, int64_t>();
+  return *regions;
+}
+
+// What is resident of MapOnDemand's mappings now.
+int64_t OnDemandResidentBytes() {
+  std::lock_guard<std::mutex> lock(g_on_demand_mutex);
+  int64_t total = 0;
+  for (const auto& [data, bytes] : OnDemandRegions()) total += ResidentBytes(data, bytes);
+  return total;
+}
+
 }  // namespace
+
+void* MapOnDemand(size_t bytes) {
+  const auto page = static_cast<size_t>(PageBytes());
+  bytes = (bytes + page - 1) / page * page;
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (data == MAP_FAILED) return nullptr;
+  std::lock_guard<std::mutex> lock(g_on_demand_mutex);
+  OnDemandRegions()[data] = static_cast<int64_t>(bytes);
+  return data;
+}
+
+void UnmapOnDemand(void* data, size_t bytes) {
+  if (data == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_on_demand_mutex);
+    OnDemandRegions().erase(data);
+  }
+  const auto page = static_cast<size_t>(PageBytes());
+  munmap(data, (bytes + page - 1) / page * page);
+}
+
+int64_t ResidentBytes(const void* data, int64_t bytes) {
+  if (bytes <= 0) return 0;
+  const int64_t page = PageBytes();
+  const int64_t pages = (bytes + page - 1) / page;
+  std::vector<unsigned char> resident(static_cast<size_t>(pages));
+  if (mincore(const_cast<void*>(data), static_cast<size_t>(bytes), resident.data()) != 0) {
+    return bytes;
+  }
+  int64_t count = 0;
+  for (unsigned char r : resident) count += r & 1;
+  return std::min(bytes, count * page);
+}
 
 CpuMemoryTracker& CpuMemoryTracker::Install() {
   static CpuMemoryTracker* tracker = [] {
@@ -72,12 +135,12 @@ void ConfigureHostAllocator(bool caching) {
 
 int64_t DeviceAllocatedBytes(c10::Device device) {
   return device.is_cuda() ? CudaAllocatedBytes(device.index())
-                          : CpuMemoryTracker::Install().current_bytes();
+                          : CpuMemoryTracker::Install().current_bytes() + OnDemandResidentBytes();
 }
 
 int64_t DevicePeakBytes(c10::Device device) {
   return device.is_cuda() ? CudaPeakAllocatedBytes(device.index())
-                          : CpuMemoryTracker::Install().peak_bytes();
+                          : CpuMemoryTracker::Install().peak_bytes() + OnDemandResidentBytes();
 }
 
 void ResetDevicePeak(c10::Device device) {

@@ -47,8 +47,22 @@ class CpuMemoryTracker final : public c10::Allocator {
   std::atomic<int64_t> allocations_{0};
 };
 
+// Host memory reserved without being committed: an anonymous private mapping (MAP_NORESERVE)
+// whose pages take memory when first written and read as zero until then (offload's fp32
+// gradients: Note [Gradients committed on demand] in offload.cc). `bytes` is rounded up to
+// whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand with the same
+// size. While mapped, its resident pages count in the CPU's DeviceAllocatedBytes and
+// DevicePeakBytes below, as the tracker's allocations do.
+void* MapOnDemand(size_t bytes);
+void UnmapOnDemand(void* data, size_t bytes);
+// Bytes of [data, data + bytes) in resident pages, at most `bytes`; `data` on a page boundary.
+// When the kernel cannot say (mincore fails), all of them.
+int64_t ResidentBytes(const void* data, int64_t bytes);
+
 // Tensor bytes on `device`: the CUDA caching allocator's for a GPU, the CPU tracker's (once
-// installed) for the host. Allocated now / the peak since the last reset.
+// installed) for the host, with what is resident of MapOnDemand's mappings. Allocated now /
+// the peak since the last reset (those pages stay resident until unmapped, so at most the
+// pages written after the peak are counted in it too).
 int64_t DeviceAllocatedBytes(c10::Device device);
 int64_t DevicePeakBytes(c10::Device device);
 void ResetDevicePeak(c10::Device device);

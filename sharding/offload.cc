@@ -8,9 +8,6 @@
 #include <utility>
 #include <vector>
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -27,6 +24,7 @@
 #include "device_mesh/cuda_support.h"
 #include "sharding/fsdp_model.h"
 #include "sharding/host_loops.h"
+#include "sharding/memory_tracker.h"
 
 namespace fsdp {
 namespace {
@@ -69,37 +67,25 @@ class PhaseTimer {
 // the common case of a big model on one GPU, nothing writes it at all. So those gradients are
 // not in the pinned arena (no copy ever targets them) but in an anonymous mapping reserved
 // without committing memory (MAP_NORESERVE): a page takes host memory when it is first written,
-// and one never written takes none. Each starts on a page, so that a gradient's pages are its
-// own, and ModelStateBytes counts what is resident (mincore) in `host` and the rest in
-// `host_untouched`. For llama3_8b_one_gpu.yaml this is 4 of the 20 bytes per parameter of host
-// memory (30 GiB).
-constexpr int64_t kPageBytes = 4096;
+// and one never written takes none. Each starts on a 64 KiB boundary (a page for every page
+// size of Linux on x86-64 and ARM64), so that a gradient's pages are its own, and
+// ModelStateBytes counts what is resident (mincore) in `host` and the rest in
+// `host_untouched` (on a CPU device the resident part counts in DevicePeakBytes too, as the
+// arena's allocations do: memory_tracker.h). For llama3_8b_one_gpu.yaml this is 4 of the 20
+// bytes per parameter of host memory (30 GiB).
+constexpr int64_t kOnDemandAlignBytes = 64 * 1024;
 
-// 1-D, `numel` fp32 elements in an anonymous private mapping that commits a page when it is
-// first written (Note [Gradients committed on demand]); zero until then.
+// 1-D, `numel` fp32 elements in memory committed on first write (MapOnDemand); zero until
+// then (Note [Gradients committed on demand]).
 absl::StatusOr<at::Tensor> OnDemandHostArena(int64_t numel) {
-  const size_t bytes = static_cast<size_t>(RoundUp(numel * 4, kPageBytes));
-  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (memory == MAP_FAILED) {
+  const size_t bytes = static_cast<size_t>(numel) * 4;
+  void* memory = MapOnDemand(bytes);
+  if (memory == nullptr) {
     return absl::ResourceExhaustedError(StrCat("mmap of ", bytes, " bytes: ", strerror(errno)));
   }
   return at::from_blob(
-      memory, {numel}, [bytes](void* data) { munmap(data, bytes); },
+      memory, {numel}, [bytes](void* data) { UnmapOnDemand(data, bytes); },
       at::TensorOptions().dtype(at::kFloat).device(c10::kCPU));
-}
-
-// Bytes of [data, data + bytes) in resident pages, at most `bytes` (data on a page boundary).
-int64_t ResidentBytes(const void* data, int64_t bytes) {
-  if (bytes <= 0) return 0;
-  const int64_t pages = RoundUp(bytes, kPageBytes) / kPageBytes;
-  std::vector<unsigned char> resident(static_cast<size_t>(pages));
-  if (mincore(const_cast<void*>(data), static_cast<size_t>(bytes), resident.data()) != 0) {
-    return bytes;  // not known: counted as used
-  }
-  int64_t count = 0;
-  for (unsigned char r : resident) count += r & 1;
-  return std::min(bytes, count * kPageBytes);
 }
 
 // 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
@@ -203,7 +189,7 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
                           p->requires_grad && dtype == at::kFloat;
     if (slot.grad_on_demand) {
       slot.grad = on_demand_numel;
-      on_demand_numel += RoundUp(p->sharded.numel(), kPageBytes / 4);
+      on_demand_numel += RoundUp(p->sharded.numel(), kOnDemandAlignBytes / 4);
     } else if (p->requires_grad) {
       slot.grad = place(dtype, p->sharded.numel());
     }

@@ -128,6 +128,17 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
              "parallelism.reshard_between_micro_batches=false", "training.grad_sync=last",
              "training.grad_accum_steps=2"},
             0.15},
+           // Host memory per parameter (docs/offload.md): the fp32 gradients never written
+           // (one micro-batch, the one loop) and, without the compute copy, no bf16 copies.
+           {1, {"parallelism.offload=params", "training.mixed_precision=bf16"}, 0.15},
+           {1,
+            {"parallelism.offload=params", "training.mixed_precision=bf16",
+             "parallelism.offload_compute_copy=false"},
+            0.15},
+           {1,
+            {"parallelism.offload=params", "training.mixed_precision=bf16",
+             "training.grad_accum_steps=2"},
+            0.15},
        }) {
     const std::string what = StrCat(c.ranks, " rank(s) ", StrJoin(c.sets, " "));
     const std::string run_dir = StrCat(dir, "/run");
@@ -163,21 +174,31 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
     // The prediction for the configured layout (full_shard over every rank) and modes.
     const nlohmann::json p = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
     const nlohmann::json& configured = p["configured"];
-    double predicted = 0;
+    double predicted = 0, predicted_host = 0;
     for (const char* list : {"layouts", "alternatives"}) {
       if (!p.contains(list)) continue;
       for (const nlohmann::json& l : p[list]) {
         if (l.value("strategy", "") == "full_shard" &&
             l["activation_checkpointing"] == configured["activation_checkpointing"] &&
             l["offload"] == configured["offload"] && predicted == 0) {
-          predicted = l["memory_bytes"]["total"].get<double>() +
-                      l["memory_bytes"]["host"].get<double>();
+          predicted_host = l["memory_bytes"]["host"].get<double>();
+          predicted = l["memory_bytes"]["total"].get<double>() + predicted_host;
         }
       }
     }
     ASSERT_GT(predicted, 0) << what << ": no such layout in " << p.dump();
     EXPECT_NEAR(predicted / measured, 1.0, c.tolerance)
         << what << ": predicted " << predicted << " B, measured " << measured << " B";
+    // With offload, the host's share on its own against rank 0's model state in host memory
+    // (rank_stats: what is resident; gradient buffers never written are not).
+    if (configured["offload"] != "none") {
+      const nlohmann::json stats =
+          nlohmann::json::parse(std::ifstream(run_dir + "/rank_stats/rank0.json"));
+      const double host = stats["model_state"]["host_bytes"].get<double>();
+      ASSERT_GT(host, 0) << what << ": " << stats.dump();
+      EXPECT_NEAR(predicted_host / host, 1.0, 0.02)
+          << what << ": host predicted " << predicted_host << " B, measured " << host << " B";
+    }
   }
   std::filesystem::remove_all(dir);
 }
