@@ -703,7 +703,9 @@ TEST(DataLoaderTest, ResumesAtAnotherGlobalBatchFromTheSameWindow) {
     const DataPosition now = resumed->position();
     EXPECT_EQ(now.epoch, 0);
     EXPECT_EQ(now.batch * now.global_batch, next) << "batch " << b;
-    if (next % b == 0) EXPECT_EQ(now.global_batch, b);
+    if (next % b == 0) {
+      EXPECT_EQ(now.global_batch, b);
+    }
   }
   // The rest of the epoch cannot fill a batch of 64 after 180 windows: the next epoch.
   absl::StatusOr<DataLoader> large = DataLoader::Create(data, options(64));
