@@ -271,10 +271,10 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
 //     bytes of host memory traffic; the overlapped step's slices cost the same, measured),
 //     and that copy is what moves and what the device holds: cb bytes per parameter instead
-//     of 4 (parallelism.offload_compute_copy false: no copy, 4 move, the device casts). Gradient shards go to the host every micro-batch
-//     that reduces (fp32; with one shard and an exact cast to the reduce dtype, in the compute
-//     dtype: cb bytes, landing in cb more bytes per parameter of pinned host memory), and a
-//     host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
+//     of 4 (parallelism.offload_compute_copy false: no copy, 4 move, the device casts).
+//     Gradient shards go to the host every micro-batch that reduces (fp32; with one shard and
+//     an exact cast to the reduce dtype, in the compute dtype: cb bytes, landing in cb more
+//     bytes per parameter of pinned host memory), and a host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
 //     computes: only what the additions take beyond that compute is exposed. Their fp32
 //     gradients (4 bytes per parameter) take host memory only when written: not when each
 //     lands alone and the one loop steps from it (host_grads_unwritten below).

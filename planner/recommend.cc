@@ -147,10 +147,11 @@ std::vector<int64_t> DivisorsBelow(int64_t n, int64_t below) {
 // below the micro-batch that fits), bf16 (only for an fp32 configuration), more ranks (up to
 // kMaxWorldGrowth x, whole nodes), offload params without its bf16 host copies
 // (parallelism.offload_compute_copy false: when host memory is what does not fit), one unit
-// gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving). When none of them alone fits it tries micro-batch 1
-// with bf16, and otherwise names the largest part of the smallest run (activations, gathered
-// units, model state or host memory) and what shrinks it: a smaller model, a device with at
-// least the memory the smallest run needs. So it never tells a bf16 run to use bf16, asks for
+// gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving).
+// When none of them alone fits it tries micro-batch 1 with bf16, and otherwise names the
+// largest part of the smallest run (activations, gathered units, model state or host memory)
+// and what shrinks it: a smaller model, a device with at least the memory the smallest run
+// needs. So it never tells a bf16 run to use bf16, asks for
 // more GPUs when the activations alone do not fit, or for a shorter sequence when the
 // gathered units are what is too large.
 absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Prediction& smallest) {

@@ -164,8 +164,9 @@ absl::StatusOr<std::unique_ptr<HostOffload>> HostOffload::Create(Offload mode, c
   at::NoGradGuard no_grad;
   // Layout: per dtype, each parameter's padded shard, then (trainable) its gradient buffer;
   // kParams with a narrower compute dtype: the shard's compute-dtype copy in that dtype's arena
-  // (unless !compute_copy) and, with one shard, its gradient's landing buffer there; with a delayed update (Note
-  // [Delayed parameter update]) the compute-dtype copy whatever the dtype, and a second of each.
+  // (unless !compute_copy) and, with one shard, its gradient's landing buffer there (its fp32
+  // gradient then in the on-demand mapping); with a delayed update (Note [Delayed parameter
+  // update]) the compute-dtype copy whatever the dtype, and a second of each.
   struct Slot {
     int64_t shard = 0, grad = -1, compute = -1, compute_grad = -1;
     int64_t compute_spare = -1, compute_grad_spare = -1;
