@@ -274,10 +274,11 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     of 4 (parallelism.offload_compute_copy false: no copy, 4 move, the device casts).
 //     Gradient shards go to the host every micro-batch that reduces (fp32; with one shard and
 //     an exact cast to the reduce dtype, in the compute dtype: cb bytes, landing in cb more
-//     bytes per parameter of pinned host memory), and a host thread adds them (kHostAccumulate*BytesPerParam) while the next micro-batch
-//     computes: only what the additions take beyond that compute is exposed. Their fp32
-//     gradients (4 bytes per parameter) take host memory only when written: not when each
-//     lands alone and the one loop steps from it (host_grads_unwritten below).
+//     bytes per parameter of pinned host memory), and a host thread adds them
+//     (kHostAccumulate*BytesPerParam) while the next micro-batch computes: only what the
+//     additions take beyond that compute is exposed. Their fp32 gradients (4 bytes per
+//     parameter) take host memory only when written: not when each lands alone and the one
+//     loop steps from it (host_grads_unwritten below).
 // Host memory is per node, shared by its ranks; on a CPU profile device and host are one pool,
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
