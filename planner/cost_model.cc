@@ -7,6 +7,7 @@
 
 #include "common/status.h"
 #include "common/strings.h"
+#include "engine/host_adam.h"
 #include "models/gpt/gpt.h"
 #include "planner/search.h"
 #include "sharding/options.h"
@@ -393,12 +394,15 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       offload == Offload::kParams && s == 1 && r == 1 && cb < 4 && (rb == cb || rb == 4);
   // Note [Gradients committed on demand] (sharding/offload.cc): those gradients' fp32 .grads are
   // reserved but never written when each lands alone (one micro-batch, or grad_sync last) and
-  // the overlapped step's one loop updates the master from it: fused AdamW, or Adam without
-  // decay, on a CPU with AVX2 (assumed: every GPU host in the profiles).
+  // the overlapped step's one loop updates the master from it: a fused Adam(W) whose update the
+  // loop covers (HostAdamPassCovers), on a CPU with AVX2 (assumed: every GPU host in the
+  // profiles).
   const OptimizerSection& o = config.optimizer;
-  const bool one_loop_optimizer =
-      o.implementation == OptimizerImplementation::kFused &&
-      (o.kind == OptimizerKind::kAdamW || (o.kind == OptimizerKind::kAdam && o.weight_decay == 0));
+  HostAdamHyper hyper;
+  hyper.decoupled = o.kind == OptimizerKind::kAdamW;
+  hyper.weight_decay = o.weight_decay;
+  const bool one_loop_optimizer = o.implementation == OptimizerImplementation::kFused &&
+                                  o.kind != OptimizerKind::kSgd && HostAdamPassCovers(hyper);
   const bool host_grads_unwritten = narrow_grads_to_host && (accum == 1 || no_sync) &&
                                     sharding.options.offload_overlap_step && one_loop_optimizer;
   const bool grads_on_device = offload == Offload::kNone || sums_on_device;

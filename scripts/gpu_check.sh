@@ -510,7 +510,7 @@ python3 - "$out" <<'EOF' | tee "$out/table.txt"
 import json, os, statistics, sys
 out = sys.argv[1]
 rows = []
-peak_bytes, state_bytes = {}, {}
+peak_bytes, state_bytes, rank0 = {}, {}, {}
 for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tensor_2x4",
              "base_8x1", "ac_full_8x1", "ac_selective_8x1",
              "offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep_2x4",
@@ -533,7 +533,8 @@ for name in ("fsdp_2x4", "keep_2x4", "composite_2x4", "unwrapped_2x4", "per_tens
     peak_bytes[name] = max((r.get("peak_mem_bytes", 0) for r in recs), default=0)
     peak = peak_bytes[name] / 2**30
     stats = os.path.join(out, name, "rank_stats", "rank0.json")
-    state = json.load(open(stats)).get("model_state", {}) if os.path.exists(stats) else {}
+    rank0[name] = json.load(open(stats)) if os.path.exists(stats) else {}
+    state = rank0[name].get("model_state", {})
     if "device_bytes" in state:
         state_bytes[name] = state["device_bytes"]
     rows.append((name, f"{ms:.1f}", f"{100 * mfu[-1]:.1f}%" if mfu else "n/a", f"{peak:.2f}",
@@ -597,9 +598,8 @@ for name, (plan, ckpt, offload) in predicted.items():
     # Host memory with offload: the plan's against the model state resident on the host
     # (rank_stats: gradient buffers never written take none; the process's peak RSS beside it).
     host = match[0]["memory_bytes"].get("host", 0)
-    stats = os.path.join(out, name, "rank_stats", "rank0.json")
-    if host and os.path.exists(stats):
-        r = json.load(open(stats))
+    r = rank0.get(name, {})
+    if host and r:
         resident = r.get("model_state", {}).get("host_bytes", 0)
         untouched = r.get("model_state", {}).get("host_untouched_bytes", 0)
         if resident:
@@ -614,10 +614,9 @@ for name in ("offload_optimizer_2x4", "offload_params_2x4", "offload_params_keep
              "offload_params_last_2x4", "offload_params_delayed_2x4", "offload_ops_2x4",
              "offload_optimizer_delayed_2x4", "offload_params_last_2x16",
              "offload_params_delayed_2x16", "offload_delayed_threads_2x4"):
-    stats = os.path.join(out, name, "rank_stats", "rank0.json")
-    if not os.path.exists(stats):
+    if not rank0.get(name):  # read with the table's rows above
         continue
-    offload = json.load(open(stats)).get("offload", {})
+    offload = rank0[name].get("offload", {})
     per = offload.get("per_step", {})
     keys = ("optimizer_step_ms", "host_step_ms", "step_wait_ms", "wait_ms", "add_ms", "push_ms",
             "refresh_ms", "late_adds", "deferred_steps", "host_passes", "host_add_passes",

@@ -65,14 +65,17 @@ void* MapOnDemand(size_t bytes) {
   return data;
 }
 
-void UnmapOnDemand(void* data, size_t bytes) {
+void UnmapOnDemand(void* data) {
   if (data == nullptr) return;
+  int64_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(g_on_demand_mutex);
-    OnDemandRegions().erase(data);
+    auto it = OnDemandRegions().find(data);
+    if (it == OnDemandRegions().end()) return;  // not MapOnDemand's
+    bytes = it->second;
+    OnDemandRegions().erase(it);
   }
-  const auto page = static_cast<size_t>(PageBytes());
-  munmap(data, (bytes + page - 1) / page * page);
+  munmap(data, static_cast<size_t>(bytes));
 }
 
 int64_t ResidentBytes(const void* data, int64_t bytes) {

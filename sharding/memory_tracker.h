@@ -50,11 +50,10 @@ class CpuMemoryTracker final : public c10::Allocator {
 // Host memory reserved without being committed: an anonymous private mapping (MAP_NORESERVE)
 // whose pages take memory when first written and read as zero until then (offload's fp32
 // gradients: Note [Gradients committed on demand] in offload.cc). `bytes` is rounded up to
-// whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand with the same
-// size. While mapped, its resident pages count in the CPU's DeviceAllocatedBytes and
+// whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand. While mapped, its resident pages count in the CPU's DeviceAllocatedBytes and
 // DevicePeakBytes below, as the tracker's allocations do.
 void* MapOnDemand(size_t bytes);
-void UnmapOnDemand(void* data, size_t bytes);
+void UnmapOnDemand(void* data);
 // Bytes of [data, data + bytes) in resident pages, at most `bytes`; `data` on a page boundary.
 // When the kernel cannot say (mincore fails), all of them.
 int64_t ResidentBytes(const void* data, int64_t bytes);

@@ -83,9 +83,8 @@ absl::StatusOr<at::Tensor> OnDemandHostArena(int64_t numel) {
   if (memory == nullptr) {
     return absl::ResourceExhaustedError(StrCat("mmap of ", bytes, " bytes: ", strerror(errno)));
   }
-  return at::from_blob(
-      memory, {numel}, [bytes](void* data) { UnmapOnDemand(data, bytes); },
-      at::TensorOptions().dtype(at::kFloat).device(c10::kCPU));
+  return at::from_blob(memory, {numel}, &UnmapOnDemand,
+                       at::TensorOptions().dtype(at::kFloat).device(c10::kCPU));
 }
 
 // 1-D, `numel` elements of `dtype` in host memory, page-locked when `pinned`.
