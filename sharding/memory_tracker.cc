@@ -60,6 +60,12 @@ void* MapOnDemand(size_t bytes) {
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (data == MAP_FAILED) return nullptr;
+#if defined(MADV_NOHUGEPAGE)
+  // Base pages only: with transparent huge pages on "always", one write would commit the 2 MiB
+  // around it (a neighbouring gradient never written with it) and ResidentBytes would count
+  // that as written. Advice only: a kernel without THP refuses it and nothing changes.
+  madvise(data, bytes, MADV_NOHUGEPAGE);
+#endif
   std::lock_guard<std::mutex> lock(g_on_demand_mutex);
   OnDemandRegions()[data] = static_cast<int64_t>(bytes);
   return data;

@@ -49,13 +49,18 @@ class CpuMemoryTracker final : public c10::Allocator {
 
 // Host memory reserved without being committed: an anonymous private mapping (MAP_NORESERVE)
 // whose pages take memory when first written and read as zero until then (offload's fp32
-// gradients: Note [Gradients committed on demand] in offload.cc). `bytes` is rounded up to
-// whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand. While mapped, its resident pages count in the CPU's DeviceAllocatedBytes and
-// DevicePeakBytes below, as the tracker's allocations do.
+// gradients: Note [Gradients committed on demand] in offload.cc). Base pages only (no
+// transparent huge pages), so a write commits its own page and no more. `bytes` is rounded up
+// to whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand. While
+// mapped, its resident pages count in the CPU's DeviceAllocatedBytes and DevicePeakBytes
+// below, as the tracker's allocations do.
 void* MapOnDemand(size_t bytes);
 void UnmapOnDemand(void* data);
 // Bytes of [data, data + bytes) in resident pages, at most `bytes`; `data` on a page boundary.
-// When the kernel cannot say (mincore fails), all of them.
+// When the kernel cannot say (mincore fails), all of them. A page of MapOnDemand's that was
+// read but never written maps the kernel's shared zero page: it takes no memory, yet counts
+// here (mincore cannot tell them apart), so code that keeps such pages unwritten reads them
+// neither.
 int64_t ResidentBytes(const void* data, int64_t bytes);
 
 // Tensor bytes on `device`: the CUDA caching allocator's for a GPU, the CPU tracker's (once

@@ -68,7 +68,8 @@ class PhaseTimer {
 // not in the pinned arena (no copy ever targets them) but in an anonymous mapping reserved
 // without committing memory (MAP_NORESERVE): a page takes host memory when it is first written,
 // and one never written takes none. Each starts on a 64 KiB boundary (a page for every page
-// size of Linux on x86-64 and ARM64), so that a gradient's pages are its own, and
+// size of Linux on x86-64 and ARM64) and the mapping takes no transparent huge pages (a write
+// would commit the 2 MiB around it), so that a gradient's pages are its own, and
 // ModelStateBytes counts what is resident (mincore) in `host` and the rest in
 // `host_untouched` (on a CPU device the resident part counts in DevicePeakBytes too, as the
 // arena's allocations do: memory_tracker.h). For llama3_8b_one_gpu.yaml this is 4 of the 20
