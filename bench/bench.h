@@ -106,7 +106,9 @@ struct KernelsOptions {
 // bf16 gradient (conversion, clipping, update, bf16 copy) with ATen's ops over the whole tensor,
 // with them in offload's 4M-element slices and as fsdp.cpp's one loop; the bf16 gradient's
 // addition into an fp32 sum with ATen's ops in 4M-element chunks and as one loop. Median ms,
-// GB/s of the bytes one pass must move, the loops' ratio to ATen's slices, each with `busy`
+// GB/s of the bytes one pass must move, the loops' ratio to ATen's slices, each pass's time per
+// byte against ATen's fused AdamW alone on the whole tensor (`cost`: the factor `fsdp plan`
+// counts host passes at, docs/cost_model.md), each with `busy`
 // threads spinning beside it (a training thread's share of the cores), the loops with each
 // count of `threads`; checks first that the loops give ATen's values bit for bit (exit 1 if
 // not). No GPU, no config.

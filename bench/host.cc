@@ -90,6 +90,16 @@ void AtenStepWide(State& s) {
   }
 }
 
+// ATen's fused AdamW alone on the whole tensor from the fp32 gradient: 28 bytes per element
+// (reads the master, gradient and moments, writes three), the pass whose speed `fsdp plan`
+// takes as the host's bandwidth (host_rank_bw, docs/cost_model.md); every row's cost is per
+// byte against it.
+void AtenAdamW(State& s) {
+  const at::Tensor step = at::full({}, kStep, at::kFloat);
+  at::_fused_adamw_({s.param}, {s.grad}, {s.exp_avg}, {s.exp_avg_sq}, {}, {step}, kLr, kBeta1,
+                    kBeta2, kWeightDecay, kEps, false, false);
+}
+
 // The one loop on [begin, begin + len), as the engine calls it once per parameter: from the
 // bf16 gradient, or (`wide`) the fp32 one, clipping's multiplication in it.
 void OneLoopStep(State& s, int64_t begin, int64_t len, bool wide = false) {
@@ -117,7 +127,7 @@ struct Row {
   double bytes_per_element;  // what one pass must move
   std::function<void()> fn;
   bool one_loop = false;
-  int pass = 0;       // the pass timed: 0 the step from bf16, 1 from fp32, 2 the addition
+  int pass = 0;  // the pass timed: 0 the step from bf16, 1 from fp32, 2 the addition, 3 AdamW
   bool base = false;  // the engine's ATen path for the pass: the ratios' base
 };
 
@@ -220,6 +230,7 @@ int RunHost(const HostOptions& options) {
   const std::string loop_name = piece > 0 ? fmt::format(", per {} elements", piece) : "";
   // The step from an fp32 gradient reads 4 bytes of it where the bf16 one reads 2 (30).
   std::vector<Row> rows = {
+      {"AdamW alone: ATen fused, whole tensor", 28, [&] { AtenAdamW(state); }, false, 3, true},
       {"step: ATen ops, whole tensor", 28, [&] { AtenStep(state, 0, n); }, false, 0},
       {"step: ATen ops, 4M slices", 28,
        [&] { InPieces(n, kSlice, [&](int64_t b, int64_t len) { AtenStep(state, b, len); }); },
@@ -252,10 +263,10 @@ int RunHost(const HostOptions& options) {
                            {"add_values_equal", add_equal},
                            {"checked_elements", checked},
                            {"rows", nlohmann::json::array()}};
-  std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10} {:>8} {:>14}\n", "pass", "busy", "threads",
-                           "ms", "GB/s", "vs ATen slices");
+  std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10} {:>8} {:>14} {:>7}\n", "pass", "busy",
+                           "threads", "ms", "GB/s", "vs ATen slices", "cost");
   for (int busy : options.busy) {
-    double aten_slices[3] = {0, 0, 0};  // per pass: the engine's ATen path, the ratio's base
+    double aten_slices[4] = {0, 0, 0, 0};  // per pass: the engine's ATen path, the ratio's base
     for (size_t t = 0; t < options.threads.size(); ++t) {
       const int threads = options.threads[t] > 0 ? options.threads[t] : default_threads;
       SetHostLoopThreads(threads);
@@ -273,13 +284,19 @@ int RunHost(const HostOptions& options) {
         const double base = aten_slices[row.pass];
         const std::string ratio = row.one_loop && base > 0 ? fmt::format("{:.3f}x", ms / base) : "";
         const double gbps = n * row.bytes_per_element / (ms * 1e6);
-        std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10.2f} {:>8.1f} {:>14}\n", row.name, busy,
-                                 used, ms, gbps, ratio);
+        // Time per byte against the fused AdamW's beside as many spinning threads: what `fsdp
+        // plan` multiplies the pass's bytes by (kHostLoopCost, kHostCastCost in
+        // planner/cost_model.cc).
+        const double adamw_gbps = aten_slices[3] > 0 ? n * 28 / (aten_slices[3] * 1e6) : 0;
+        const double cost = adamw_gbps > 0 ? adamw_gbps / gbps : 0;
+        std::cout << fmt::format("{:<48} {:>5} {:>8} {:>10.2f} {:>8.1f} {:>14} {:>7.2f}\n",
+                                 row.name, busy, used, ms, gbps, ratio, cost);
         report["rows"].push_back({{"pass", row.name},
                                   {"busy_threads", busy},
                                   {"threads", used},
                                   {"ms", ms},
                                   {"gbps", gbps},
+                                  {"cost_vs_adamw", cost},
                                   {"bytes_per_element", row.bytes_per_element}});
       }
     }

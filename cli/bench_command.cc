@@ -82,8 +82,10 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchCommand& c) {
       "bf16 gradient with ATen's ops (whole tensor, 4M-element slices) and as fsdp.cpp's one "
       "loop, the same from an fp32 gradient (clipping's mul_, ATen's step in slices; one loop), "
       "the bf16 gradient's addition into fp32 with ATen's ops and as one loop; each with "
-      "--busy threads spinning beside it; print median ms, GB/s and the loops' ratio to ATen's "
-      "slices, after checking they give ATen's values bit for bit (exit 1 if not).\n"
+      "--busy threads spinning beside it; print median ms, GB/s, the loops' ratio to ATen's "
+      "slices and each pass's time per byte against ATen's fused AdamW alone (the cost column: "
+      "what fsdp plan counts), after checking they give ATen's values bit for bit (exit 1 if "
+      "not).\n"
       "Example: fsdp bench host --elements 480e6   (llama_1b's parameters on one rank)");
   c.host_cmd
       ->add_option_function<double>(

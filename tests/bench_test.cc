@@ -513,9 +513,16 @@ TEST(BenchHost, TimesEachPassAfterCheckingTheValues) {
   }
   const nlohmann::json report = ReadJson(out);
   EXPECT_EQ(report["elements"], 300013);
-  // 7 passes (4 ATen's, 3 loops) at each of 2 --busy.
-  EXPECT_EQ(report["rows"].size(), loops ? 14u : 8u) << report.dump();
-  for (const nlohmann::json& row : report["rows"]) EXPECT_GT(row["ms"].get<double>(), 0);
+  // 8 passes (ATen's fused AdamW alone, 4 of ATen's paths, 3 loops) at each of 2 --busy; each
+  // row's cost is its time per byte against the AdamW's at the same --busy (1 for that one).
+  EXPECT_EQ(report["rows"].size(), loops ? 16u : 10u) << report.dump();
+  for (const nlohmann::json& row : report["rows"]) {
+    EXPECT_GT(row["ms"].get<double>(), 0);
+    EXPECT_GT(row["cost_vs_adamw"].get<double>(), 0) << row.dump();
+    if (row["pass"].get<std::string>().starts_with("AdamW alone")) {
+      EXPECT_EQ(row["cost_vs_adamw"].get<double>(), 1.0) << row.dump();
+    }
+  }
 
   CommandResult huge = RunCommand({FsdpBinary(), "bench", "host", "--elements", "1000000000000"},
                                   {}, std::chrono::seconds(60));
