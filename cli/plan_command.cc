@@ -231,7 +231,7 @@ int RunPlanCommand(const PlanCommand& command) {
                "larger of the backward's peak (unshard + activ + the gradient shards alive then, "
                "all of them when accumulating without offload, + HSDP's partial gradient sums) "
                "and its end (grads + one unit's reduce buffer): at most params + grads + optim + "
-               "unshard + activ + pad + partial sums. host: pinned host memory per rank with "
+               "unshard + activ + pad + partial sums. host: host memory per rank with "
                "offload. See docs/cost_model.md)\n";
   // HSDP accumulating micro-batches: the partial sums are in total but in no column.
   std::map<int, double> partial;  // by shard degree

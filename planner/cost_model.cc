@@ -26,6 +26,13 @@ constexpr double kOptimizerBytesPerParam = 64;
 // parameter, gradient and both moments and writes three of them back (28 bytes), clipping
 // reads the gradient (4).
 constexpr double kHostOptimizerBytesPerParam = 32;
+// Clipping's multiplication of an fp32 gradient on the host (offload optimizer, or a gradient
+// summed on the host): reads and writes it. Not counted before 2026-11-28, when the H100
+// machine's runs of those (stop 30) were predicted 2-6% short: offload optimizer 553 ms against
+// 590 measured, offload params 1384 against 1453, units kept 1267 against 1298; 8 bytes per
+// parameter of llama_1b at 150 GB/s are 51 ms. A bf16 gradient that lands alone is multiplied in
+// the step's slices: that case was predicted 5% long without it (635 ms against 603).
+constexpr double kHostClipMultiplyBytesPerParam = 8;
 // Bytes per parameter of each extra micro-batch's gradient accumulated on the host (offload
 // params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
 // writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
@@ -42,12 +49,22 @@ constexpr double kHostConvertNarrowBytesPerParam = 8;
 // 6 bytes per parameter in 74 ms, the conversion's 8 in 93 ms, against AdamW's 32 in 197 ms):
 // counted at this many times their bytes.
 constexpr double kHostCastCost = 2;
-// A bf16 gradient's addition into the fp32 .grad (AddConverted) did worse: 226-269 ms per
-// addition of llama_1b's 0.953e9 parameters on that machine (the adder's 772 and 899 ms per step
-// for three additions and one 93 ms conversion, units kept or not), 36-42 bytes per parameter at
-// the 150 GB/s rank cap against the 12 counted: its additions are counted at this many times
-// their bytes.
-constexpr double kHostAddNarrowCost = 3.3;
+// A bf16 gradient's addition into the fp32 .grad with ATen's ops (AddConvertedInChunks) did
+// worse: 226-269 ms per addition of llama_1b's 0.953e9 parameters on that machine (the adder's
+// 772 and 899 ms per step for three additions and one 93 ms conversion, units kept or not),
+// 36-42 bytes per parameter at the 150 GB/s rank cap against the 12 counted, 3.3 times their
+// bytes. It has been one loop since (HostAddConverted, sharding/host_loops.h); `fsdp bench
+// host` times the loops per byte against ATen's fused AdamW on the whole tensor (its `cost`
+// column), the pass whose speed host_rank_bw is: on the 2-core CI machine (2026-11-28, 64e6
+// elements per 4M-element tensor, two runs, idle and beside a spinning thread) the addition's
+// loop 0.97-1.07 and the step's 1.05-1.22 (from bf16 gradients 1.07-1.22, fp32 1.05-1.16). The
+// loops are counted at the largest, rounded up: to be measured on a GPU machine's host
+// (gpu_check's host_bench stage prints the same column).
+constexpr double kHostAddLoopCost = 1.1;
+constexpr double kHostLoopCost = 1.2;
+// The step's loop moves these bytes per parameter besides the gradient it reads and the loaded
+// copy it writes: reads the fp32 master and both moments, writes the three.
+constexpr double kHostLoopBytesPerParam = 24;
 // The delayed update's host work runs beside the device's whole next step, and took this many
 // times as long there as alone on the H100 machine (stop 33, 6917f6d, llama_1b kept + grad_sync
 // last, 2 x 4: host step 500 ms against 416 ms without the delay; why is not known: the
@@ -55,7 +72,7 @@ constexpr double kHostAddNarrowCost = 3.3;
 constexpr double kHostBesideStepCost = 1.2;
 // Bytes a recomputed activation byte moves (written again, its inputs read again).
 constexpr double kRecomputeTrafficPasses = 2;
-// Usable share of host memory for pinned offload buffers: the OS, the page cache and the
+// Usable share of host memory for offload's buffers and state: the OS, the page cache and the
 // data loader keep the rest.
 constexpr double kUsableHostFraction = 0.8;
 
@@ -257,10 +274,11 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //
 // Note [Offload]
 // parallelism.offload (sharding/options.h), per rank with S the shard degree:
-//   optimizer: the optimizer state, an fp32 master copy and its gradient live in pinned host
-//     memory (16 P / S with AdamW); the device keeps the fp32 parameter shard (the all-gathers'
-//     source) and, accumulating, the sum of the micro-batches' gradient shards (4 P / S, the
-//     trainer's set_offload_accumulate_on_device: Note [CPU offload] in sharding/offload.h),
+//   optimizer: the optimizer state, an fp32 master copy and its gradient live in host memory
+//     (16 P / S with AdamW; the master and gradient pinned, the optimizer state not); the
+//     device keeps the fp32 parameter shard (the all-gathers' source) and, accumulating, the
+//     sum of the micro-batches' gradient shards (4 P / S, the trainer's
+//     set_offload_accumulate_on_device: Note [CPU offload] in sharding/offload.h),
 //     copied to the host once per step, shard by shard after the last micro-batch's
 //     reduce-scatters (HSDP: after the replicate all-reduce; grad_sync last: the last
 //     micro-batch's only); with one micro-batch a transient gradient shard. The step runs on
@@ -284,9 +302,10 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // so offload there saves nothing. Time: every copy at host_link_bw per direction (the two
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
 // all-gather (exposed: the first unit's, and what a copy takes beyond its unit's compute); the
-// host step at kHostOptimizerBytesPerParam per parameter over the node's host memory bandwidth
-// shared by its ranks. With parallelism.offload_overlap_step (the default; Note [Overlapped host
-// step] in engine/trainable.cc) the host steps the units in forward order while the next
+// host step at its bytes per parameter (the optimizer's one loop's or ATen's passes', below)
+// over the node's host memory bandwidth shared by its ranks. With
+// parallelism.offload_overlap_step (the default; Note [Overlapped host step] in
+// engine/trainable.cc) the host steps the units in forward order while the next
 // forward runs, each unit's forward waiting for its own step: exposed are the root's and the
 // first block's steps and what each later block's step takes beyond that block's forward;
 // without it, and on a CPU profile (one pool of cores for both), all of the step. With
@@ -533,22 +552,50 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // offload optimizer accumulate on the device), on a host thread behind the following
     // micro-batches' compute: only what it takes beyond that is exposed (Note [Offload]).
     const double adds = hybrid || no_sync || sums_on_device ? 0 : accum - 1;
-    // Note [Deferred gradient conversion] in sharding/offload.h: with the overlapped step the
-    // host converts, clips, updates and casts offload params a slice at a time, one op after the
-    // other on all cores; on the H100 machine that took what the separate passes take (416 ms
-    // for llama_1b's host step, against ~440 for the passes one after the other), so the same
-    // bytes are counted either way.
+    // Note [Host Adam pass] (engine/host_adam.cc): with the overlapped step and a fused Adam(W)
+    // the loop covers, every parameter's step is one loop over its elements, which clips the
+    // gradient, updates the master and moments and writes the loaded copy; a gradient that
+    // lands alone in the compute dtype is read as it landed (Note [Deferred gradient
+    // conversion] in sharding/offload.h): no conversion, and clipping's norm on the device.
+    // Without the loop (another optimizer, the step in place) ATen's passes: the conversion,
+    // clipping's read and the fused step (kHostOptimizerBytesPerParam), the refresh's cast; the
+    // overlapped step's slices of those moved what the separate passes did on the H100 machine
+    // (416 ms for llama_1b's host step against ~440), so the same bytes are counted either way.
+    const bool one_loop = sharding.options.offload_overlap_step && one_loop_optimizer;
+    const bool clips = config.training.max_grad_norm > 0;
+    const bool lands_narrow_alone = narrow_grads_to_host && adds == 0;
+    const double loaded_copy = offload == Offload::kParams && loaded_bytes < 4 ? loaded_bytes : 0;
+    // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
+    // the optimizer; the first gradient's conversion stays ATen's cast.
+    const bool converts = !(one_loop && lands_narrow_alone);
     const double accumulate =
         narrow_grads_to_host
-            ? adds * kHostAccumulateNarrowBytesPerParam * kHostAddNarrowCost +
-                  kHostConvertNarrowBytesPerParam * kHostCastCost
+            ? adds * kHostAccumulateNarrowBytesPerParam * kHostAddLoopCost +
+                  (converts ? kHostConvertNarrowBytesPerParam * kHostCastCost : 0)
             : adds * kHostAccumulateBytesPerParam;
     accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
-    // Offload params with a narrower compute dtype: the cast of the shards after the step.
-    const double refresh = offload == Offload::kParams && loaded_bytes < 4
-                               ? padded_total / n * (4 + loaded_bytes) * kHostCastCost
-                               : 0;
-    host_step_s = host_bw > 0 ? (real / n * kHostOptimizerBytesPerParam + refresh) / host_bw : 0;
+    double step_bytes = 0;
+    if (one_loop) {
+      // Reads the master, the moments and the gradient (its landed dtype or fp32), writes the
+      // three and the loaded copy; clipping's norm of an fp32 gradient reads it once more, on
+      // the host's thread during the backward (Note [Deferred clipping multiplication]). A
+      // delayed update's fp32 copy (fp32 compute) is copied from the master after the loop.
+      const double grad_bytes = lands_narrow_alone ? cb : 4;
+      step_bytes = real / n * ((kHostLoopBytesPerParam + grad_bytes) * kHostLoopCost +
+                               (lands_narrow_alone || !clips ? 0 : 4));
+      if (offload == Offload::kParams && sharding.options.offload_delayed_update &&
+          loaded_bytes >= 4) {
+        step_bytes += padded_total / n * 8;
+      }
+      step_bytes += padded_total / n * loaded_copy * kHostLoopCost;
+    } else {
+      // Offload params with a narrower compute dtype: the cast of the shards after the step;
+      // an fp32 gradient's clipping multiplication, a pass of its own.
+      const double multiply = lands_narrow_alone || !clips ? 0 : kHostClipMultiplyBytesPerParam;
+      step_bytes = real / n * (kHostOptimizerBytesPerParam + multiply) +
+                   (loaded_copy > 0 ? padded_total / n * (4 + loaded_copy) * kHostCastCost : 0);
+    }
+    host_step_s = host_bw > 0 ? step_bytes / host_bw : 0;
     time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
   }
 

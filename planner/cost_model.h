@@ -108,8 +108,8 @@ struct Layout {
 // accumulating micro-batches (reduce dtype, over the shard degree: summed over the shard axis,
 // waiting for the replicate all-reduce of the last micro-batch); total the modelled device peak
 // of the step (Note [Peak memory phases]: the sum of the other device fields when accumulating,
-// at most that otherwise); host the rank's share of pinned host memory with offload (shards,
-// gradients, optimizer state);
+// at most that otherwise); host the rank's share of host memory with offload (shards,
+// gradients, optimizer state; what the engine pins: docs/offload.md);
 // checkpoint_staging the host buffers checkpoint saves copy the rank's state into (Note
 // [Checkpoint staging]: with checkpoint.enabled, for device tensors and for async saves), on
 // top of host (both count for `fits`). With training.grad_sync last and several micro-batches,

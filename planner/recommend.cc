@@ -391,7 +391,7 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
     if (p.ok() && p->fits && p->time.step_s < (1 - kSpeedTie) * fastest.time.step_s) {
       hint += fmt::format(
           "\n(opt in, with offload {}{}: --set parallelism.offload_delayed_update=true predicts "
-          "{:.0f} ms per step instead of {:.0f}, {:.1f} GiB of pinned host memory per rank "
+          "{:.0f} ms per step instead of {:.0f}, {:.1f} GiB of host memory per rank "
           "instead of {:.1f}: each step uses the parameters from before the previous step's "
           "update, one step stale, while the host runs it; see docs/offload.md)",
           OffloadName(best.offload), chosen != nullptr ? " and the settings above" : "",

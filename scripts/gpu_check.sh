@@ -395,8 +395,9 @@ stage_offload_ops_2x4() {
 }
 # Offload at 16 micro-batches per step: the host's work (the step, one gradient send with
 # grad_sync last, one load with the units kept) is per step, the device's per micro-batch, so the
-# ratio to the run without offload falls with accumulation (`fsdp plan`, estimates: kept + last
-# 2.62x at 2 x 4, 1.43x at 2 x 16).
+# ratio to the run without offload falls with accumulation (`fsdp plan`, estimates, with the one
+# loop counted since 2026-11-28: kept + last 1.93x at 2 x 4, 1.25x at 2 x 16; with the delayed
+# update 1.12x and 1.03x).
 stage_fsdp_2x16() { run fsdp_2x16 "${accum2x16[@]}"; }
 stage_offload_params_last_2x16() {
   run offload_params_last_2x16 "${accum2x16[@]}" "${params_last[@]}"

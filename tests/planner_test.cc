@@ -1208,21 +1208,24 @@ TEST_F(PlanCliTest, BadInputsExitWithTwo) {
 
 // Note [Offload]: the host step overlapped with the next forward (the default) exposes only
 // what the forward does not hide, on a GPU; on a CPU profile, where both need the same cores,
-// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere. The host's
-// bytes are the same either way: with bf16 offload params the overlapped step converts, updates
-// and casts a slice at a time, measured at the separate passes' speed (Note [Deferred gradient
-// conversion]), with or without grad_sync: last.
+// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere. With an
+// optimizer the one loop does not step (foreach) the host's bytes are the same either way: with
+// bf16 offload params the overlapped step converts, updates and casts a slice at a time,
+// measured at the separate passes' speed (Note [Deferred gradient conversion]), with or without
+// grad_sync: last. (The one loop's fewer bytes: HostAdamPassCountsItsBytes.)
 TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
   for (const char* mode : {"optimizer", "params"}) {
     for (const char* sync : {"training.grad_sync=every", "training.grad_sync=last"}) {
       SCOPED_TRACE(StrCat(mode, " ", sync));
       const std::string offload = StrCat("parallelism.offload=", mode);
+      const char* aten = "optimizer.implementation=foreach";
       for (const char* gpu : {"h100", "cpu"}) {
-        Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload, sync}),
+        Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload, sync, aten}),
                                  {Strategy::kFullShard, 1, 1});
-        Prediction off = *Predict(Request("llama_1b", 1, 1, gpu,
-                                          {offload, sync, "parallelism.offload_overlap_step=false"}),
-                                  {Strategy::kFullShard, 1, 1});
+        Prediction off =
+            *Predict(Request("llama_1b", 1, 1, gpu,
+                             {offload, sync, aten, "parallelism.offload_overlap_step=false"}),
+                     {Strategy::kFullShard, 1, 1});
         EXPECT_GT(on.time.optimizer_s, 0) << gpu;
         if (std::string(gpu) == "cpu") {
           EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
@@ -1242,14 +1245,15 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
 // exposed only beyond the device's step, at 1.2x (kHostBesideStepCost), never more than the
 // overlapped step's; nothing changes on a CPU profile. Offload params keeps a second loaded copy
 // and landing buffer on the host (bf16: 2 + 2 bytes per parameter), offload optimizer nothing
-// more.
+// more. With ATen's passes (foreach), whose bytes the step in place moves too.
 TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
   for (const char* mode : {"optimizer", "params"}) {
     SCOPED_TRACE(mode);
     const std::vector<std::string> base = {StrCat("parallelism.offload=", mode),
                                            "training.grad_accum_steps=4",
                                            "parallelism.reshard_between_micro_batches=false",
-                                           "training.grad_sync=last"};
+                                           "training.grad_sync=last",
+                                           "optimizer.implementation=foreach"};
     std::vector<std::string> delayed = base;
     delayed.push_back("parallelism.offload_delayed_update=true");
     for (const char* gpu : {"h100", "cpu"}) {
@@ -1282,6 +1286,51 @@ TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
       }
     }
   }
+}
+
+// Note [Host Adam pass] (engine/host_adam.cc): with the overlapped step and fused AdamW (the
+// defaults) the host steps each parameter in one loop over 24 bytes (the master and moments,
+// read and written), the gradient it reads (bf16 as it landed alone; else fp32, whose clipping
+// norm reads it once more) and the bf16 copy it writes, at kHostLoopCost (1.2) times the fused
+// AdamW's time per byte. On a CPU profile nothing hides the step: its time is those bytes.
+// Without the loop (foreach, or the step in place) ATen's passes: the conversion, the step and
+// clipping's read, the refresh's cast; clipping's multiplication of an fp32 gradient.
+TEST(CostModelTest, HostAdamPassCountsItsBytes) {
+  const PlanRequest probe = Request("llama_1b", 1, 1, "cpu");
+  double bw = probe.hw.memory_bw;
+  if (probe.hw.host_rank_bw > 0) bw = std::min(bw, probe.hw.host_rank_bw);
+  const double p = static_cast<double>(CountModel(probe.config.model).params);
+  auto optimizer_s = [&](const std::vector<std::string>& sets) {
+    return Predict(Request("llama_1b", 1, 1, "cpu", sets), {Strategy::kFullShard, 1, 1})
+        ->time.optimizer_s;
+  };
+  auto with = [](std::vector<std::string> sets, const char* more) {
+    sets.push_back(more);
+    return sets;
+  };
+  // bf16 offload params, one gradient landing per step: read as it landed, the copy written.
+  const std::vector<std::string> params = {"parallelism.offload=params",
+                                           "training.grad_accum_steps=4",
+                                           "training.grad_sync=last"};
+  EXPECT_NEAR(optimizer_s(params), p * (24 + 2 + 2) * 1.2 / bw, 1e-9);
+  // Offload optimizer: the fp32 gradient, read by the norm too; no loaded copy.
+  EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer"}), p * ((24 + 4) * 1.2 + 4) / bw,
+              1e-9);
+  // ATen's passes: the conversion (8 bytes, at twice), the step with clipping's read (32), the
+  // refresh's cast (4 + 2, at twice).
+  const double aten = p * (8 * 2 + 32 + 6 * 2) / bw;
+  EXPECT_NEAR(optimizer_s(with(params, "optimizer.implementation=foreach")), aten, 1e-9);
+  EXPECT_NEAR(optimizer_s(with(params, "parallelism.offload_overlap_step=false")), aten, 1e-9);
+  EXPECT_NEAR(optimizer_s(with(params, "optimizer.name=adam")), aten, 1e-9);  // L2 decay
+  // An fp32 gradient's: the step with clipping's read (32) and its multiplication (8).
+  EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer", "optimizer.implementation=foreach"}),
+              p * (32 + 8) / bw, 1e-9);
+  // Without clipping, neither the norm's read nor the multiplication.
+  EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer", "training.max_grad_norm=0"}),
+              p * (24 + 4) * 1.2 / bw, 1e-9);
+  EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer", "optimizer.implementation=foreach",
+                           "training.max_grad_norm=0"}),
+              p * 32 / bw, 1e-9);
 }
 
 // Note [Offload hint]: a recommendation that offloads under accumulation says what keeping the
