@@ -288,7 +288,8 @@ int Main(int argc, char** argv) {
       "Predict per-rank memory and step time of every layout (full_shard, shard_grad_op, "
       "hybrid_shard RxS, no_shard) and recommend the fastest that fits. E.g.\n"
       "  fsdp plan configs/llama_1b.yaml --world-size 64 --gpus-per-node 8 --gpu h100\n"
-      "  fsdp plan --calibrate --out cpu.json   (measure this machine's CPU profile)");
+      "  fsdp plan --calibrate --out cpu.json   (measure this machine's CPU profile)\n"
+      "  fsdp plan --calibrate-host --gpu h100 --out here.json   (on a GPU node: offload's host)");
   plan_cmd->add_option("config", plan.config_path, "YAML configuration file");
   plan_cmd->add_option("--set", plan.overrides,
                        "Override a key: --set section.key=value (repeatable)");
@@ -306,7 +307,12 @@ int Main(int argc, char** argv) {
   plan_cmd->add_option("--json", plan.json_out, "Also write every prediction to this JSON file");
   plan_cmd->add_flag("--calibrate", plan.calibrate,
                      "Measure this machine (GEMM, copy, Gloo all-gather) and print a profile");
-  plan_cmd->add_option("--out", plan.calibrate_out, "With --calibrate: write the profile here");
+  plan_cmd->add_flag("--calibrate-host", plan.calibrate_host,
+                     "Measure this machine's host (offload's AdamW and loops, memory) and print "
+                     "the --gpu (or --hardware) profile with those figures; run it on the GPU "
+                     "node");
+  plan_cmd->add_option("--out", plan.calibrate_out,
+                       "With --calibrate or --calibrate-host: write the profile here");
 
   // ---- bench -------------------------------------------------------------------------------
   fsdp::BenchCommand bench;
@@ -344,7 +350,7 @@ int Main(int argc, char** argv) {
       std::cerr << "fsdp plan: unexpected arguments after --\n";
       return 2;
     }
-    if (!plan.calibrate && plan.world_size < 1) {
+    if (!plan.calibrate && !plan.calibrate_host && plan.world_size < 1) {
       std::cerr << "fsdp plan: --world-size N is required (N >= 1), e.g. --world-size 8\n";
       return 2;
     }

@@ -90,25 +90,33 @@ absl::Status CheckWritable(const std::string& flag, const std::string& path) {
 
 // Options that the other mode would use, and output files, checked before any work.
 absl::Status CheckOptions(const PlanCommand& command) {
-  if (command.calibrate) {
+  if (command.calibrate && command.calibrate_host) {
+    return absl::InvalidArgumentError(
+        "--calibrate (a CPU profile) and --calibrate-host (a GPU profile with this host's "
+        "figures) are one or the other");
+  }
+  if (command.calibrate || command.calibrate_host) {
+    const std::string flag = command.calibrate ? "--calibrate" : "--calibrate-host";
     std::vector<std::string> given;
     if (!command.config_path.empty()) given.push_back("CONFIG");
     if (!command.overrides.empty()) given.push_back("--set");
     if (command.world_size != 0) given.push_back("--world-size");
     if (command.gpus_per_node) given.push_back("--gpus-per-node");
-    if (!command.hardware_file.empty()) given.push_back("--hardware");
+    // --calibrate-host starts from the profile that --gpu or --hardware names.
+    if (command.calibrate && !command.hardware_file.empty()) given.push_back("--hardware");
     if (command.top != 0) given.push_back("--top");
     if (command.json_out) given.push_back("--json (use --out)");
     if (!given.empty()) {
       return absl::InvalidArgumentError(
-          StrCat("--calibrate measures this machine and takes no ", StrJoin(given, ", ")));
+          StrCat(flag, " measures this machine and takes no ", StrJoin(given, ", ")));
     }
     if (command.calibrate_out) return CheckWritable("--out", *command.calibrate_out);
     return absl::OkStatus();
   }
   if (command.calibrate_out) {
     return absl::InvalidArgumentError(
-        "--out is the output of --calibrate; a plan is written with --json FILE");
+        "--out is the output of --calibrate or --calibrate-host; a plan is written with --json "
+        "FILE");
   }
   if (command.gpus_per_node && *command.gpus_per_node < 1) {
     return absl::InvalidArgumentError(
@@ -119,12 +127,29 @@ absl::Status CheckOptions(const PlanCommand& command) {
   return absl::OkStatus();
 }
 
+// What `fsdp bench host` times for --calibrate-host: 64M elements per pass (1.8 GiB of host
+// memory), well beyond any cache.
+constexpr double kCalibrateHostElements = 64e6;
+
 int Calibrate(const PlanCommand& command) {
+  const std::string flag = command.calibrate ? "--calibrate" : "--calibrate-host";
   std::string log;
-  absl::StatusOr<plan::Hardware> hw = plan::CalibrateCpu(SelfExe(), &log);
+  absl::StatusOr<plan::Hardware> hw;
+  if (command.calibrate) {
+    hw = plan::CalibrateCpu(SelfExe(), &log);
+  } else {
+    absl::StatusOr<plan::Hardware> base = command.hardware_file.empty()
+                                              ? plan::HardwareByName(command.gpu)
+                                              : plan::LoadHardwareJson(command.hardware_file);
+    if (!base.ok()) {
+      std::cerr << "fsdp plan: " << base.status().message() << "\n";
+      return 2;
+    }
+    hw = plan::CalibrateHost(SelfExe(), *std::move(base), kCalibrateHostElements, &log);
+  }
   std::cout << log;
   if (!hw.ok()) {
-    std::cerr << "fsdp plan --calibrate: " << hw.status().message() << "\n";
+    std::cerr << "fsdp plan " << flag << ": " << hw.status().message() << "\n";
     return 1;
   }
   std::string json = plan::HardwareToJson(*hw);
@@ -133,7 +158,8 @@ int Calibrate(const PlanCommand& command) {
     std::ofstream out(*command.calibrate_out);
     out << json << "\n";
     if (!out) {
-      std::cerr << "fsdp plan --calibrate: --out " << *command.calibrate_out << ": cannot write\n";
+      std::cerr << "fsdp plan " << flag << ": --out " << *command.calibrate_out
+                << ": cannot write\n";
       return 1;
     }
     std::cout << "wrote " << *command.calibrate_out << " (use it with --hardware)\n";
@@ -148,7 +174,7 @@ int RunPlanCommand(const PlanCommand& command) {
     std::cerr << "fsdp plan: " << options.message() << "\n";
     return 2;
   }
-  if (command.calibrate) return Calibrate(command);
+  if (command.calibrate || command.calibrate_host) return Calibrate(command);
   if (command.config_path.empty()) {
     std::cerr << "fsdp plan: CONFIG.yaml is required (or --calibrate)\n";
     return 2;
@@ -183,10 +209,16 @@ int RunPlanCommand(const PlanCommand& command) {
   std::cout << fmt::format(
       "hardware: {}: {:.3g} FLOP/s ({}), efficiency {:.2f}, {:.1f} GiB usable per rank, "
       "intra-node {:.3g} GB/s, inter-node {:.3g} GB/s per GPU, host {:.0f} GiB per node, "
-      "host link {:.3g} GB/s\n",
+      "host link {:.3g} GB/s{}{}\n",
       r.hw.name, plan::PeakRate(r.hw, t.mixed_precision), PrecisionName(t.mixed_precision),
       r.hw.compute_efficiency, usable / kGiB, r.hw.intra_node_bw / 1e9, r.hw.inter_node_bw / 1e9,
-      r.hw.host_memory_bytes / kGiB, r.hw.host_link_bw / 1e9);
+      r.hw.host_memory_bytes / kGiB, r.hw.host_link_bw / 1e9,
+      r.hw.host_rank_bw > 0
+          ? fmt::format(", host AdamW {:.3g} GB/s per rank", r.hw.host_rank_bw / 1e9)
+          : "",
+      r.hw.host_loop_cost > 0 ? fmt::format(" (its loop x{:.2f}, the addition's x{:.2f})",
+                                            r.hw.host_loop_cost, r.hw.host_add_loop_cost)
+                              : "");
   std::cout << fmt::format("configured: activation_checkpointing {}, offload {}\n\n",
                            plan::CheckpointingName(t.activation_checkpointing),
                            OffloadName(r.config.parallelism.offload));

@@ -1,7 +1,9 @@
 // `fsdp plan CONFIG.yaml [--set k=v ...] --world-size N [--gpus-per-node G] [--gpu NAME |
 // --hardware FILE.json] [--top K] [--json FILE]`: predicts memory and step time of every
 // data-parallel layout (planner/cost_model.h) and recommends the fastest that fits.
-// `fsdp plan --calibrate [--out FILE.json]` measures this machine's CPU profile instead.
+// `fsdp plan --calibrate [--out FILE.json]` measures this machine's CPU profile instead;
+// `fsdp plan --calibrate-host [--gpu NAME | --hardware FILE.json] [--out FILE.json]` that GPU
+// profile with this machine's host figures (run on the GPU node: offload's host side).
 //
 //   fsdp plan configs/llama_1b.yaml --world-size 64 --gpus-per-node 8 --gpu h100
 //   ...
@@ -29,7 +31,8 @@ struct PlanCommand {
   int top = 0;                // 0: every layout
   std::optional<std::string> json_out;  // a plan only
   bool calibrate = false;
-  std::optional<std::string> calibrate_out;  // --out: --calibrate only
+  bool calibrate_host = false;
+  std::optional<std::string> calibrate_out;  // --out: --calibrate or --calibrate-host only
 };
 
 int RunPlanCommand(const PlanCommand& command);

@@ -58,8 +58,9 @@ constexpr double kHostCastCost = 2;
 // column), the pass whose speed host_rank_bw is: on the 2-core CI machine (2026-11-28, 64e6
 // elements per 4M-element tensor, two runs, idle and beside a spinning thread) the addition's
 // loop 0.97-1.07 and the step's 1.05-1.22 (from bf16 gradients 1.07-1.22, fp32 1.05-1.16). The
-// loops are counted at the largest, rounded up: to be measured on a GPU machine's host
-// (gpu_check's host_bench stage prints the same column).
+// loops are counted at the largest, rounded up, unless the profile has its own
+// (Hardware::host_loop_cost: `fsdp plan --calibrate-host` on the GPU machine's host; gpu_check's
+// host_bench stage runs it).
 constexpr double kHostAddLoopCost = 1.1;
 constexpr double kHostLoopCost = 1.2;
 // The step's loop moves these bytes per parameter besides the gradient it reads and the loaded
@@ -568,9 +569,12 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
     // the optimizer; the first gradient's conversion stays ATen's cast.
     const bool converts = !(one_loop && lands_narrow_alone);
+    const double loop_cost = hw.host_loop_cost > 0 ? hw.host_loop_cost : kHostLoopCost;
+    const double add_loop_cost = hw.host_add_loop_cost > 0 ? hw.host_add_loop_cost
+                                                           : kHostAddLoopCost;
     const double accumulate =
         narrow_grads_to_host
-            ? adds * kHostAccumulateNarrowBytesPerParam * kHostAddLoopCost +
+            ? adds * kHostAccumulateNarrowBytesPerParam * add_loop_cost +
                   (converts ? kHostConvertNarrowBytesPerParam * kHostCastCost : 0)
             : adds * kHostAccumulateBytesPerParam;
     accumulate_s = host_bw > 0 ? real / n * accumulate / host_bw : 0;
@@ -581,13 +585,13 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
       // the host's thread during the backward (Note [Deferred clipping multiplication]). A
       // delayed update's fp32 copy (fp32 compute) is copied from the master after the loop.
       const double grad_bytes = lands_narrow_alone ? cb : 4;
-      step_bytes = real / n * ((kHostLoopBytesPerParam + grad_bytes) * kHostLoopCost +
+      step_bytes = real / n * ((kHostLoopBytesPerParam + grad_bytes) * loop_cost +
                                (lands_narrow_alone || !clips ? 0 : 4));
       if (offload == Offload::kParams && sharding.options.offload_delayed_update &&
           loaded_bytes >= 4) {
         step_bytes += padded_total / n * 8;
       }
-      step_bytes += padded_total / n * loaded_copy * kHostLoopCost;
+      step_bytes += padded_total / n * loaded_copy * loop_cost;
     } else {
       // Offload params with a narrower compute dtype: the cast of the shards after the step;
       // an fp32 gradient's clipping multiplication, a pass of its own.

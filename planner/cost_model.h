@@ -68,6 +68,12 @@ struct Hardware {
   // cores and memory channels); 0: no such limit, only host_memory_bw shared by the ranks.
   double host_rank_bw = 0;
   double host_link_bw = 0;    // bytes/s per device and direction (PCIe), effective
+  // Time per byte of the host optimizer's one loop (Note [Host Adam pass]) and of the bf16
+  // gradients' addition loop against ATen's fused AdamW, the pass host_rank_bw is the speed
+  // of (`fsdp bench host`'s cost column); 0: the built-in 1.2 and 1.1 (measured on the CI
+  // machine). `fsdp plan --calibrate-host` measures all three on the machine it runs on.
+  double host_loop_cost = 0;
+  double host_add_loop_cost = 0;
   std::string source;         // where the numbers come from (data sheet, calibration)
 };
 
@@ -88,6 +94,14 @@ double PeakRate(const Hardware& hw, Precision precision);
 // by running `fsdp_binary launch --nproc-per-node 2 -- fsdp_binary doctor` as a child. `log`
 // receives progress lines.
 absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log);
+// `base` with this machine's host figures, for planning offload on a GPU node from the node
+// itself: host_rank_bw (ATen's fused AdamW over `elements` fp32 elements on all cores, one
+// thread spinning beside it as a training thread waiting for its GPU does), host_loop_cost and
+// host_add_loop_cost (the loops' time per byte against it), host_memory_bytes (this machine's
+// memory), by running `fsdp_binary bench host` as a child. host_memory_bw (the node's, shared
+// by its ranks) stays the base's, raised to host_rank_bw if lower.
+absl::StatusOr<Hardware> CalibrateHost(const std::string& fsdp_binary, Hardware base,
+                                       double elements, std::string* log);
 
 using fsdp::ModelCounts;
 // The registered family's analytic counts; equal to the built model's NumParameters() and

@@ -1,10 +1,11 @@
 // Hardware profiles for the cost model: the built-in data-sheet figures (sources in
-// docs/cost_model.md), JSON profiles, and the calibration of this machine's CPU.
+// docs/cost_model.md), JSON profiles, and the calibration of this machine's CPU or host.
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -205,6 +206,8 @@ std::string HardwareToJson(const Hardware& hw) {
   j["host_memory_bw"] = hw.host_memory_bw;
   j["host_link_bw"] = hw.host_link_bw;
   j["host_rank_bw"] = hw.host_rank_bw;
+  j["host_loop_cost"] = hw.host_loop_cost;
+  j["host_add_loop_cost"] = hw.host_add_loop_cost;
   j["source"] = hw.source;
   return j.dump(2);
 }
@@ -258,7 +261,9 @@ absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::s
                            {"host_memory_bytes", &hw.host_memory_bytes, 1, kHuge, false},
                            {"host_memory_bw", &hw.host_memory_bw, 1, kHuge, false},
                            {"host_link_bw", &hw.host_link_bw, 1, kHuge, false},
-                           {"host_rank_bw", &hw.host_rank_bw, 0, kHuge, false}};
+                           {"host_rank_bw", &hw.host_rank_bw, 0, kHuge, false},
+                           {"host_loop_cost", &hw.host_loop_cost, 0.05, 100, false},
+                           {"host_add_loop_cost", &hw.host_add_loop_cost, 0.05, 100, false}};
   std::vector<std::string> valid = {"name", "base", "cores_per_node", "source"};
   for (const Field& f : numbers) valid.push_back(f.key);
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -279,7 +284,8 @@ absl::StatusOr<Hardware> ParseHardwareJson(const std::string& text, const std::s
     const double v = *f.value;
     if (std::isfinite(v) && v >= 0 && v <= f.max && (v == 0 ? !f.positive : v >= f.min)) continue;
     std::string range = f.max == 1 ? (f.positive ? "> 0 and <= 1" : ">= 0 and <= 1")
-                                   : StrCat(f.positive ? "" : "0 or ", ">= 1 and <= ", kHuge);
+                                   : StrCat(f.positive ? "" : "0 or ", ">= ", f.min, " and <= ",
+                                            f.max == kHuge ? kHuge : f.max);
     if (std::string(f.key).ends_with("_s")) range += " (seconds per ring step)";
     return absl::InvalidArgumentError(
         StrCat(name, ": ", f.key, ": ", v, " is out of range (valid: ", range, ")"));
@@ -355,6 +361,74 @@ absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::strin
                       rows.back().busbw_gbs, rows.back().bytes, rows.front().time_us,
                       rows.front().bytes);
   hw.source = StrCat("fsdp plan --calibrate on this machine (", cores, " cores)");
+  return hw;
+}
+
+absl::StatusOr<Hardware> CalibrateHost(const std::string& fsdp_binary, Hardware base,
+                                       double elements, std::string* log) {
+  // Tensors of 4M elements, as the engine calls the loops once per parameter of that order
+  // (llama_1b's attention weights); one spinning thread, as a training thread waiting for its
+  // GPU takes a core; the median of 5 passes.
+  const std::string out = (std::filesystem::temp_directory_path() /
+                           StrCat("fsdp_calibrate_host_", getpid(), ".json"))
+                              .string();
+  const std::string command =
+      StrCat(fsdp_binary, " bench host --elements ", static_cast<int64_t>(elements),
+             " --tensor-elements 4194304 --busy 1 --repeats 5 --out ", out, " 2>&1");
+  *log += "running: " + command + "\n";
+  int rc = 0;
+  const std::string output = RunChild(command, &rc);
+  *log += output;
+  nlohmann::json report;
+  {
+    std::ifstream in(out);
+    if (rc != 0 || !in) {
+      std::filesystem::remove(out);
+      return absl::UnavailableError(
+          StrCat("calibration: `", command, "` failed (exit ", rc, "); its output is above"));
+    }
+    try {
+      report = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      std::filesystem::remove(out);
+      return absl::UnavailableError(StrCat("calibration: ", out, ": ", e.what()));
+    }
+  }
+  std::filesystem::remove(out);
+  // The rows at --busy 1, by the start of their pass's name.
+  if (!report.contains("rows") || !report["rows"].is_array()) {
+    return absl::UnavailableError("calibration: `fsdp bench host` wrote no rows");
+  }
+  const nlohmann::json& rows = report["rows"];
+  auto row = [&](const std::string& prefix) -> const nlohmann::json* {
+    for (const nlohmann::json& r : rows) {
+      if (r.value("busy_threads", -1) == 1 && r.value("pass", "").starts_with(prefix)) return &r;
+    }
+    return nullptr;
+  };
+  const nlohmann::json* adamw = row("AdamW alone");
+  if (adamw == nullptr || (*adamw)["gbps"].get<double>() <= 0) {
+    return absl::UnavailableError("calibration: `fsdp bench host` gave no AdamW row");
+  }
+  Hardware hw = std::move(base);
+  hw.host_rank_bw = (*adamw)["gbps"].get<double>() * 1e9;
+  hw.host_memory_bw = std::max(hw.host_memory_bw, hw.host_rank_bw);
+  const nlohmann::json* step = row("step: one loop");
+  const nlohmann::json* add = row("add bf16: one loop");
+  // No AVX2 here: the engine steps with ATen's passes, which the model counts without these.
+  hw.host_loop_cost = step != nullptr ? (*step)["cost_vs_adamw"].get<double>() : 0;
+  hw.host_add_loop_cost = add != nullptr ? (*add)["cost_vs_adamw"].get<double>() : 0;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0) hw.host_memory_bytes = static_cast<double>(pages) * page;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  *log += fmt::format(
+      "host: fused AdamW {:.3g} GB/s with one thread spinning; the step's loop {} and the "
+      "addition's {} times its time per byte; {:.0f} GiB of memory, {} cores\n",
+      hw.host_rank_bw / 1e9, step != nullptr ? fmt::format("{:.2f}", hw.host_loop_cost) : "n/a",
+      add != nullptr ? fmt::format("{:.2f}", hw.host_add_loop_cost) : "n/a",
+      hw.host_memory_bytes / kGiB, cores);
+  hw.source = StrCat(hw.name, " (", hw.source, ") with this host's figures: fsdp plan "
+                     "--calibrate-host (", cores, " cores)");
   return hw;
 }
 

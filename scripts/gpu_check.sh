@@ -30,6 +30,8 @@
 # instead of 16 bytes per parameter: 104.7 GiB for 32 layers) for big_1gpu, GPU_CHECK_KERNELS
 # (auto, fused, composite: model.kernels for every run; default auto, or composite when a
 # fused-kernel GPU test failed).
+# Before the stages it runs `fsdp plan --calibrate-host` (~10 s: the host's AdamW and loops) and
+# prints each offload run's plan with those host figures too.
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
 # Under the device tool ($OUT set), what comes back is small: the table (table-PART.txt), every
 # log, metrics and plan file in one archive (gpu_check-PART.tar.gz) and the profile's trace
@@ -286,11 +288,26 @@ run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log
     >"$out/$name.log" 2>&1 ||
     log "$name failed (see $out/$name.log)"
 }
+# This machine's host figures for offload (`fsdp plan --calibrate-host`, ~10 s: ATen's fused
+# AdamW and the one loops timed by `fsdp bench host`): the offload runs' plans are made with
+# them too, printed beside the profile's (docs/cost_model.md).
+host_profile="$out/host_profile.json"
+if ! bounded "$bin" plan --calibrate-host --gpu "$plan_gpu" --out "$host_profile" \
+    >"$out/host_profile.log" 2>&1; then
+  log "plan --calibrate-host failed (see $out/host_profile.log)"
+  host_profile=""
+fi
 plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON (< 1 s)
   local name=$1 cfg=$2; shift 2
   bounded "$bin" plan "$cfg" --world-size 1 --gpu "$plan_gpu" --json "$out/$name.plan.json" \
     "${kernels[@]}" "$@" \
     >"$out/$name.plan.log" 2>&1 || log "plan $name failed (see $out/$name.plan.log)"
+  case "$name" in
+    *keep*|*delayed*|plan_2x4|plan_big)
+      [ -n "$host_profile" ] && bounded "$bin" plan "$cfg" --world-size 1 \
+        --hardware "$host_profile" --json "$out/$name.host.plan.json" "${kernels[@]}" "$@" \
+        >"$out/$name.host.plan.log" 2>&1 ;;
+  esac
 }
 accum2x4=(--set training.micro_batch_size=2 --set training.grad_accum_steps=4)
 # 16 micro-batches per step, 12 steps (medians over steps 6-12): each step ~4x a 2 x 4 step.
@@ -311,6 +328,10 @@ plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"
 plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
 plan plan_2x4_keep_last "$config" "${accum2x4[@]}" "${keep_last[@]}"
+# offload_ops_2x4 (FSDP_OFFLOAD_HOST_PASS=off): ATen's passes, which the planner counts for an
+# optimizer the one loop does not step.
+plan plan_2x4_keep_last_aten "$config" "${accum2x4[@]}" "${keep_last[@]}" \
+  --set optimizer.implementation=foreach
 plan plan_2x4_optimizer_delayed "$config" "${accum2x4[@]}" "${delayed[@]}" \
   --set parallelism.offload=optimizer
 plan plan_2x4_delayed "$config" "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
@@ -574,7 +595,7 @@ predicted = {"base_8x1": ("plan_8x1", "none", "none"), "ac_full_8x1": ("plan_8x1
              "offload_params_last_2x4": ("plan_2x4_keep_last", "none", "params"),
              "offload_params_delayed_2x4": ("plan_2x4_delayed", "none", "params"),
              "offload_delayed_threads_2x4": ("plan_2x4_delayed", "none", "params"),
-             "offload_ops_2x4": ("plan_2x4_keep_last", "none", "params"),
+             "offload_ops_2x4": ("plan_2x4_keep_last_aten", "none", "params"),
              "offload_optimizer_delayed_2x4": ("plan_2x4_optimizer_delayed", "none", "optimizer"),
              "fsdp_2x16": ("plan_2x16", "none", "none"),
              "offload_params_last_2x16": ("plan_2x16_keep_last", "none", "params"),
@@ -596,6 +617,16 @@ for name, (plan, ckpt, offload) in predicted.items():
         print(f"{name}: plan {mem / 2**30:.2f} GiB / {step:.0f} ms, measured "
               f"{peak_bytes[name] / 2**30:.2f} GiB / {medians[name]:.0f} ms (memory "
               f"{100 * (mem / peak_bytes[name] - 1):+.0f}%, step {100 * (step / medians[name] - 1):+.0f}%)")
+        # The same row planned with this host's figures (fsdp plan --calibrate-host).
+        host_path = os.path.join(out, plan + ".host.plan.json")
+        if offload not in (None, "none") and os.path.exists(host_path):
+            hp = json.load(open(host_path))
+            hmatch = [a for a in hp.get("alternatives", []) + hp.get("layouts", [])
+                      if a.get("activation_checkpointing") == ckpt and a.get("offload") == offload]
+            if hmatch:
+                hstep = 1000 * hmatch[0]["time_s"]["step"]
+                print(f"{name}: plan with this host's figures {hstep:.0f} ms (step "
+                      f"{100 * (hstep / medians[name] - 1):+.0f}%; {host_path})")
     # Host memory with offload: the plan's against the model state resident on the host
     # (rank_stats: gradient buffers never written take none; the process's peak RSS beside it).
     host = match[0]["memory_bytes"].get("host", 0)

@@ -1059,6 +1059,16 @@ TEST(HardwareJsonTest, RangesOverflowAndThePrecisionsPeakRate) {
               HasSubstr("memory_bytes: expected a number, got \"80G\""));
   EXPECT_THAT(message(R"({"base": "h100", "cores_per_node": 10000000000})"),
               HasSubstr("cores_per_node: expected an integer >= 0 and <= 2147483647"));
+  // The host loops' costs: 0 (the built-in) or a factor in [0.05, 100].
+  EXPECT_THAT(message(R"({"base": "h100", "host_loop_cost": 0.01})"),
+              HasSubstr("host_loop_cost: 0.01 is out of range (valid: 0 or >= 0.05 and <= 100)"));
+  EXPECT_THAT(message(R"({"base": "h100", "host_add_loop_cost": -1})"),
+              HasSubstr("host_add_loop_cost: -1 is out of range"));
+  absl::StatusOr<Hardware> costs = ParseHardwareJson(
+      R"({"base": "h100", "host_loop_cost": 1.5, "host_add_loop_cost": 0.9})", "x.json");
+  ASSERT_TRUE(costs.ok()) << costs.status();
+  EXPECT_EQ(costs->host_loop_cost, 1.5);
+  EXPECT_EQ(ParseHardwareJson(HardwareToJson(*costs), "y.json")->host_add_loop_cost, 0.9);
   // Zero latency and a zero host link are valid (a profile without offload).
   EXPECT_TRUE(ParseHardwareJson(R"({"base": "h100", "intra_node_latency_s": 0, "host_link_bw": 0})",
                                 "x.json")
@@ -1156,6 +1166,56 @@ TEST_F(PlanCliTest, EveryOptionGivenIsUsedOrAnError) {
   run = RunFsdp({"plan", ConfigPath("default"), "--calibrate"});
   EXPECT_EQ(run.rc, 2) << run.output;
   EXPECT_THAT(run.output, HasSubstr("takes no CONFIG"));
+}
+
+// `fsdp plan --calibrate-host`: the named profile (--gpu or --hardware) with this machine's host
+// figures, measured by `fsdp bench host`; a plan with it names them. Its options are checked
+// before anything is measured.
+TEST_F(PlanCliTest, CalibrateHostKeepsTheGpuAndMeasuresTheHost) {
+  const std::string out = (dir_ / "host.json").string();
+  CliRun run = RunFsdp({"plan", "--calibrate-host", "--gpu", "h200", "--out", out});
+  ASSERT_EQ(run.rc, 0) << run.output;
+  std::ifstream in(out);
+  const nlohmann::json profile = nlohmann::json::parse(in);
+  const Hardware h200 = *HardwareByName("h200");
+  EXPECT_EQ(profile["peak_flops_bf16"].get<double>(), h200.peak_flops_bf16);
+  EXPECT_EQ(profile["host_link_bw"].get<double>(), h200.host_link_bw);
+  EXPECT_GT(profile["host_rank_bw"].get<double>(), 1e8) << run.output;
+  EXPECT_NE(profile["host_rank_bw"].get<double>(), h200.host_rank_bw);
+  EXPECT_GE(profile["host_memory_bw"].get<double>(), profile["host_rank_bw"].get<double>());
+  EXPECT_GT(profile["host_memory_bytes"].get<double>(), 0);
+  EXPECT_NE(profile["host_memory_bytes"].get<double>(), h200.host_memory_bytes);
+  if (run.output.find("not available here") == std::string::npos) {
+    EXPECT_GT(profile["host_loop_cost"].get<double>(), 0);
+    EXPECT_GT(profile["host_add_loop_cost"].get<double>(), 0);
+  }
+  EXPECT_THAT(run.output, HasSubstr("fsdp plan --calibrate-host"));
+  run = RunFsdp({"plan", ConfigPath("llama_1b"), "--world-size", "1", "--hardware", out, "--set",
+                 "parallelism.offload=params"});
+  ASSERT_EQ(run.rc, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("host AdamW "));
+
+  // A profile file as the base.
+  const std::string base = (dir_ / "base.json").string();
+  std::ofstream(base) << R"({"base": "a100-80gb", "name": "mine"})";
+  run = RunFsdp({"plan", "--calibrate-host", "--hardware", base});
+  ASSERT_EQ(run.rc, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("\"name\": \"mine\""));
+
+  run = RunFsdp({"plan", "--calibrate", "--calibrate-host"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("are one or the other"));
+  run = RunFsdp({"plan", ConfigPath("default"), "--calibrate-host", "--world-size", "2"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--calibrate-host measures this machine and takes no CONFIG, "
+                                    "--world-size"));
+  run = RunFsdp({"plan", "--calibrate-host", "--gpu", "tpu"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("tpu"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("running:")));  // nothing measured
+  run = RunFsdp({"plan", "--calibrate-host", "--out", "/nonexistent/x.json"});
+  EXPECT_EQ(run.rc, 2) << run.output;
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("running:")));
 }
 
 // Red team: --json /nonexistent/x.json printed the whole plan, then failed; --calibrate --out
@@ -1331,6 +1391,26 @@ TEST(CostModelTest, HostAdamPassCountsItsBytes) {
   EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer", "optimizer.implementation=foreach",
                            "training.max_grad_norm=0"}),
               p * 32 / bw, 1e-9);
+  // A profile's own costs (fsdp plan --calibrate-host) replace the built-in 1.2 and 1.1.
+  PlanRequest calibrated = Request("llama_1b", 1, 1, "cpu", params);
+  calibrated.hw.host_loop_cost = 2;
+  EXPECT_NEAR(Predict(calibrated, {Strategy::kFullShard, 1, 1})->time.optimizer_s,
+              p * (24 + 2 + 2) * 2 / bw, 1e-9);
+  // The bf16 additions (4 micro-batches summed on the host): 3 of 12 bytes each, at the cost
+  // given, beside the step from the summed fp32 gradient and the first one's conversion.
+  const std::vector<std::string> sums = {"parallelism.offload=params",
+                                         "training.grad_accum_steps=4"};
+  PlanRequest fast = Request("llama_1b", 1, 1, "h100", sums);
+  fast.hw.host_add_loop_cost = 1;
+  PlanRequest slow = fast;
+  slow.hw.host_add_loop_cost = 3;
+  const double fast_s = Predict(fast, {Strategy::kFullShard, 1, 1})->time.optimizer_s;
+  const double slow_s = Predict(slow, {Strategy::kFullShard, 1, 1})->time.optimizer_s;
+  // Only what the additions take beyond the 3 micro-batches' compute is exposed: more at cost
+  // 3 for llama_1b on one H100, by at most the extra time of their bytes.
+  const double host_bw = std::min(fast.hw.host_memory_bw, fast.hw.host_rank_bw);
+  EXPECT_GT(slow_s, fast_s);
+  EXPECT_LE(slow_s - fast_s, p * 3 * 12 * (3 - 1) / host_bw + 1e-9);
 }
 
 // Note [Offload hint]: a recommendation that offloads under accumulation says what keeping the
