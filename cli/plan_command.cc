@@ -216,9 +216,10 @@ int RunPlanCommand(const PlanCommand& command) {
       r.hw.host_rank_bw > 0
           ? fmt::format(", host AdamW {:.3g} GB/s per rank", r.hw.host_rank_bw / 1e9)
           : "",
-      r.hw.host_loop_cost > 0 ? fmt::format(" (its loop x{:.2f}, the addition's x{:.2f})",
-                                            r.hw.host_loop_cost, r.hw.host_add_loop_cost)
-                              : "");
+      r.hw.host_loop_cost > 0 || r.hw.host_add_loop_cost > 0
+          ? fmt::format(" (its loop x{:.2f}, the addition's x{:.2f})",
+                        plan::HostLoopCost(r.hw), plan::HostAddLoopCost(r.hw))
+          : "");
   std::cout << fmt::format("configured: activation_checkpointing {}, offload {}\n\n",
                            plan::CheckpointingName(t.activation_checkpointing),
                            OffloadName(r.config.parallelism.offload));

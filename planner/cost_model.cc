@@ -314,6 +314,13 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // behind the whole next step (exposed: beyond the device's compute, communication and copies),
 // for a second loaded copy (cb bytes per parameter of padded shard; fp32 compute: 8) and landing
 // buffer (cb) of pinned host memory with offload params.
+double HostLoopCost(const Hardware& hw) {
+  return hw.host_loop_cost > 0 ? hw.host_loop_cost : kHostLoopCost;
+}
+double HostAddLoopCost(const Hardware& hw) {
+  return hw.host_add_loop_cost > 0 ? hw.host_add_loop_cost : kHostAddLoopCost;
+}
+
 absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& layout) {
   return PredictCounted(request, layout, CountedModel::Of(request.config.model));
 }
@@ -569,9 +576,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
     // the optimizer; the first gradient's conversion stays ATen's cast.
     const bool converts = !(one_loop && lands_narrow_alone);
-    const double loop_cost = hw.host_loop_cost > 0 ? hw.host_loop_cost : kHostLoopCost;
-    const double add_loop_cost = hw.host_add_loop_cost > 0 ? hw.host_add_loop_cost
-                                                           : kHostAddLoopCost;
+    const double loop_cost = HostLoopCost(hw);
+    const double add_loop_cost = HostAddLoopCost(hw);
     const double accumulate =
         narrow_grads_to_host
             ? adds * kHostAccumulateNarrowBytesPerParam * add_loop_cost +

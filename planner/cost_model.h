@@ -76,6 +76,9 @@ struct Hardware {
   double host_add_loop_cost = 0;
   std::string source;         // where the numbers come from (data sheet, calibration)
 };
+// The costs the model uses: the profile's, else the built-in ones.
+double HostLoopCost(const Hardware& hw);
+double HostAddLoopCost(const Hardware& hw);
 
 // h100, h200, a100-80gb, a100-40gb, cpu. kInvalidArgument naming the valid ones otherwise.
 absl::StatusOr<Hardware> HardwareByName(const std::string& name);

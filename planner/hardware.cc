@@ -2,6 +2,7 @@
 // docs/cost_model.md), JSON profiles, and the calibration of this machine's CPU or host.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -415,9 +416,13 @@ absl::StatusOr<Hardware> CalibrateHost(const std::string& fsdp_binary, Hardware 
   hw.host_memory_bw = std::max(hw.host_memory_bw, hw.host_rank_bw);
   const nlohmann::json* step = row("step: one loop");
   const nlohmann::json* add = row("add bf16: one loop");
-  // No AVX2 here: the engine steps with ATen's passes, which the model counts without these.
-  hw.host_loop_cost = step != nullptr ? (*step)["cost_vs_adamw"].get<double>() : 0;
-  hw.host_add_loop_cost = add != nullptr ? (*add)["cost_vs_adamw"].get<double>() : 0;
+  // Without a row (no AVX2 here, so no loop) 0: the built-in costs. Within the range a profile
+  // file may hold, so that the profile written loads again.
+  auto cost = [](const nlohmann::json* r) {
+    return r != nullptr ? std::clamp((*r)["cost_vs_adamw"].get<double>(), 0.05, 100.0) : 0.0;
+  };
+  hw.host_loop_cost = cost(step);
+  hw.host_add_loop_cost = cost(add);
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   if (pages > 0 && page > 0) hw.host_memory_bytes = static_cast<double>(pages) * page;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
