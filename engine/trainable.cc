@@ -70,7 +70,7 @@ class FsdpTrainable final : public TrainableModel {
                 "FSDP: unsharded parameters kept past the optimizer step (stale copies); the "
                 "last micro-batch must run with set_reshard_after_backward(true)");
     model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
-    state_bytes_ = model_->model_state_bytes();  // gradients still there (before zero_grad)
+    state_bytes_ = model_->model_state_sizes();  // gradients still there (before zero_grad)
   }
   bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) override {
     if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step ||
@@ -78,7 +78,7 @@ class FsdpTrainable final : public TrainableModel {
       model_->MaterializeDeferredGradients();  // optimizer.step() reads the .grads
       return false;
     }
-    const ModelStateBytes state_bytes = model_->model_state_bytes();  // gradients still there
+    const ModelStateBytes state_bytes = model_->model_state_sizes();  // gradients still there
     std::shared_ptr<PreparedStep> prepared = PrepareStep(optimizer);
     if (prepared == nullptr) {
       model_->MaterializeDeferredGradients();
@@ -128,7 +128,13 @@ class FsdpTrainable final : public TrainableModel {
     checked_optimizer_ = &optimizer;
     return steps_only_masters_;
   }
-  ModelStateBytes model_state_bytes() const override { return state_bytes_; }
+  // The last step's sizes, with what of the gradients committed on demand has been written by
+  // now (asked of the kernel here, not at every step).
+  ModelStateBytes model_state_bytes() const override {
+    ModelStateBytes bytes = state_bytes_;
+    model_->CountResidentBytes(bytes);
+    return bytes;
+  }
   absl::Status InitFromSafetensors(const std::string& path) override {
     return fsdp::InitFromSafetensors(path, *model_);
   }

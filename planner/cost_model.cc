@@ -430,8 +430,12 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   hyper.weight_decay = o.weight_decay;
   const bool one_loop_optimizer = o.implementation == OptimizerImplementation::kFused &&
                                   o.kind != OptimizerKind::kSgd && HostAdamPassCovers(hyper);
-  const bool host_grads_unwritten = narrow_grads_to_host && (accum == 1 || no_sync) &&
-                                    sharding.options.offload_overlap_step && one_loop_optimizer;
+  // A bf16 gradient that lands on the host alone: no sum with an earlier micro-batch's.
+  const bool lands_narrow_alone = narrow_grads_to_host && (accum == 1 || no_sync);
+  // The overlapped step steps every parameter in the optimizer's one loop (Note [Host Adam
+  // pass] in engine/host_adam.cc).
+  const bool one_loop = sharding.options.offload_overlap_step && one_loop_optimizer;
+  const bool host_grads_unwritten = lands_narrow_alone && one_loop;
   const bool grads_on_device = offload == Offload::kNone || sums_on_device;
   switch (offload) {
     case Offload::kNone:
@@ -569,9 +573,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // clipping's read and the fused step (kHostOptimizerBytesPerParam), the refresh's cast; the
     // overlapped step's slices of those moved what the separate passes did on the H100 machine
     // (416 ms for llama_1b's host step against ~440), so the same bytes are counted either way.
-    const bool one_loop = sharding.options.offload_overlap_step && one_loop_optimizer;
     const bool clips = config.training.max_grad_norm > 0;
-    const bool lands_narrow_alone = narrow_grads_to_host && adds == 0;
     const double loaded_copy = offload == Offload::kParams && loaded_bytes < 4 ? loaded_bytes : 0;
     // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
     // the optimizer; the first gradient's conversion stays ATen's cast.

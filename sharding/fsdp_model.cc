@@ -597,11 +597,23 @@ void FsdpModel::CopyShardsToDevice() {
 }
 
 ModelStateBytes FsdpModel::model_state_bytes() const {
+  ModelStateBytes bytes = model_state_sizes();
+  CountResidentBytes(bytes);
+  return bytes;
+}
+
+ModelStateBytes FsdpModel::model_state_sizes() const {
   ModelStateBytes bytes;
   for (const auto& unit : units_) {
     for (const FsdpParam& p : unit->params()) AddModelStateBytes(p, bytes);
   }
   return bytes;
+}
+
+void FsdpModel::CountResidentBytes(ModelStateBytes& bytes) const {
+  for (const auto& unit : units_) {
+    for (const FsdpParam& p : unit->params()) fsdp::CountResidentBytes(p, bytes);
+  }
 }
 
 }  // namespace fsdp

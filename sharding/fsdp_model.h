@@ -246,6 +246,11 @@ class FsdpModel {
   void FinishHostStep();
   // Bytes of parameter shards and gradient shards on the device and (offload) in host memory.
   ModelStateBytes model_state_bytes() const;
+  // The same without asking the kernel which pages of the gradients committed on demand are
+  // written (all of them in host_untouched): cheap enough for every step. CountResidentBytes
+  // completes it into model_state_bytes()'s figures (those pages stay resident once written).
+  ModelStateBytes model_state_sizes() const;
+  void CountResidentBytes(ModelStateBytes& bytes) const;
 
   CommStats& comm_stats() { return ctx_.stats; }
   const MemoryStats& memory_stats() const { return memory_; }

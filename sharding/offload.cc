@@ -962,16 +962,18 @@ void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes) {
   if (p.host_shard.defined()) {
     bytes.host += size(p.host_shard) + size(p.host_compute_shard) + size(p.host_compute_grad) +
                   size(p.host_compute_shard_spare) + size(p.host_compute_grad_spare);
-    if (p.host_grad_on_demand) {  // Note [Gradients committed on demand]
-      const int64_t resident = ResidentBytes(p.host_grad.data_ptr(), size(p.host_grad));
-      bytes.host += resident;
-      bytes.host_untouched += size(p.host_grad) - resident;
-    } else {
-      bytes.host += size(p.host_grad);
-    }
+    // Note [Gradients committed on demand]: its written part by CountResidentBytes.
+    (p.host_grad_on_demand ? bytes.host_untouched : bytes.host) += size(p.host_grad);
   } else {
     bytes.device += size(p.sharded.grad());
   }
+}
+
+void CountResidentBytes(const FsdpParam& p, ModelStateBytes& bytes) {
+  if (!p.host_grad_on_demand) return;
+  const int64_t resident = ResidentBytes(p.host_grad.data_ptr(), p.host_grad.nbytes());
+  bytes.host += resident;
+  bytes.host_untouched -= resident;
 }
 
 }  // namespace fsdp

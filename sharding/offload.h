@@ -526,7 +526,12 @@ class HostOffload {
 };
 
 // Adds p's shard and gradient bytes to `bytes` (the shards' gradients as they are now; with
-// offload, a gradient sum kept on the device counts as device bytes).
+// offload, a gradient sum kept on the device counts as device bytes). A gradient committed on
+// demand counts whole as host_untouched: CountResidentBytes moves its written part to host.
 void AddModelStateBytes(const FsdpParam& p, ModelStateBytes& bytes);
+// Moves what is resident of p's gradient committed on demand (if it has one) from
+// bytes.host_untouched to bytes.host. Asks the kernel about every page (mincore): not for
+// every step.
+void CountResidentBytes(const FsdpParam& p, ModelStateBytes& bytes);
 
 }  // namespace fsdp
