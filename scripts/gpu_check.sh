@@ -30,8 +30,9 @@
 # instead of 16 bytes per parameter: 104.7 GiB for 32 layers) for big_1gpu, GPU_CHECK_KERNELS
 # (auto, fused, composite: model.kernels for every run; default auto, or composite when a
 # fused-kernel GPU test failed).
-# Before the stages it runs `fsdp plan --calibrate-host` (~10 s: the host's AdamW and loops) and
-# prints each offload run's plan with those host figures too.
+# Before the stages, when an offload stage is among them, it runs `fsdp plan --calibrate-host`
+# (~10 s: the host's AdamW and loops) and prints each offload run's plan with those host figures
+# too.
 # Exits non-zero when the build or a GPU test fails; every run's output is kept under the output folder.
 # Under the device tool ($OUT set), what comes back is small: the table (table-PART.txt), every
 # log, metrics and plan file in one archive (gpu_check-PART.tar.gz) and the profile's trace
@@ -290,12 +291,16 @@ run() {  # run NAME ARGS...: one fsdp train on one rank, output in $out/NAME.log
 }
 # This machine's host figures for offload (`fsdp plan --calibrate-host`, ~10 s: ATen's fused
 # AdamW and the one loops timed by `fsdp bench host`): the offload runs' plans are made with
-# them too, printed beside the profile's (docs/cost_model.md).
-host_profile="$out/host_profile.json"
-if ! bounded "$bin" plan --calibrate-host --gpu "$plan_gpu" --out "$host_profile" \
-    >"$out/host_profile.log" 2>&1; then
-  log "plan --calibrate-host failed (see $out/host_profile.log)"
-  host_profile=""
+# them too, printed beside the profile's (docs/cost_model.md). Only when an offload run is
+# among the stages.
+host_profile=""
+if printf '%s\n' "${!selected[@]}" | grep -qE '^(offload_|big_1gpu$)'; then
+  host_profile="$out/host_profile.json"
+  if ! bounded "$bin" plan --calibrate-host --gpu "$plan_gpu" --out "$host_profile" \
+      >"$out/host_profile.log" 2>&1; then
+    log "plan --calibrate-host failed (see $out/host_profile.log)"
+    host_profile=""
+  fi
 fi
 plan() {  # plan NAME CONFIG ARGS...: the planner's table for one configuration, as JSON (< 1 s)
   local name=$1 cfg=$2; shift 2
