@@ -18,10 +18,29 @@ namespace {
 // Bytes the elementwise (non-matmul) ops move per activation byte kept: written in forward,
 // read in backward, its gradient written and read. Used for the memory-bound share of compute.
 constexpr double kActivationTrafficPasses = 4;
-// Bytes per parameter (of the local shard) the optimizer step moves: libtorch's AdamW is
-// unfused, about eight elementwise passes over 4-byte tensors, plus clipping's read of the
-// gradient and FinishGradients' copy.
-constexpr double kOptimizerBytesPerParam = 64;
+// The device's step without offload moves these bytes per parameter of the local shard
+// (DeviceStepBytesPerParam). Clipping runs every step, as the trainer logs the norm (a
+// max_norm of 1e30 when training.max_grad_norm is 0): the norm reads each gradient
+// (_foreach_norm on CUDA; on a CPU each gradient's square is a temporary, written and read:
+// 12) and the multiplication by the coefficient reads and writes it.
+constexpr double kDeviceNormBytesPerParam = 4;
+constexpr double kCpuNormBytesPerParam = 12;
+constexpr double kClipMultiplyBytesPerParam = 8;
+// The update (Note [Fused optimizer steps] in engine/optimizer.cc): ATen's fused Adam(W)
+// reads the parameter, gradient and both moments and writes three back; the foreach ops (and
+// libtorch's per-tensor step, the same arithmetic) make nine passes: AdamW's decay (8), each
+// moment's scaling (8) and addition (12), the square root into a new tensor (8), its division
+// and epsilon (8 each), the addcdiv into the parameter (16); Adam's L2 decay adds the sum of
+// gradient and parameter into a new tensor (12) instead of the decay. SGD: the fused kernel
+// reads parameter, gradient and momentum buffer and writes two; the ops scale and add into
+// the buffer (8 + 12) and add it to the parameter (12), plus L2 decay's new tensor (12).
+constexpr double kFusedAdamBytesPerParam = 28;
+constexpr double kForeachAdamBytesPerParam = 80;
+// FsdpUnit::FinishGradients after each reduction (several shards or replicas): the division
+// of the reduce output by the data-parallel size reads and writes it, and the gradient shard
+// is written from it (an addition after the first micro-batch reads the shard too).
+constexpr double kFinishDivisionPasses = 2;
+
 // The same on the host with offload (Note [Offload]): ATen's fused CPU AdamW reads the fp32
 // parameter, gradient and both moments and writes three of them back (28 bytes), clipping
 // reads the gradient (4).
@@ -124,6 +143,23 @@ bool ReshardsAfterForward(Strategy s) { return OptionsForStrategy(s).reshard_aft
 double OptimizerStateBytesPerParam(const OptimizerSection& o) {
   if (o.kind == OptimizerKind::kSgd) return o.momentum != 0 ? 4 : 0;
   return 8;  // adam, adamw: two fp32 moments
+}
+
+double DeviceStepBytesPerParam(const OptimizerSection& o, bool on_cpu) {
+  const bool fused = o.implementation == OptimizerImplementation::kFused;
+  const bool decays = o.weight_decay != 0;
+  double update = 0;
+  if (o.kind == OptimizerKind::kSgd) {
+    const bool momentum = o.momentum != 0;
+    update = fused ? (momentum ? 20 : 12) : (momentum ? 32 : 12) + (decays ? 12 : 0);
+  } else if (fused) {
+    update = kFusedAdamBytesPerParam;
+  } else {
+    update = kForeachAdamBytesPerParam +
+             (decays ? (o.kind == OptimizerKind::kAdamW ? 8 : 12) : 0);
+  }
+  return (on_cpu ? kCpuNormBytesPerParam : kDeviceNormBytesPerParam) +
+         kClipMultiplyBytesPerParam + update;
 }
 
 // Note [Checkpointed activations]
@@ -474,10 +510,12 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // in the gradients), so neither has a copy, and there is no reduce buffer.
   const bool one_shard = s == 1 && r == 1;
   const bool aliased = one_shard && cb == 4;
+  // A shard axis of 1 (DDP too) gathers nothing: fp32 parameters are their shards' storage.
+  const bool params_aliased = s == 1 && cb == 4;
   // Offload params with one shard loads each shard in the compute dtype, and the unsharded
   // parameters alias it (Note [CPU offload] in sharding/offload.h): counted in mem.params.
   const bool loaded_is_gathered = one_shard && offload == Offload::kParams && loaded_bytes == cb;
-  const double gathered = aliased || loaded_is_gathered ? 0 : cb;  // a gathered value's bytes
+  const double gathered = params_aliased || loaded_is_gathered ? 0 : cb;  // a gathered value's
   // Accumulating, the shard's gradient exists already and the block's new one is added to it.
   const double unit_grad = aliased && rb == 4 && t.grad_accum_steps == 1 ? 0 : block * cb;
   mem.unsharded_units = root * (gathered + cb) + blocks_unsharded * block * gathered +
@@ -552,13 +590,27 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const double compute_micro = seconds(flops_micro, traffic_micro) + recompute_micro;
   time.compute_s = accum * compute_micro;
   time.recompute_s = accum * recompute_micro;
-  double host_bw = cpu_profile ? hw.memory_bw : hw.host_memory_bw;
-  host_bw /= ranks_on_node;
+  // The host's rate for the optimizer's passes, per rank. On a CPU profile the "device" is the
+  // host: its step runs there at the same rate (host_memory_bw, the fused AdamW's speed over
+  // the node, is faster per byte than the copy that memory_bw times).
+  double host_bw = hw.host_memory_bw / ranks_on_node;
   if (hw.host_rank_bw > 0) host_bw = std::min(host_bw, hw.host_rank_bw);
+  const double step_bw = cpu_profile ? host_bw : mem_bw;
+  // FsdpUnit::FinishGradients after each reduction, on the device: the division, and without
+  // offload (or offload optimizer summing on the device) the gradient shard written from it.
+  double finish_bytes = 0;
+  if (!(s == 1 && r == 1)) {
+    finish_bytes = reductions * kFinishDivisionPasses * rb;
+    if (grads_on_device) finish_bytes += reductions * (rb + 4) + (reductions - 1) * 4;
+  }
+  const double finish_s = step_bw > 0 ? real / n * finish_bytes / step_bw : 0;
   double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
   double accumulate_s = 0;  // offload: the host's additions and conversions of gradients
   if (offload == Offload::kNone) {
-    time.optimizer_s = mem_bw > 0 ? real / n * kOptimizerBytesPerParam / mem_bw : 0;
+    time.optimizer_s =
+        finish_s +
+        (step_bw > 0 ? real / n * DeviceStepBytesPerParam(config.optimizer, cpu_profile) / step_bw
+                     : 0);
   } else {
     // The step, plus each extra micro-batch's gradient accumulated on the host (HSDP and
     // offload optimizer accumulate on the device), on a host thread behind the following
@@ -608,7 +660,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
                    (loaded_copy > 0 ? padded_total / n * (4 + loaded_copy) * kHostCastCost : 0);
     }
     host_step_s = host_bw > 0 ? step_bytes / host_bw : 0;
-    time.optimizer_s = host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
+    time.optimizer_s =
+        finish_s + host_step_s + std::max(0.0, accumulate_s - adds * compute_micro);
   }
 
   // Block compute, forward one third of the step's FLOPs and backward two thirds (plus the
@@ -719,9 +772,10 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // measured beside it (kHostBesideStepCost). Not on a CPU profile (one pool of cores, as above).
   if (host_step_s > 0 && sharding.options.offload_delayed_update &&
       sharding.options.offload_overlap_step && !cpu_profile) {
-    const double device_s = time.compute_s + time.exposed_comm_s + time.exposed_copy_s;
+    const double device_s =
+        time.compute_s + time.exposed_comm_s + time.exposed_copy_s + finish_s;
     time.optimizer_s =
-        std::max(0.0, kHostBesideStepCost * (host_step_s + accumulate_s) - device_s);
+        finish_s + std::max(0.0, kHostBesideStepCost * (host_step_s + accumulate_s) - device_s);
   }
   time.step_s = time.compute_s + time.optimizer_s + time.exposed_comm_s + time.exposed_copy_s;
   const double tokens_rank = tokens_micro * accum;

@@ -48,7 +48,9 @@ struct Hardware {
   // by the ranks on it.
   double peak_flops_bf16 = 0, peak_flops_fp32 = 0;
   double memory_bytes = 0;   // per device (CPU profiles: per node)
-  double memory_bw = 0;      // bytes/s of device memory (the optimizer step is bound by it)
+  // bytes/s of device memory (the optimizer step is bound by it; on a CPU profile the copy's
+  // rate, and the step runs at host_memory_bw's)
+  double memory_bw = 0;
   double intra_node_bw = 0;  // bytes/s, bus bandwidth as nccl-tests defines it
   double intra_node_latency_s = 0;  // per ring step
   double inter_node_bw = 0;  // bytes/s per GPU (its own NIC)
@@ -63,7 +65,9 @@ struct Hardware {
   // Host side, for CPU offload. Per node, shared by its ranks (a CPU profile's host memory is
   // memory_bytes itself: one pool).
   double host_memory_bytes = 0;
-  double host_memory_bw = 0;  // bytes/s (the host optimizer step is bound by it)
+  // bytes/s (the host optimizer step is bound by it; on a CPU profile every optimizer step,
+  // offloaded or not: ATen's fused AdamW's rate over the node)
+  double host_memory_bw = 0;
   // bytes/s one rank's host work reaches at most, however idle the node (its threads' share of
   // cores and memory channels); 0: no such limit, only host_memory_bw shared by the ranks.
   double host_rank_bw = 0;
@@ -93,7 +97,8 @@ std::string HardwareToJson(const Hardware& hw);
 double PeakRate(const Hardware& hw, Precision precision);
 
 // Measures this machine: a GEMM with the threads a rank would get under `nproc` local ranks
-// (OMP_NUM_THREADS = cores / nproc, as the launcher sets it) and a Gloo all-gather on loopback,
+// (OMP_NUM_THREADS = cores / nproc, as the launcher sets it), a copy and ATen's fused AdamW
+// (memory_bw, host_memory_bw) on every core, and a Gloo all-gather on loopback,
 // by running `fsdp_binary launch --nproc-per-node 2 -- fsdp_binary doctor` as a child. `log`
 // receives progress lines.
 absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log);
