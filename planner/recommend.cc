@@ -23,6 +23,20 @@ constexpr int kMaxWorldGrowth = 64;
 // (docs/cost_model.md), so the simpler run wins (Simplicity).
 constexpr double kSpeedTie = 0.03;
 
+// A step time for a message, in ms: whole milliseconds from 100 on, three significant digits
+// below (a small model's step on a GPU profile is a fraction of one).
+std::string Milliseconds(double seconds) {
+  const double ms = 1e3 * seconds;
+  return ms >= 100 ? fmt::format("{:.0f}", ms) : fmt::format("{:.3g}", ms);
+}
+
+// GiB for a message: `decimals` places, or three significant digits below 0.1.
+std::string Gib(double bytes, int decimals) {
+  const double gib = bytes / kGiB;
+  return gib >= 0.1 || gib == 0 ? fmt::format("{:.{}f}", gib, decimals)
+                                : fmt::format("{:.3g}", gib);
+}
+
 // Fitting first, then the most tokens/s, then the least device memory.
 bool Better(const Prediction& a, const Prediction& b) {
   if (a.fits != b.fits) return a.fits;
@@ -377,11 +391,12 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
                        : chosen->keep ? "parameters"
                                       : "gradients, summed on the device in the compute dtype,";
     hint += fmt::format(
-        "\n(with offload {}: --set {} predicts {:.0f} ms per step instead of {:.0f}, {:.2f} GiB "
-        "on the device instead of {:.2f}: one host<->device copy of each unit's {} per step; "
+        "\n(with offload {}: --set {} predicts {} ms per step instead of {}, {} GiB "
+        "on the device instead of {}: one host<->device copy of each unit's {} per step; "
         "see docs/offload.md)",
-        OffloadName(best.offload), StrJoin(chosen_sets, " --set "), 1e3 * fastest.time.step_s,
-        1e3 * best.time.step_s, fastest.memory.total / kGiB, best.memory.total / kGiB, what);
+        OffloadName(best.offload), StrJoin(chosen_sets, " --set "),
+        Milliseconds(fastest.time.step_s), Milliseconds(best.time.step_s),
+        Gib(fastest.memory.total, 2), Gib(best.memory.total, 2), what);
   }
   if (!config.parallelism.offload_delayed_update && config.parallelism.offload_overlap_step &&
       config.parallelism.offload_compute_copy) {  // the delayed update loads the copies
@@ -391,12 +406,12 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
     if (p.ok() && p->fits && p->time.step_s < (1 - kSpeedTie) * fastest.time.step_s) {
       hint += fmt::format(
           "\n(opt in, with offload {}{}: --set parallelism.offload_delayed_update=true predicts "
-          "{:.0f} ms per step instead of {:.0f}, {:.1f} GiB of host memory per rank "
-          "instead of {:.1f}: each step uses the parameters from before the previous step's "
+          "{} ms per step instead of {}, {} GiB of host memory per rank "
+          "instead of {}: each step uses the parameters from before the previous step's "
           "update, one step stale, while the host runs it; see docs/offload.md)",
           OffloadName(best.offload), chosen != nullptr ? " and the settings above" : "",
-          1e3 * p->time.step_s, 1e3 * fastest.time.step_s, p->memory.host / kGiB,
-          fastest.memory.host / kGiB);
+          Milliseconds(p->time.step_s), Milliseconds(fastest.time.step_s),
+          Gib(p->memory.host, 1), Gib(fastest.memory.host, 1));
     }
   }
   return hint;
@@ -411,8 +426,8 @@ absl::StatusOr<Recommendation> Recommend(const PlanRequest& request) {
   FSDP_ASSIGN_OR_RETURN(std::vector<Prediction> all, SearchAll(request, model));
   if (all.empty()) all = rec.configured;  // not expected: the configured modes are searched
   if (all.front().fits) {
-    // The fastest, or a simpler run within kSpeedTie of it (e.g. on a CPU profile the host's
-    // fused AdamW makes offload a hair faster than no offload).
+    // The fastest, or a simpler run within kSpeedTie of it (a more complex run predicted a
+    // hair faster, e.g. offload on a host as fast as the device, is not worth its settings).
     const Prediction* best = &all.front();
     for (const Prediction& p : all) {
       if (!p.fits || p.time.tokens_per_s < (1 - kSpeedTie) * all.front().time.tokens_per_s) break;

@@ -764,6 +764,26 @@ TEST(RecommendTest, SaysFewerOrTheSameTokensWhenTheRecommendationIsNotFaster) {
   EXPECT_GT(std::stoi(match[1]), 0);
 }
 
+// The offload hints' figures keep three significant digits below 100 ms and 0.1 GiB: a small
+// model's step on a GPU profile read "predicts 0 ms per step instead of 0".
+TEST(RecommendTest, HintsShowSmallStepsAndSizes) {
+  PlanRequest r = Request("default", 2, 2, "h100", {"parallelism.offload=optimizer"});
+  r.hw.host_memory_bw = 2 * r.hw.memory_bw;  // offload as fast as the device: recommended
+  r.hw.host_rank_bw = 0;
+  r.hw.host_link_bw = 1e15;
+  absl::StatusOr<Recommendation> rec = Recommend(r);
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  std::smatch m;
+  const std::string& message = rec->message;
+  ASSERT_TRUE(std::regex_search(
+      message, m,
+      std::regex(R"(predicts ([0-9.]+) ms per step instead of ([0-9.]+), ([0-9.]+) GiB)")))
+      << message;
+  EXPECT_GT(std::stod(m[1]), 0) << message;
+  EXPECT_GT(std::stod(m[2]), 0) << message;
+  EXPECT_GT(std::stod(m[3]), 0) << message;
+}
+
 // Red team: with dim 10^6 the gathered units (178816 of 245910 GiB) are what does not fit, and
 // the advice was a shorter model.seq_len. It names the largest part and only what shrinks it.
 TEST(RecommendTest, NoFitAdviceNamesTheLargestPart) {
