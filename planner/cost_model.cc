@@ -599,7 +599,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // FsdpUnit::FinishGradients after each reduction, on the device: the division, and without
   // offload (or offload optimizer summing on the device) the gradient shard written from it.
   double finish_bytes = 0;
-  if (!(s == 1 && r == 1)) {
+  if (!one_shard) {
     finish_bytes = reductions * kFinishDivisionPasses * rb;
     if (grads_on_device) finish_bytes += reductions * (rb + 4) + (reductions - 1) * 4;
   }
