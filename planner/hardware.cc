@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -146,34 +147,32 @@ std::string RunChild(const std::string& command, int* rc) {
   return output;
 }
 
+// The median rate of `pass`, `work` (FLOPs or bytes) each, over `passes` runs after two
+// warm-up runs.
+double MedianRate(int passes, double work, const std::function<void()>& pass) {
+  std::vector<double> rates;
+  for (int i = 0; i < passes + 2; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    pass();
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 2) rates.push_back(work / s);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
 // Median FLOP/s of an fp32 [n x n] x [n x n] GEMM on `threads` intra-op threads.
 double TimeGemm(int threads, int64_t n) {
   at::set_num_threads(threads);
   at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
-  std::vector<double> rates;
-  for (int i = 0; i < 12; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    at::Tensor c = at::mm(a, b);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 2) rates.push_back(2.0 * n * n * n / s);
-  }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
+  return MedianRate(10, 2.0 * n * n * n, [&] { at::mm(a, b); });
 }
 
 // Copy bandwidth (read + write bytes per second) of a 64 MiB fp32 tensor.
 double TimeCopy(int threads) {
   at::set_num_threads(threads);
   at::Tensor a = at::randn({16 << 20}), b = at::empty_like(a);
-  std::vector<double> rates;
-  for (int i = 0; i < 8; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    b.copy_(a);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 2) rates.push_back(2.0 * a.nbytes() / s);
-  }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
+  return MedianRate(6, 2.0 * a.nbytes(), [&] { b.copy_(a); });
 }
 
 // ATen's fused AdamW over 16M-element fp32 tensors, in bytes it moves per second (28 per element:
@@ -183,19 +182,20 @@ double TimeAdamW(int threads) {
   at::set_num_threads(threads);
   const int64_t n = 16 << 20;
   at::Tensor p = at::randn({n}), g = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
-  at::Tensor step = at::zeros({});
-  std::vector<double> rates;
-  for (int i = 0; i < 8; ++i) {
-    step.add_(1);
-    auto t0 = std::chrono::steady_clock::now();
+  at::Tensor step = at::ones({});  // a bias correction of 1 - beta^1, as at the first step
+  return MedianRate(6, 28.0 * static_cast<double>(n), [&] {
     at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0.1, 1e-8,
                       /*amsgrad=*/false, /*maximize=*/false);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 2) rates.push_back(28.0 * static_cast<double>(n) / s);
-  }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
+  });
 }
+
+// This machine's memory in bytes (0 if the system does not say).
+double MachineMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * page : 0;
+}
+// Its cores (at least 1).
+int MachineCores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 }  // namespace
 
@@ -355,7 +355,7 @@ absl::StatusOr<Hardware> LoadHardwareJson(const std::string& path) {
 
 absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::string* log) {
   Hardware hw = *HardwareByName("cpu");
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = MachineCores();
   hw.cores_per_node = cores;
   // A rank alone gets every core; with `cores` ranks each gets one thread (launcher's
   // OMP_NUM_THREADS = cores / nproc). The node rate is the larger of the two.
@@ -368,8 +368,7 @@ absl::StatusOr<Hardware> CalibrateCpu(const std::string& fsdp_binary, std::strin
   *log += fmt::format("gemm 512^3 fp32: {:.3g} FLOP/s on {} thread(s), {:.3g} on 1; "
                       "copy {:.3g} B/s; fused AdamW {:.3g} B/s\n", all, cores, one,
                       hw.memory_bw, hw.host_memory_bw);
-  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0) hw.memory_bytes = static_cast<double>(pages) * page;
+  if (const double memory = MachineMemoryBytes(); memory > 0) hw.memory_bytes = memory;
   hw.host_memory_bytes = hw.memory_bytes;
 
   std::string command = StrCat(fsdp_binary, " launch --no-prefix --nproc-per-node 2 -- ",
@@ -450,9 +449,8 @@ absl::StatusOr<Hardware> CalibrateHost(const std::string& fsdp_binary, Hardware 
   };
   hw.host_loop_cost = cost(step);
   hw.host_add_loop_cost = cost(add);
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0) hw.host_memory_bytes = static_cast<double>(pages) * page;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (const double memory = MachineMemoryBytes(); memory > 0) hw.host_memory_bytes = memory;
+  const int cores = MachineCores();
   *log += fmt::format(
       "host: fused AdamW {:.3g} GB/s with one thread spinning; the step's loop {} and the "
       "addition's {} times its time per byte; {:.0f} GiB of memory, {} cores\n",
