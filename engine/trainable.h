@@ -36,7 +36,8 @@ class TrainableModel {
   // After each micro-batch's backward.
   virtual void AfterBackward() {}
   // Clips by the global gradient norm; returns the norm before clipping (0-dim fp32 on the
-  // device: no host synchronisation). Collective where the gradients are sharded.
+  // device: no host synchronisation). Collective where the gradients are sharded. A max_norm
+  // of kNoClipping (sharding/fsdp_model.h) computes the norm and multiplies nothing.
   virtual at::Tensor ClipGradNorm(double max_norm) = 0;
   // After the optimizer step.
   virtual void AfterStep() {}

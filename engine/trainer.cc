@@ -377,7 +377,7 @@ absl::StatusOr<StepOutput> TrainStep(Model& model, TrainableModel& trained,
   loader.Advance();
   {
     RECORD_FUNCTION("fsdp::clip_grad_norm", std::vector<c10::IValue>());
-    out.grad_norm = trained.ClipGradNorm(t.max_grad_norm > 0 ? t.max_grad_norm : 1e30);
+    out.grad_norm = trained.ClipGradNorm(t.max_grad_norm > 0 ? t.max_grad_norm : kNoClipping);
   }
   out.nonfinite = out.loss.isfinite().logical_not() | out.grad_norm.isfinite().logical_not();
   if (t.on_nonfinite == OnNonFinite::kSkip && out.nonfinite.item<bool>()) {

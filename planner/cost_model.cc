@@ -19,10 +19,10 @@ namespace {
 // read in backward, its gradient written and read. Used for the memory-bound share of compute.
 constexpr double kActivationTrafficPasses = 4;
 // The device's step without offload moves these bytes per parameter of the local shard
-// (DeviceStepBytesPerParam). Clipping runs every step, as the trainer logs the norm (a
-// max_norm of 1e30 when training.max_grad_norm is 0): the norm reads each gradient
-// (_foreach_norm on CUDA; on a CPU each gradient's square is a temporary, written and read:
-// 12) and the multiplication by the coefficient reads and writes it.
+// (DeviceStepBytesPerParam). The norm runs every step, as the trainer logs it: it reads each
+// gradient (_foreach_norm on CUDA; on a CPU each gradient's square is a temporary, written and
+// read: 12). With clipping on (training.max_grad_norm > 0) the multiplication by the
+// coefficient reads and writes it.
 constexpr double kDeviceNormBytesPerParam = 4;
 constexpr double kCpuNormBytesPerParam = 12;
 constexpr double kClipMultiplyBytesPerParam = 8;
@@ -145,7 +145,7 @@ double OptimizerStateBytesPerParam(const OptimizerSection& o) {
   return 8;  // adam, adamw: two fp32 moments
 }
 
-double DeviceStepBytesPerParam(const OptimizerSection& o, bool on_cpu) {
+double DeviceStepBytesPerParam(const OptimizerSection& o, bool clips, bool on_cpu) {
   const bool fused = o.implementation == OptimizerImplementation::kFused;
   const bool decays = o.weight_decay != 0;
   double update = 0;
@@ -159,7 +159,7 @@ double DeviceStepBytesPerParam(const OptimizerSection& o, bool on_cpu) {
              (decays ? (o.kind == OptimizerKind::kAdamW ? 8 : 12) : 0);
   }
   return (on_cpu ? kCpuNormBytesPerParam : kDeviceNormBytesPerParam) +
-         kClipMultiplyBytesPerParam + update;
+         (clips ? kClipMultiplyBytesPerParam : 0) + update;
 }
 
 // Note [Checkpointed activations]
@@ -607,10 +607,9 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
   double accumulate_s = 0;  // offload: the host's additions and conversions of gradients
   if (offload == Offload::kNone) {
-    time.optimizer_s =
-        finish_s +
-        (step_bw > 0 ? real / n * DeviceStepBytesPerParam(config.optimizer, cpu_profile) / step_bw
-                     : 0);
+    const double step_bytes = DeviceStepBytesPerParam(
+        config.optimizer, config.training.max_grad_norm > 0, cpu_profile);
+    time.optimizer_s = finish_s + (step_bw > 0 ? real / n * step_bytes / step_bw : 0);
   } else {
     // The step, plus each extra micro-batch's gradient accumulated on the host (HSDP and
     // offload optimizer accumulate on the device), on a host thread behind the following

@@ -493,7 +493,7 @@ ClipNorm ClipNormFromTerms(const std::vector<at::Tensor>& terms, double max_norm
   // All on the device: no host synchronisation (the caller may read the norm when it logs).
   ClipNorm clip;
   clip.norm = sum_sq.sqrt();
-  clip.coef = (max_norm / (clip.norm + 1e-6)).clamp_max(1.0);
+  if (max_norm != kNoClipping) clip.coef = (max_norm / (clip.norm + 1e-6)).clamp_max(1.0);
   return clip;
 }
 
@@ -501,6 +501,8 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
                                c10::Device device, ProcessGroup* sum_over) {
   at::NoGradGuard no_grad;
   const ClipNorm clip = ClipNormFromTerms(ClipNormTerms(grads), max_norm, device, sum_over);
+  // No clipping: a multiplication by 1 would read and write every gradient for nothing.
+  if (!clip.coef.defined()) return clip.norm;
   if (grads.empty() || !grads.front().is_cuda()) {
     for (const at::Tensor& g : grads) g.mul_(clip.coef.to(g.scalar_type()));
     return clip.norm;
@@ -546,7 +548,7 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
       if (!terms[i].defined()) terms[i] = ClipNormTerms({grads[i]}).front();
     }
     const ClipNorm clip = ClipNormFromTerms(terms, max_norm, where, sum_over);
-    ctx_.offload->DeferClipMultiply(with_grad, clip.coef);
+    if (clip.coef.defined()) ctx_.offload->DeferClipMultiply(with_grad, clip.coef);
     return clip.norm.to(ctx_.device, /*non_blocking=*/true);
   }
   return ClipGradientsByNorm(grads, max_norm, where, sum_over)

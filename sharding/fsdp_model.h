@@ -23,6 +23,7 @@
 #pragma once
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -59,8 +60,10 @@ struct MemoryStats {
 
 // Scales `grads` in place so that their global 2-norm is at most `max_norm` (coefficient
 // min(max_norm / (norm + 1e-6), 1), as torch.nn.utils.clip_grad_norm_) and returns the norm
-// before clipping as a 0-dim fp32 tensor on `device`: no host synchronisation. `sum_over`, when
+// before clipping as a 0-dim fp32 tensor on `device`: no host synchronisation. A `max_norm` of
+// kNoClipping computes the norm only (the trainer logs it) and leaves `grads` untouched. `sum_over`, when
 // given, sums the squares over that group (ranks holding disjoint pieces of the gradients).
+inline constexpr double kNoClipping = std::numeric_limits<double>::infinity();
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
                                c10::Device device, ProcessGroup* sum_over);
 // Its two halves, for gradients whose terms are computed apart (Note [Deferred gradient
@@ -70,7 +73,7 @@ at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_
 std::vector<at::Tensor> ClipNormTerms(const std::vector<at::Tensor>& grads);
 struct ClipNorm {
   at::Tensor norm;  // before clipping
-  at::Tensor coef;  // min(max_norm / (norm + 1e-6), 1)
+  at::Tensor coef;  // min(max_norm / (norm + 1e-6), 1); undefined for kNoClipping
 };
 ClipNorm ClipNormFromTerms(const std::vector<at::Tensor>& terms, double max_norm,
                            c10::Device device, ProcessGroup* sum_over);

@@ -1401,9 +1401,8 @@ TEST(CostModelTest, DeviceStepCountsItsBytes) {
   EXPECT_NEAR(optimizer_s("h100", one, {"optimizer.implementation=per_tensor"}),
               p * (4 + 8 + 88) / bw, 1e-12);
   EXPECT_NEAR(optimizer_s("h100", one, {"optimizer.name=sgd"}), p * (4 + 8 + 20) / bw, 1e-12);
-  // Clipping off: the trainer still computes the norm and multiplies by 1.
-  EXPECT_NEAR(optimizer_s("h100", one, {"training.max_grad_norm=0"}), p * (4 + 8 + 28) / bw,
-              1e-12);
+  // Clipping off: the trainer still computes the norm (it logs it), but multiplies nothing.
+  EXPECT_NEAR(optimizer_s("h100", one, {"training.max_grad_norm=0"}), p * (4 + 28) / bw, 1e-12);
   // Two shards: each rank's half, and the reduction's division and write (fp32 reduce).
   const Layout two = {Strategy::kFullShard, 1, 2};
   EXPECT_NEAR(optimizer_s("h100", two, {"training.grad_accum_steps=1"}),
