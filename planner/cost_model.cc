@@ -22,10 +22,9 @@ constexpr double kActivationTrafficPasses = 4;
 // (DeviceStepBytesPerParam). The norm runs every step, as the trainer logs it: it reads each
 // gradient (_foreach_norm on CUDA; on a CPU each gradient's square is a temporary, written and
 // read: 12). With clipping on (training.max_grad_norm > 0) the multiplication by the
-// coefficient reads and writes it.
+// coefficient reads and writes it (kClipMultiplyBytesPerParam, below).
 constexpr double kDeviceNormBytesPerParam = 4;
 constexpr double kCpuNormBytesPerParam = 12;
-constexpr double kClipMultiplyBytesPerParam = 8;
 // The update (Note [Fused optimizer steps] in engine/optimizer.cc): ATen's fused Adam(W)
 // reads the parameter, gradient and both moments and writes three back; the foreach ops (and
 // libtorch's per-tensor step, the same arithmetic) make nine passes: AdamW's decay (8), each
@@ -45,13 +44,14 @@ constexpr double kFinishDivisionPasses = 2;
 // parameter, gradient and both moments and writes three of them back (28 bytes), clipping
 // reads the gradient (4).
 constexpr double kHostOptimizerBytesPerParam = 32;
-// Clipping's multiplication of an fp32 gradient on the host (offload optimizer, or a gradient
-// summed on the host): reads and writes it. Not counted before 2026-11-28, when the H100
-// machine's runs of those (stop 30) were predicted 2-6% short: offload optimizer 553 ms against
-// 590 measured, offload params 1384 against 1453, units kept 1267 against 1298; 8 bytes per
-// parameter of llama_1b at 150 GB/s are 51 ms. A bf16 gradient that lands alone is multiplied in
-// the step's slices: that case was predicted 5% long without it (635 ms against 603).
-constexpr double kHostClipMultiplyBytesPerParam = 8;
+// Clipping's multiplication of an fp32 gradient reads and writes it: on the device without
+// offload, and on the host with it (offload optimizer, or a gradient summed on the host). On
+// the host it was not counted before 2026-11-28, when the H100 machine's runs of those (stop
+// 30) were predicted 2-6% short: offload optimizer 553 ms against 590 measured, offload params
+// 1384 against 1453, units kept 1267 against 1298; 8 bytes per parameter of llama_1b at 150
+// GB/s are 51 ms. A bf16 gradient that lands alone is multiplied in the step's slices: that
+// case was predicted 5% long without it (635 ms against 603).
+constexpr double kClipMultiplyBytesPerParam = 8;
 // Bytes per parameter of each extra micro-batch's gradient accumulated on the host (offload
 // params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
 // writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
@@ -509,9 +509,9 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   // parameters alias their shards, and an fp32 gradient becomes its shard's gradient (counted
   // in the gradients), so neither has a copy, and there is no reduce buffer.
   const bool one_shard = s == 1 && r == 1;
-  const bool aliased = one_shard && cb == 4;
   // A shard axis of 1 (DDP too) gathers nothing: fp32 parameters are their shards' storage.
   const bool params_aliased = s == 1 && cb == 4;
+  const bool aliased = params_aliased && r == 1;
   // Offload params with one shard loads each shard in the compute dtype, and the unsharded
   // parameters alias it (Note [CPU offload] in sharding/offload.h): counted in mem.params.
   const bool loaded_is_gathered = one_shard && offload == Offload::kParams && loaded_bytes == cb;
@@ -606,9 +606,9 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const double finish_s = step_bw > 0 ? real / n * finish_bytes / step_bw : 0;
   double host_step_s = 0;  // offload: the optimizer step (and refresh) on the host
   double accumulate_s = 0;  // offload: the host's additions and conversions of gradients
+  const bool clips = config.training.max_grad_norm > 0;
   if (offload == Offload::kNone) {
-    const double step_bytes = DeviceStepBytesPerParam(
-        config.optimizer, config.training.max_grad_norm > 0, cpu_profile);
+    const double step_bytes = DeviceStepBytesPerParam(config.optimizer, clips, cpu_profile);
     time.optimizer_s = finish_s + (step_bw > 0 ? real / n * step_bytes / step_bw : 0);
   } else {
     // The step, plus each extra micro-batch's gradient accumulated on the host (HSDP and
@@ -624,7 +624,6 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     // clipping's read and the fused step (kHostOptimizerBytesPerParam), the refresh's cast; the
     // overlapped step's slices of those moved what the separate passes did on the H100 machine
     // (416 ms for llama_1b's host step against ~440), so the same bytes are counted either way.
-    const bool clips = config.training.max_grad_norm > 0;
     const double loaded_copy = offload == Offload::kParams && loaded_bytes < 4 ? loaded_bytes : 0;
     // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
     // the optimizer; the first gradient's conversion stays ATen's cast.
@@ -654,7 +653,7 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
     } else {
       // Offload params with a narrower compute dtype: the cast of the shards after the step;
       // an fp32 gradient's clipping multiplication, a pass of its own.
-      const double multiply = lands_narrow_alone || !clips ? 0 : kHostClipMultiplyBytesPerParam;
+      const double multiply = lands_narrow_alone || !clips ? 0 : kClipMultiplyBytesPerParam;
       step_bytes = real / n * (kHostOptimizerBytesPerParam + multiply) +
                    (loaded_copy > 0 ? padded_total / n * (4 + loaded_copy) * kHostCastCost : 0);
     }

@@ -61,8 +61,9 @@ struct MemoryStats {
 // Scales `grads` in place so that their global 2-norm is at most `max_norm` (coefficient
 // min(max_norm / (norm + 1e-6), 1), as torch.nn.utils.clip_grad_norm_) and returns the norm
 // before clipping as a 0-dim fp32 tensor on `device`: no host synchronisation. A `max_norm` of
-// kNoClipping computes the norm only (the trainer logs it) and leaves `grads` untouched. `sum_over`, when
-// given, sums the squares over that group (ranks holding disjoint pieces of the gradients).
+// kNoClipping computes the norm only (the trainer logs it) and leaves `grads` untouched.
+// `sum_over`, when given, sums the squares over that group (ranks holding disjoint pieces of
+// the gradients).
 inline constexpr double kNoClipping = std::numeric_limits<double>::infinity();
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
                                c10::Device device, ProcessGroup* sum_over);

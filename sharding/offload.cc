@@ -549,11 +549,8 @@ std::optional<at::Tensor> HostOffload::ClipDeferred(const std::vector<FsdpParam*
     return std::nullopt;
   }
   const ClipNorm clip = ClipNormFromTerms(terms, max_norm, device, /*sum_over=*/nullptr);
-  if (!clip.coef.defined()) {  // no clipping: the deferred gradients are converted unscaled
-    clip_scale_host_ = at::Tensor();
-    clip_scale_ready_.reset();
-    return clip.norm;
-  }
+  // No clipping: clipped_ stays false, so the deferred gradients are converted unscaled.
+  if (!clip.coef.defined()) return clip.norm;
   if (device.is_cuda()) {
     // A new pinned scalar each time: a delayed update may still read the last one (Note
     // [Delayed parameter update]; the caching host allocator reuses it once that is done).
