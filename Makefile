@@ -8,6 +8,8 @@
 #                of make test: a build from scratch and a slower suite); reports also land in
 #                build-asan/sanitizer-logs/ (every rank's process writes its own);
 #                SANITIZE=thread: with ThreadSanitizer instead, in build-tsan
+#   make format  clang-format -i (the repo's .clang-format) on the .cc/.h/.cu files changed
+#                since main: committed on this branch and not yet committed
 #   make clean   remove the build folder
 # Knobs: BUILD_DIR, JOBS, CTEST_ARGS (e.g. CTEST_ARGS="-L unit"), FSDP_TORCH_DIR (skip the
 # wheel install and use this site-packages/torch), FSDP_CUDA_MODE=auto|on|off.
@@ -16,7 +18,7 @@ JOBS ?= $(shell nproc)
 CTEST_ARGS ?=
 FSDP_CUDA_MODE ?= auto
 
-.PHONY: all build test train bootstrap configure clean gpu-check sanitize-test
+.PHONY: all build test train bootstrap configure clean gpu-check sanitize-test format
 
 all: build
 
@@ -76,6 +78,14 @@ sanitize-test: bootstrap
 	rc=$$?; reports=$$(ls $(SANITIZE_LOGS)); \
 	for f in $$reports; do echo "==== $(SANITIZE_LOGS)/$$f"; head -40 "$(SANITIZE_LOGS)/$$f"; done; \
 	[ $$rc -eq 0 ] && [ -z "$$reports" ]
+
+# Files changed in commits not yet on main and in the working tree, that still exist.
+format:
+	@command -v clang-format >/dev/null || { echo "clang-format not found: apt-get install clang-format"; exit 1; }
+	@files=$$( { git diff --name-only main...HEAD; git diff --name-only HEAD; } | sort -u | \
+	  grep -E '\.(cc|h|cu)$$' | while read -r f; do [ -f "$$f" ] && echo "$$f"; done); \
+	if [ -z "$$files" ]; then echo "make format: no changed .cc/.h/.cu files"; \
+	else echo "$$files" | xargs clang-format -i --style=file && echo "$$files" | sed 's/^/formatted: /'; fi
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).bootstrap.out
