@@ -14,6 +14,7 @@ constexpr std::array kAllKnobs = {
     kGlooSocketIfname, kOmpNumThreads,      kCheckpointCrashAfterWrite,
     kPython,           kTestVerbose,        kProgressFile,
     kFailureDir,       kOffloadStepSlice,   kOffloadHostPass,   kOffloadHostThreads,
+    kOffloadOverlapStep, kOffloadComputeCopy,
     kTestSigstop,      kTestSigterm,        kTestNonFinite,
 };
 

@@ -132,6 +132,24 @@ inline constexpr EnvKnob kOffloadHostThreads{
     "at::get_num_threads() (OMP_NUM_THREADS; the launcher gives each rank cores / ranks)",
     "an integer in 1..1024", "sharding/offload.cc"};
 
+// FSDP_OFFLOAD_OVERLAP_STEP: debugging switch for offload's overlapped host step (Note
+// [Overlapped host step] in engine/trainable.cc), read by ShardingPlanFor.
+inline constexpr EnvKnob kOffloadOverlapStep{
+    "FSDP_OFFLOAD_OVERLAP_STEP",
+    "0 runs offload's host optimizer step on the training thread before the next forward "
+    "instead of a unit at a time beside it (the same values bit for bit; for debugging and "
+    "for measuring the overlap); not with parallelism.offload_delayed_update",
+    "1", "0, 1", "engine/config.cc"};
+
+// FSDP_OFFLOAD_COMPUTE_COPY: forces offload params' compute-dtype host copy (Note [Compute
+// copy] in sharding/offload_plan.h), read by ShardingPlanFor.
+inline constexpr EnvKnob kOffloadComputeCopy{
+    "FSDP_OFFLOAD_COMPUTE_COPY",
+    "1 keeps, 0 drops offload params' compute-dtype copy of each shard on the host (2 bytes "
+    "per parameter of host memory against twice the host->device bytes; the same values); "
+    "unset, it is kept unless host memory only fits without it",
+    "unset (automatic)", "0, 1", "engine/config.cc"};
+
 // FSDP_TEST_SIGSTOP: fault injection for the watchdog tests.
 inline constexpr EnvKnob kTestSigstop{
     "FSDP_TEST_SIGSTOP",

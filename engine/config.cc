@@ -23,6 +23,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/env_knobs.h"
 #include "common/status.h"
 #include "common/strings.h"
 #include "device_mesh/mesh_shape.h"
@@ -316,6 +317,53 @@ ChoiceField OptimizerImplementationField(OptimizerImplementation* field) {
   return Enum(field, std::move(table));
 }
 
+ChoiceField DelayedUpdateField(DelayedUpdate* field) {
+  return {[field](const std::string& text) -> std::optional<std::string> {
+            if (text == "off" || text == "on") {
+              *field = {.enabled = text == "on", .after = 0};
+              return std::nullopt;
+            }
+            std::optional<int64_t> n;
+            if (StartsWith(text, "after:")) n = ParseInt<int64_t>(std::string_view(text).substr(6));
+            if (!n || *n < 0) {
+              const bool boolean = text == "true" || text == "false";
+              return StrCat(NotValid(text, {"off", "on"},
+                                    "off, on, after:N (the first N >= 0 steps undelayed)"),
+                            boolean ? StrCat(" (write ", text == "true" ? "on" : "off", ")") : "");
+            }
+            *field = {.enabled = true, .after = *n};
+            return std::nullopt;
+          },
+          [field]() -> std::string {
+            if (!field->enabled) return "off";
+            return field->after == 0 ? std::string("on") : StrCat("after:", field->after);
+          }};
+}
+
+// Keys that no longer exist, with what replaces them: an old config fails naming the new way.
+struct RemovedKey {
+  std::string_view key;
+  std::string_view replacement;
+};
+constexpr RemovedKey kRemovedKeys[] = {
+    {"parallelism.offload_overlap_step",
+     "was removed: the overlapped host step is always on (the same values bit for bit); "
+     "FSDP_OFFLOAD_OVERLAP_STEP=0 turns it off for debugging"},
+    {"parallelism.offload_compute_copy",
+     "was removed: offload params keeps the compute-dtype copy on the host unless host memory "
+     "only fits without it (the start line prints the choice); FSDP_OFFLOAD_COMPUTE_COPY=0|1 "
+     "forces it for debugging"},
+    {"parallelism.offload_delayed_update_warmup",
+     "was removed: write parallelism.offload_delayed_update: after:N"},
+};
+
+std::optional<std::string_view> RemovedKeyReplacement(std::string_view key) {
+  for (const RemovedKey& removed : kRemovedKeys) {
+    if (removed.key == key) return removed.replacement;
+  }
+  return std::nullopt;
+}
+
 // The schema: every section and key, in the order ToYaml writes them, pointing into `c`.
 std::vector<Section> Sections(RunConfig& c) {
   return {
@@ -392,10 +440,7 @@ std::vector<Section> Sections(RunConfig& c) {
         {"backend", Enum(&c.parallelism.backend, CudaBackends())},
         {"cpu_collectives", Enum(&c.parallelism.cpu_collectives, CpuCollectivesNames())},
         {"offload", Enum(&c.parallelism.offload, OffloadNames())},
-        {"offload_overlap_step", &c.parallelism.offload_overlap_step},
-        {"offload_delayed_update", &c.parallelism.offload_delayed_update},
-        {"offload_delayed_update_warmup", &c.parallelism.offload_delayed_update_warmup},
-        {"offload_compute_copy", &c.parallelism.offload_compute_copy},
+        {"offload_delayed_update", DelayedUpdateField(&c.parallelism.offload_delayed_update)},
         {"collective_timeout_s", &c.parallelism.collective_timeout_s}}},
       {"metrics",
        {{"jsonl", &c.metrics.jsonl},
@@ -580,6 +625,9 @@ class Parser {
         std::string field_at = At(name_, field_key.Mark());
         Field* field = FindField(*section, field_name);
         if (field == nullptr) {
+          if (auto replacement = RemovedKeyReplacement(path)) {
+            return Invalid(field_at, path, *replacement);
+          }
           return Invalid(field_at, path,
                          UnknownName("unknown key", field_name, KeyNames(*section)));
         }
@@ -613,6 +661,7 @@ class Parser {
     std::string key = StrCat(section_name, ".", field_name);
     Field* field = FindField(*section, field_name);
     if (field == nullptr) {
+      if (auto replacement = RemovedKeyReplacement(key)) return Invalid(at, key, *replacement);
       return Invalid(at, key, UnknownName("unknown key", field_name, KeyNames(*section)));
     }
     YAML::Node value;
@@ -846,25 +895,11 @@ absl::Status Validate(const RunConfig& c, const Locations& where) {
       "or no_shard on one rank",
       {"parallelism.strategy"}));
   FSDP_RETURN_IF_ERROR(v.Check(
-      !c.parallelism.offload_delayed_update || c.parallelism.offload != Offload::kNone,
+      !c.parallelism.offload_delayed_update.enabled || c.parallelism.offload != Offload::kNone,
       "parallelism.offload_delayed_update",
       "needs parallelism.offload: optimizer or params (it delays the host's update); set it "
-      "false, or offload",
+      "off, or offload",
       {"parallelism.offload"}));
-  FSDP_RETURN_IF_ERROR(v.Check(
-      !c.parallelism.offload_delayed_update || c.parallelism.offload_overlap_step,
-      "parallelism.offload_delayed_update",
-      "needs parallelism.offload_overlap_step: true (the delayed update is an overlapped step "
-      "that the next step does not wait for)",
-      {"parallelism.offload_overlap_step"}));
-  FSDP_RETURN_IF_ERROR(v.Check(
-      c.parallelism.offload_compute_copy || !c.parallelism.offload_delayed_update,
-      "parallelism.offload_compute_copy",
-      "false cannot go with parallelism.offload_delayed_update: true (the next step loads the "
-      "copies while the delayed update writes the masters); set one of them to its default",
-      {"parallelism.offload_delayed_update"}));
-  FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("parallelism.offload_delayed_update_warmup",
-                                          c.parallelism.offload_delayed_update_warmup, 0));
   FSDP_RETURN_IF_ERROR(v.AtLeast<int64_t>("checkpoint.interval", c.checkpoint.interval, 0));
   return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
@@ -1113,6 +1148,21 @@ const char* StrategyLabel(const std::optional<Strategy>& strategy) {
   return strategy ? StrategyName(*strategy) : "none";
 }
 
+namespace {
+
+// A 0/1 debugging knob: nullopt when unset.
+absl::StatusOr<std::optional<bool>> BinaryKnob(const EnvKnob& knob) {
+  std::optional<std::string> value = GetEnvKnob(knob);
+  if (!value) return std::optional<bool>();
+  if (*value != "0" && *value != "1") {
+    return absl::InvalidArgumentError(
+        StrCat(knob.name, "=", *value, " is not valid; valid: ", knob.valid));
+  }
+  return std::optional<bool>(*value == "1");
+}
+
+}  // namespace
+
 absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy strategy,
                                              int shard_degree) {
   ShardingPlan plan;
@@ -1143,9 +1193,22 @@ absl::StatusOr<ShardingPlan> ShardingPlanFor(const RunConfig& config, Strategy s
   options.max_unsharded_units = static_cast<int>(config.parallelism.max_unsharded_units);
   options.activation_checkpointing = config.training.activation_checkpointing;
   options.offload = config.parallelism.offload;
-  options.offload_overlap_step = config.parallelism.offload_overlap_step;
-  options.offload_delayed_update = config.parallelism.offload_delayed_update;
-  options.offload_compute_copy = config.parallelism.offload_compute_copy;
+  options.offload_delayed_update = config.parallelism.offload_delayed_update.enabled;
+  FSDP_ASSIGN_OR_RETURN(std::optional<bool> overlap, BinaryKnob(kOffloadOverlapStep));
+  options.offload_overlap_step = overlap.value_or(true);
+  FSDP_ASSIGN_OR_RETURN(std::optional<bool> copy, BinaryKnob(kOffloadComputeCopy));
+  options.offload_compute_copy =
+      !copy ? ComputeCopy::kAuto : *copy ? ComputeCopy::kKeep : ComputeCopy::kDrop;
+  if (options.offload_delayed_update && (!options.offload_overlap_step || copy == false)) {
+    return absl::InvalidArgumentError(StrCat(
+        "parallelism.offload_delayed_update cannot go with ",
+        !options.offload_overlap_step
+            ? StrCat(kOffloadOverlapStep.name, "=0 (the delayed update is an overlapped step)")
+            : StrCat(kOffloadComputeCopy.name,
+                     "=0 (the next step loads the copies while the delayed update writes the "
+                     "masters)"),
+        "; unset the variable or set the key off"));
+  }
   options.reshard_between_micro_batches = config.parallelism.reshard_between_micro_batches;
   const TrainingSection& t = config.training;
   if (t.mixed_precision == Precision::kBf16) {

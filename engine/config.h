@@ -76,6 +76,16 @@ struct UnitPolicy {
   bool operator==(const UnitPolicy&) const = default;
 };
 
+// parallelism.offload_delayed_update: off, on (from the first step) or after:N (the first N
+// steps undelayed).
+struct DelayedUpdate {
+  bool enabled = false;
+  int64_t after = 0;  // the first delayed step (0-based); enabled only
+  // Whether the update of 0-based `step` may run through the next step.
+  bool At(int64_t step) const { return enabled && step >= after; }
+  bool operator==(const DelayedUpdate&) const = default;
+};
+
 struct RunSection {
   std::string name = "default";
   std::string dir = "runs/default";  // output folder: resolved config, metrics.jsonl
@@ -164,19 +174,11 @@ struct ParallelismSection {
   CpuCollectives cpu_collectives = CpuCollectives::kP2p;
   // none | optimizer | params: what lives in host memory (sharding/options.h: Offload).
   Offload offload = Offload::kNone;
-  // With offload: the host optimizer step overlaps the next forward, a unit at a time
-  // (FsdpOptions::offload_overlap_step); false: it runs before the next forward.
-  bool offload_overlap_step = true;
-  // With offload: from step offload_delayed_update_warmup on, the host's update of each step
-  // runs through the next step, which uses the parameters from before it (one step stale;
-  // DeepSpeed's delayed parameter update). Checkpoints, evaluations and the end of training
-  // see every update (sharding/offload.h: Note [Delayed parameter update]).
-  bool offload_delayed_update = false;
-  int64_t offload_delayed_update_warmup = 0;
-  // Offload params with a compute dtype narrower than fp32: the host keeps each shard cast to
-  // it and loads that (half the host->device bytes, 2 bytes per parameter of host memory);
-  // false loads the fp32 masters and the device casts them (FsdpOptions::offload_compute_copy).
-  bool offload_compute_copy = true;
+  // off | on | after:N: with offload, the host's update of each step runs through the next step,
+  // which uses the parameters from before it (one step stale; DeepSpeed's delayed parameter
+  // update), from step N on (on: N = 0). Checkpoints, evaluations and the end of training see
+  // every update (sharding/offload.h: Note [Delayed parameter update]).
+  DelayedUpdate offload_delayed_update;
   // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
   // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.
   int64_t collective_timeout_s = 600;

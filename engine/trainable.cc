@@ -30,7 +30,7 @@ namespace {
 // loads (Checkpointer), CopyShardsToDevice, the end of training (TrainableModel::FinishStep);
 // evaluation forwards wait unit by unit like training ones. Costs: none in memory; rank_stats'
 // offload section says how much of the host's step the forward hid (host_step_ms against
-// step_wait_ms, the training thread's wait). parallelism.offload_overlap_step: false steps in
+// step_wait_ms, the training thread's wait). FSDP_OFFLOAD_OVERLAP_STEP=0 (debugging) steps in
 // place (the step's time is then all exposed: optimizer_step_ms).
 
 class FsdpTrainable final : public TrainableModel {

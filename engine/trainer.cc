@@ -707,6 +707,14 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
         config.model.arch, model->NumParameters(), model->FlopsPerToken(), dataset->Describe(),
         world * t.micro_batch_size * t.grad_accum_steps * config.model.seq_len, attention,
         KernelsLabel(config.model.kernels, device));
+    if (const FsdpModel* sharded = trained->fsdp();
+        sharded != nullptr && sharded->offload_compute_copy()) {
+      const ComputeCopyChoice& copy = *sharded->offload_compute_copy();
+      std::cout << fmt::format(
+          "fsdp train: offload params {} a {} copy of each shard on the host ({})
+",
+          copy.keep ? "keeps" : "keeps no", PrecisionName(t.mixed_precision), copy.reason);
+    }
     std::cout.flush();
   }
 
@@ -755,8 +763,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     metrics.BeginStep();
     const int64_t epoch = loader.position().epoch;
     // See Note [Delayed parameter update] (sharding/offload.h).
-    const bool delayed = config.parallelism.offload_delayed_update &&
-                         step >= config.parallelism.offload_delayed_update_warmup;
+    const bool delayed = config.parallelism.offload_delayed_update.At(step);
     const bool poisoned = nonfinite_at == std::pair<int, int64_t>{rank, done};
     FSDP_ASSIGN_OR_RETURN(StepOutput out, TrainStep(*model, *trained, *optimizer, loader, t,
                                                     device, delayed, poisoned));
@@ -813,7 +820,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
     }
     if (eval_due) {
       // A delayed update is visible to evaluations (and to the steps after them).
-      if (config.parallelism.offload_delayed_update) trained->FinishStep();
+      if (config.parallelism.offload_delayed_update.enabled) trained->FinishStep();
       FSDP_ASSIGN_OR_RETURN(double val_loss,
                             Evaluate(*model, loader, t.eval_batches, ctx->world(), device));
       metrics.RecordEval(done, val_loss);

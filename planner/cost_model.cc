@@ -327,7 +327,7 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     (cb bytes per parameter of padded shard, pinned), cast afresh after every step (4 + cb
 //     bytes of host memory traffic; the overlapped step's slices cost the same, measured),
 //     and that copy is what moves and what the device holds: cb bytes per parameter instead
-//     of 4 (parallelism.offload_compute_copy false: no copy, 4 move, the device casts).
+//     of 4 (without the copy, Note [Compute copy]: 4 move, the device casts).
 //     Gradient shards go to the host every micro-batch that reduces (fp32; with one shard and
 //     an exact cast to the reduce dtype, in the compute dtype: cb bytes, landing in cb more
 //     bytes per parameter of pinned host memory), and a host thread adds them
@@ -340,13 +340,13 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 // directions overlap); a unit's copy hides behind the previous unit's compute like a prefetched
 // all-gather (exposed: the first unit's, and what a copy takes beyond its unit's compute); the
 // host step at its bytes per parameter (the optimizer's one loop's or ATen's passes', below)
-// over the node's host memory bandwidth shared by its ranks. With
-// parallelism.offload_overlap_step (the default; Note [Overlapped host step] in
+// over the node's host memory bandwidth shared by its ranks. With the overlapped step (the
+// default; FSDP_OFFLOAD_OVERLAP_STEP=0 turns it off; Note [Overlapped host step] in
 // engine/trainable.cc) the host steps the units in forward order while the next
 // forward runs, each unit's forward waiting for its own step: exposed are the root's and the
 // first block's steps and what each later block's step takes beyond that block's forward;
 // without it, and on a CPU profile (one pool of cores for both), all of the step. With
-// parallelism.offload_delayed_update the step and the next step's gradient conversions run
+// parallelism.offload_delayed_update on the step and the next step's gradient conversions run
 // behind the whole next step (exposed: beyond the device's compute, communication and copies),
 // for a second loaded copy (cb bytes per parameter of padded shard; fp32 compute: 8) and landing
 // buffer (cb) of pinned host memory with offload params.
@@ -361,8 +361,12 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
   return PredictCounted(request, layout, CountedModel::Of(request.config.model));
 }
 
-absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layout& layout,
-                                          const CountedModel& counted) {
+namespace {
+
+// The prediction with or without offload params' compute copy on the host; with it, also the
+// engine's choice from the host memory predicted (Note [Compute copy], sharding/offload_plan.h).
+absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Layout& layout,
+                                           const CountedModel& counted, bool keep_copy) {
   const RunConfig& config = request.config;
   const Hardware& hw = request.hw;
   const int world = request.world_size;
@@ -403,9 +407,8 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const double cb = BytesOf(t.mixed_precision);  // compute (unsharded) dtype
   const double rb = BytesOf(t.reduce_dtype);     // gradient collectives
   // Offload params: bytes per parameter of each shard loaded to the device (Note [Offload]):
-  // the compute dtype's copy, or without one (parallelism.offload_compute_copy false) the fp32
-  // master.
-  const double loaded_bytes = sharding.options.offload_compute_copy ? std::min(4.0, cb) : 4.0;
+  // the compute dtype's copy, or without one (Note [Compute copy]) the fp32 master.
+  const double loaded_bytes = keep_copy ? std::min(4.0, cb) : 4.0;
   const double n = s;
   // parallelism.reshard_between_micro_batches false (Note [Keeping parameters across
   // micro-batches] in sharding/fsdp_model.h): every unit gathered once per step and kept
@@ -569,6 +572,14 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   const bool host_fits = cpu_profile || host_total <= host_usable;
   p.fits = device_fits && host_fits;
   p.host_fits = host_fits;
+  if (offload == Offload::kParams && cb < 4 && keep_copy) {
+    const double copy_bytes = padded_total / n * loaded_bytes;
+    p.compute_copy = ChooseComputeCopy({.requested = sharding.options.offload_compute_copy,
+                                        .delayed_update = sharding.options.offload_delayed_update,
+                                        .host_bytes_without = host_total - copy_bytes,
+                                        .copy_bytes = copy_bytes,
+                                        .host_available = cpu_profile ? 0 : host_usable});
+  }
 
   // --- time ---------------------------------------------------------------------------------
   TimeBreakdown& time = p.time;
@@ -797,6 +808,19 @@ absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layo
   } else if (time.exposed_copy_s > 0.2 * time.step_s) {
     p.note = "host-copy-bound";
   }
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layout& layout,
+                                          const CountedModel& counted) {
+  FSDP_ASSIGN_OR_RETURN(Prediction p,
+                        PredictWithCopy(request, layout, counted, /*keep_copy=*/true));
+  if (!p.compute_copy || p.compute_copy->keep) return p;
+  const ComputeCopyChoice choice = *p.compute_copy;
+  FSDP_ASSIGN_OR_RETURN(p, PredictWithCopy(request, layout, counted, /*keep_copy=*/false));
+  p.compute_copy = choice;
   return p;
 }
 

@@ -159,9 +159,7 @@ std::vector<int64_t> DivisorsBelow(int64_t n, int64_t below) {
 // predicts to fit, each tried on the whole search: a smaller micro-batch with more accumulation
 // steps for exactly the same batch (the largest divisor of micro-batch x accumulation steps
 // below the micro-batch that fits), bf16 (only for an fp32 configuration), more ranks (up to
-// kMaxWorldGrowth x, whole nodes), offload params without its bf16 host copies
-// (parallelism.offload_compute_copy false: when host memory is what does not fit), one unit
-// gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving).
+// kMaxWorldGrowth x, whole nodes), one unit gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving).
 // When none of them alone fits it tries micro-batch 1 with bf16, and otherwise names the
 // largest part of the smallest run (activations, gathered units, model state or host memory)
 // and what shrinks it: a smaller model, a device with at least the memory the smallest run
@@ -226,20 +224,6 @@ absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Predic
           StrCat("--world-size ", r.world_size, " (", r.world_size / r.gpus_per_node,
                  r.world_size / r.gpus_per_node == 1 ? " node)" : " nodes)"));
       break;
-    }
-  }
-  // Offload params without its host copies in the compute dtype: less host memory.
-  const ParallelismSection& par = request.config.parallelism;
-  if (par.offload_compute_copy && !par.offload_delayed_update &&
-      t.mixed_precision != Precision::kFp32) {
-    PlanRequest r = request;
-    r.config.parallelism.offload_compute_copy = false;
-    FSDP_ASSIGN_OR_RETURN(bool fits, AnyFits(r));
-    if (fits) {
-      helps.push_back(
-          "--set parallelism.offload_compute_copy=false (offload params keeps no bf16 copy of "
-          "the shards on the host: 2 bytes per parameter less host memory, twice the "
-          "host->device bytes)");
     }
   }
   if (request.config.parallelism.max_unsharded_units > 1) {
@@ -342,7 +326,7 @@ namespace {
 // (Note [Keeping parameters across micro-batches]), and training.grad_sync: last sums the
 // micro-batches' unsharded gradients on the device in the compute dtype and reduces and sends
 // them once (Note [No-sync accumulation]: other roundings). And with any offload the opt-in
-// delayed update (parallelism.offload_delayed_update: parameters one step stale; Note [Delayed
+// delayed update (parallelism.offload_delayed_update: on; parameters one step stale; Note [Delayed
 // parameter update] in sharding/offload.h) takes the host's step out of the step's critical
 // path. The search does not vary them (they are not layouts, and they change the arithmetic),
 // so when best offloads the recommendation says what they would give on its layout, when that
@@ -398,14 +382,14 @@ std::string OffloadHint(const PlanRequest& request, const Prediction& best,
         Milliseconds(fastest.time.step_s), Milliseconds(best.time.step_s),
         Gib(fastest.memory.total, 2), Gib(best.memory.total, 2), what);
   }
-  if (!config.parallelism.offload_delayed_update && config.parallelism.offload_overlap_step &&
-      config.parallelism.offload_compute_copy) {  // the delayed update loads the copies
+  if (!config.parallelism.offload_delayed_update.enabled) {
     PlanRequest r = chosen_request;
-    r.config.parallelism.offload_delayed_update = true;
+    r.config.parallelism.offload_delayed_update = {.enabled = true};
+    // Not ok where a debugging knob rules the delayed update out (ShardingPlanFor says why).
     absl::StatusOr<Prediction> p = PredictCounted(r, best.layout, model);
     if (p.ok() && p->fits && p->time.step_s < (1 - kSpeedTie) * fastest.time.step_s) {
       hint += fmt::format(
-          "\n(opt in, with offload {}{}: --set parallelism.offload_delayed_update=true predicts "
+          "\n(opt in, with offload {}{}: --set parallelism.offload_delayed_update=on predicts "
           "{} ms per step instead of {}, {} GiB of host memory per rank "
           "instead of {}: each step uses the parameters from before the previous step's "
           "update, one step stale, while the host runs it; see docs/offload.md)",

@@ -26,8 +26,8 @@
 # the script itself, measures nothing), GPU_CHECK_BIG_CONFIG (default
 # configs/llama3_8b_one_gpu.yaml), GPU_CHECK_BIG_LAYERS (default 20: 5.4B parameters, 80.7 GiB
 # of host memory by `fsdp plan`, which a 128 GiB host holds; the full 32 layers need 119.7 GiB)
-# and GPU_CHECK_BIG_COPY (default true; false: parallelism.offload_compute_copy=false, 14
-# instead of 16 bytes per parameter: 104.7 GiB for 32 layers) for big_1gpu, GPU_CHECK_KERNELS
+# and GPU_CHECK_BIG_COPY (unset: automatic; 0 or 1: FSDP_OFFLOAD_COMPUTE_COPY, 0 keeps no bf16
+# copy, 14 instead of 16 bytes per parameter: 104.7 GiB for 32 layers) for big_1gpu, GPU_CHECK_KERNELS
 # (auto, fused, composite: model.kernels for every run; default auto, or composite when a
 # fused-kernel GPU test failed).
 # Before the stages, when an offload stage is among them, it runs `fsdp plan --calibrate-host`
@@ -324,10 +324,10 @@ mb8=(--set training.micro_batch_size=8 --set training.grad_accum_steps=1)
 # device until the last one sends them (training.grad_sync: last, Note [No-sync accumulation]).
 keep_last=(--set parallelism.reshard_between_micro_batches=false --set training.grad_sync=last)
 params_last=(--set parallelism.offload=params "${keep_last[@]}")
-delayed=(--set parallelism.offload_delayed_update=true)  # Note [Delayed parameter update]
+delayed=(--set parallelism.offload_delayed_update=on)  # Note [Delayed parameter update]
 big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
-big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}"
-     --set parallelism.offload_compute_copy="${GPU_CHECK_BIG_COPY:-true}")
+big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
+[ -n "${GPU_CHECK_BIG_COPY:-}" ] && export FSDP_OFFLOAD_COMPUTE_COPY="$GPU_CHECK_BIG_COPY"
 # The planner's predictions that the table sets beside issue 14's runs.
 plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"

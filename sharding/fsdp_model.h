@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,6 +36,7 @@
 #include "device_mesh/device_mesh.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_unit.h"
+#include "sharding/offload_plan.h"
 #include "sharding/options.h"
 #include "sharding/unit_forward.h"
 
@@ -256,6 +258,9 @@ class FsdpModel {
   ModelStateBytes model_state_sizes() const;
   void CountResidentBytes(ModelStateBytes& bytes) const;
 
+  // Offload params with a narrower compute dtype: whether the host keeps each shard's compute
+  // copy (Note [Compute copy] in offload_plan.h); nullopt where there is no such choice.
+  const std::optional<ComputeCopyChoice>& offload_compute_copy() const { return compute_copy_; }
   CommStats& comm_stats() { return ctx_.stats; }
   const MemoryStats& memory_stats() const { return memory_; }
   void ResetMemoryStats() { memory_ = {}; }
@@ -300,6 +305,7 @@ class FsdpModel {
 
   std::shared_ptr<torch::nn::Module> root_;
   EngineContext ctx_;
+  std::optional<ComputeCopyChoice> compute_copy_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;  // root last
   std::vector<FsdpUnit*> order_;                  // forward order (root first)
   bool order_final_ = false;

@@ -72,6 +72,10 @@ struct ActivationCheckpointing {
 enum class Offload { kNone, kOptimizer, kParams };
 const char* OffloadName(Offload offload);
 
+// Offload params' compute-dtype copy of each shard on the host (Note [Compute copy] in
+// sharding/offload_plan.h): chosen from host memory (kAuto), or forced.
+enum class ComputeCopy { kAuto, kKeep, kDrop };
+
 struct FsdpOptions {
   // After a unit's forward: true frees its unsharded parameters (FULL_SHARD); false keeps them
   // until after its backward (SHARD_GRAD_OP). The root unit never reshards after forward.
@@ -102,14 +106,10 @@ struct FsdpOptions {
   // only for the steps the config asks (parallelism.offload_delayed_update); this allocates its
   // second host buffers. See Note [Delayed parameter update] in offload.h.
   bool offload_delayed_update = false;
-  // Offload params with a compute dtype narrower than the shards' (mixed precision): the host
-  // keeps each padded shard cast to it (host_compute_shard), refreshed after each step, and
-  // that is what each load copies: half the host->device bytes of fp32 for 2 bytes per
-  // parameter of host memory. false: no copy; loads copy the fp32 masters and the unshard casts
-  // them on the device, as without offload (the same values). Smaller host memory (Llama 3 8B
-  // on one GPU: 16 -> 14 bytes per parameter), twice the loads' bytes. A delayed update needs
-  // the copies (Note [Delayed parameter update] in offload.h).
-  bool offload_compute_copy = true;
+  // Offload params with a compute dtype narrower than the shards' (mixed precision): whether
+  // the host keeps each padded shard cast to it (host_compute_shard), refreshed after each step,
+  // for the loads to copy. Note [Compute copy] in offload_plan.h; a delayed update needs it.
+  ComputeCopy offload_compute_copy = ComputeCopy::kAuto;
   // false: a unit's unsharded parameters, once gathered (cast, with one shard) in a training
   // forward, stay until a backward that the caller marks as its step's last
   // (FsdpModel::set_reshard_after_backward): under gradient accumulation every unit is gathered

@@ -17,6 +17,7 @@
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
 #include "sharding/fsdp_model.h"
+#include "sharding/offload_plan.h"
 #include "sharding/registry.h"
 
 namespace fsdp {
@@ -368,12 +369,30 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
     for (auto& unit : model->units_) {
       for (FsdpParam& p : unit->params()) params.push_back(&p);
     }
+    // Note [Compute copy] (offload_plan.h): kept unless host memory fits only without it.
+    ComputeCopyInputs copy{.requested = options.offload_compute_copy,
+                           .delayed_update = options.offload_delayed_update};
+    for (const FsdpParam* p : params) {
+      const int64_t n = p->padded_shard.numel();
+      copy.host_bytes_without += kParamsOffloadHostBytesPerElement * n;
+      if (c10::elementSize(p->compute_dtype) < c10::elementSize(p->padded_shard.scalar_type())) {
+        copy.copy_bytes += static_cast<double>(c10::elementSize(p->compute_dtype)) * n;
+      }
+    }
+    if (options.offload == Offload::kParams && copy.copy_bytes > 0) {
+      copy.host_available =
+          HostMemoryAvailablePerRank(mesh.context().env().local_world_size);
+    }
+    if (options.offload == Offload::kParams && copy.copy_bytes > 0) {
+      model->compute_copy_ = ChooseComputeCopy(copy);
+    }
+    const bool keep_copy = !model->compute_copy_ || model->compute_copy_->keep;
     absl::StatusOr<std::unique_ptr<HostOffload>> offload;
     FSDP_RETURN_IF_ERROR(CallTorch("offloading the shards", [&] {
       offload = HostOffload::Create(options.offload, ctx.device, std::move(params),
                                     /*one_shard=*/ctx.num_shards == 1 && !ctx.replicate_group,
                                     /*delayed=*/options.offload_delayed_update,
-                                    /*compute_copy=*/options.offload_compute_copy);
+                                    /*compute_copy=*/keep_copy);
     }));
     FSDP_ASSIGN_OR_RETURN(ctx.offload, std::move(offload));
   }

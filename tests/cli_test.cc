@@ -107,6 +107,7 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
     int ranks;
     std::vector<std::string> sets;
     double tolerance;
+    std::map<std::string, std::string> env = {};  // for both commands
   };
   const std::string dir = testing::FreshTempDir("plan-vs-train");
   for (const Case& c : std::vector<Case>{
@@ -127,7 +128,7 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
            // update]), and offload params with one load and one gradient send per step.
            {1,
             {"parallelism.offload=params", "training.mixed_precision=bf16",
-             "parallelism.offload_delayed_update=true"},
+             "parallelism.offload_delayed_update=on"},
             0.15},
            {1,
             {"parallelism.offload=params", "training.mixed_precision=bf16",
@@ -138,9 +139,9 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
            // (one micro-batch, the one loop) and, without the compute copy, no bf16 copies.
            {1, {"parallelism.offload=params", "training.mixed_precision=bf16"}, 0.15},
            {1,
-            {"parallelism.offload=params", "training.mixed_precision=bf16",
-             "parallelism.offload_compute_copy=false"},
-            0.15},
+            {"parallelism.offload=params", "training.mixed_precision=bf16"},
+            0.15,
+            {{"FSDP_OFFLOAD_COMPUTE_COPY", "0"}}},
            {1,
             {"parallelism.offload=params", "training.mixed_precision=bf16",
              "training.grad_accum_steps=2"},
@@ -163,9 +164,9 @@ TEST(PlanTest, PredictedPeakIsNearTheMeasuredOne) {
         argv->push_back(set);
       }
     }
-    CommandResult trained = RunCommand(train, {}, std::chrono::seconds(120));
+    CommandResult trained = RunCommand(train, c.env, std::chrono::seconds(120));
     ASSERT_TRUE(trained.exit.ok()) << what << "\n" << trained.Output();
-    CommandResult planned = RunCommand(plan);
+    CommandResult planned = RunCommand(plan, c.env);
     ASSERT_TRUE(planned.exit.ok()) << what << "\n" << planned.Output();
 
     double measured = 0;

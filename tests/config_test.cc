@@ -4,12 +4,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
+
+#include <yaml-cpp/yaml.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -404,29 +409,113 @@ TEST(RunConfigParseTest, CrossKeyErrorsPointAtWhereEitherKeyWasSet) {
                                   "optimizer.lr = 0.0001, got 0.0003"));
   EXPECT_THAT(ParseError("run:\n  seed: 1\ndata:\n  source: tokens\n"),
               InvalidArgumentWith("t.yaml:4: data.path: required for data.source 'tokens'"));
-  // Note [Delayed parameter update]: only with offload, and only as an overlapped step.
-  EXPECT_THAT(ParseError("parallelism:\n  offload_delayed_update: true\n"),
+  // Note [Delayed parameter update]: only with offload.
+  EXPECT_THAT(ParseError("parallelism:\n  offload_delayed_update: on\n"),
               InvalidArgumentWith(HasSubstr("t.yaml:2: parallelism.offload_delayed_update: needs "
                                             "parallelism.offload: optimizer or params")));
-  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n",
-                         {"parallelism.offload_overlap_step=false"}),
-              InvalidArgumentWith(HasSubstr("t.yaml:3: parallelism.offload_delayed_update: needs "
-                                            "parallelism.offload_overlap_step: true")));
-  // The delayed update's next step loads the compute copies: it cannot go without them.
-  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n",
-                         {"parallelism.offload_compute_copy=false"}),
-              InvalidArgumentWith(HasSubstr(
-                  "--set parallelism.offload_compute_copy=false: "
-                  "parallelism.offload_compute_copy: false cannot go with "
-                  "parallelism.offload_delayed_update: true")));
-  EXPECT_TRUE(Parse("parallelism:\n  offload: params\n  offload_compute_copy: false\n").ok());
+}
+
+TEST(RunConfigParseTest, DelayedUpdateIsOffOnOrAfterN) {
+  for (const auto& [text, enabled, after] :
+       std::vector<std::tuple<std::string, bool, int64_t>>{
+           {"off", false, 0}, {"on", true, 0}, {"after:40", true, 40}, {"after:0", true, 0}}) {
+    SCOPED_TRACE(text);
+    absl::StatusOr<RunConfig> config =
+        Parse("parallelism:\n  offload: optimizer\n  offload_delayed_update: " + text + "\n");
+    ASSERT_TRUE(config.ok()) << config.status();
+    const DelayedUpdate& d = config->parallelism.offload_delayed_update;
+    EXPECT_EQ(d.enabled, enabled);
+    EXPECT_EQ(d.after, after);
+    EXPECT_EQ(d.At(after), enabled);
+    EXPECT_FALSE(d.At(after - 1));
+  }
   EXPECT_THAT(ParseError("", {"parallelism.offload=params",
-                              "parallelism.offload_delayed_update_warmup=-1"}),
-              InvalidArgumentWith(HasSubstr("parallelism.offload_delayed_update_warmup: must be "
-                                            ">= 0, got -1")));
-  EXPECT_TRUE(Parse("parallelism:\n  offload: optimizer\n  offload_delayed_update: true\n"
-                    "  offload_delayed_update_warmup: 40\n")
-                  .ok());
+                              "parallelism.offload_delayed_update=after:-1"}),
+              InvalidArgumentWith(HasSubstr("'after:-1' is not valid")));
+  // The old boolean spelling names the new one.
+  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n"),
+              InvalidArgumentWith(HasSubstr("'true' is not valid; valid: off, on, after:N")));
+  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_delayed_update: true\n"),
+              InvalidArgumentWith(HasSubstr("(write on)")));
+  absl::StatusOr<RunConfig> round = Parse("parallelism:\n  offload: params\n"
+                                          "  offload_delayed_update: after:3\n");
+  ASSERT_TRUE(round.ok());
+  EXPECT_THAT(round->ToYaml(), HasSubstr("offload_delayed_update: after:3"));
+}
+
+// The offload keys that became automatic or were folded in: each error names the replacement,
+// in a file and on the command line.
+TEST(RunConfigParseTest, RemovedOffloadKeysNameTheirReplacement) {
+  EXPECT_THAT(ParseError("parallelism:\n  offload: params\n  offload_overlap_step: false\n"),
+              InvalidArgumentWith(HasSubstr("t.yaml:3: parallelism.offload_overlap_step: was "
+                                            "removed: the overlapped host step is always on")));
+  EXPECT_THAT(ParseError("", {"parallelism.offload_overlap_step=false"}),
+              InvalidArgumentWith(HasSubstr("FSDP_OFFLOAD_OVERLAP_STEP=0")));
+  EXPECT_THAT(ParseError("", {"parallelism.offload_compute_copy=false"}),
+              InvalidArgumentWith(HasSubstr("parallelism.offload_compute_copy: was removed: "
+                                            "offload params keeps the compute-dtype copy")));
+  EXPECT_THAT(ParseError("parallelism:\n  offload_delayed_update_warmup: 40\n"),
+              InvalidArgumentWith(HasSubstr("write parallelism.offload_delayed_update: after:N")));
+}
+
+// The debugging knobs reach the engine's options through ShardingPlanFor, where the trainer and
+// the planner read them; the delayed update cannot go without the overlap or the copies.
+TEST(ShardingPlanForTest, OffloadKnobsSetTheOptions) {
+  absl::StatusOr<RunConfig> config = Parse("parallelism:\n  offload: params\n");
+  ASSERT_TRUE(config.ok());
+  auto options = [&](const RunConfig& c) { return ShardingPlanFor(c, Strategy::kFullShard, 2); };
+  struct Knob {
+    const char* name;
+    const char* value;
+  };
+  auto with = [&](std::vector<Knob> knobs, const RunConfig& c) {
+    for (const Knob& k : knobs) ::setenv(k.name, k.value, 1);
+    absl::StatusOr<ShardingPlan> plan = options(c);
+    for (const Knob& k : knobs) ::unsetenv(k.name);
+    return plan;
+  };
+  absl::StatusOr<ShardingPlan> plain = with({}, *config);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->options.offload_overlap_step);
+  EXPECT_EQ(plain->options.offload_compute_copy, ComputeCopy::kAuto);
+  absl::StatusOr<ShardingPlan> knobs =
+      with({{"FSDP_OFFLOAD_OVERLAP_STEP", "0"}, {"FSDP_OFFLOAD_COMPUTE_COPY", "0"}}, *config);
+  ASSERT_TRUE(knobs.ok()) << knobs.status();
+  EXPECT_FALSE(knobs->options.offload_overlap_step);
+  EXPECT_EQ(knobs->options.offload_compute_copy, ComputeCopy::kDrop);
+  EXPECT_EQ(with({{"FSDP_OFFLOAD_COMPUTE_COPY", "1"}}, *config)->options.offload_compute_copy,
+            ComputeCopy::kKeep);
+  EXPECT_THAT(with({{"FSDP_OFFLOAD_COMPUTE_COPY", "yes"}}, *config).status(),
+              InvalidArgumentWith(HasSubstr("FSDP_OFFLOAD_COMPUTE_COPY=yes is not valid")));
+
+  RunConfig delayed = *config;
+  delayed.parallelism.offload_delayed_update = {.enabled = true};
+  ASSERT_TRUE(with({}, delayed).ok());
+  EXPECT_TRUE(with({}, delayed)->options.offload_delayed_update);
+  EXPECT_THAT(with({{"FSDP_OFFLOAD_OVERLAP_STEP", "0"}}, delayed).status(),
+              InvalidArgumentWith(HasSubstr("parallelism.offload_delayed_update cannot go with "
+                                            "FSDP_OFFLOAD_OVERLAP_STEP=0")));
+  EXPECT_THAT(with({{"FSDP_OFFLOAD_COMPUTE_COPY", "0"}}, delayed).status(),
+              InvalidArgumentWith(HasSubstr("cannot go with FSDP_OFFLOAD_COMPUTE_COPY=0")));
+}
+
+// configs/default.yaml is the reference a user copies: it names every key of the schema.
+TEST(RunConfigToYamlTest, DefaultConfigNamesEveryKey) {
+  std::ifstream in(std::string(FSDP_SOURCE_DIR) + "/configs/default.yaml");
+  std::stringstream text;
+  text << in.rdbuf();
+  const YAML::Node shipped = YAML::Load(text.str());
+  const YAML::Node all = YAML::Load(RunConfig().ToYaml());
+  std::vector<std::string> missing;
+  for (const auto& section : all) {
+    const std::string name = section.first.Scalar();
+    for (const auto& key : section.second) {
+      if (!shipped[name] || !shipped[name][key.first.Scalar()]) {
+        missing.push_back(name + "." + key.first.Scalar());
+      }
+    }
+  }
+  EXPECT_TRUE(missing.empty()) << "configs/default.yaml lacks: " << StrJoin(missing, ", ");
 }
 
 TEST(RunConfigParseTest, ValidRopeAndTokenConfigs) {

@@ -324,10 +324,10 @@ TEST(OffloadDelayedCudaTest, EqualsTheStaleReferenceOnTheGpu) {
   }
 }
 
-// `fsdp train` with parallelism.offload_delayed_update: the warm-up steps train as without the
-// delay; with it the run differs from the second delayed step on, except right after a
-// checkpoint or an evaluation (they see every update, and so does the step after them); a run
-// resumed from its checkpoint continues with its losses exactly. Offload params on one rank
+// `fsdp train` with parallelism.offload_delayed_update on and after:2: the warm-up steps train
+// as without the delay; with it the run differs from the second delayed step on, except right
+// after a checkpoint or an evaluation (they see every update, and so does the step after them);
+// a run resumed from its checkpoint continues with its losses exactly. Offload params on one rank
 // with bf16, units kept across micro-batches and grad_sync last (gpu_check's
 // offload_params_delayed_2x4: deferred gradients in the delayed update), and offload optimizer
 // on two ranks.
@@ -353,13 +353,12 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
                       plain_dir = testing::FreshTempDir("delayed-off"),
                       warmup_dir = testing::FreshTempDir("delayed-warmup"),
                       resume_dir = testing::FreshTempDir("delayed-resume");
-    testing::TrainRun delayed = train(delayed_dir, {"parallelism.offload_delayed_update=true"});
+    testing::TrainRun delayed = train(delayed_dir, {"parallelism.offload_delayed_update=on"});
     ASSERT_TRUE(delayed.result.exit.ok()) << delayed.result.Output();
     testing::TrainRun plain = train(plain_dir, {});
     ASSERT_TRUE(plain.result.exit.ok()) << plain.result.Output();
     // Delayed from the third step: the first three steps are the plain run's.
-    testing::TrainRun warmup = train(warmup_dir, {"parallelism.offload_delayed_update=true",
-                                                  "parallelism.offload_delayed_update_warmup=2"});
+    testing::TrainRun warmup = train(warmup_dir, {"parallelism.offload_delayed_update=after:2"});
     ASSERT_TRUE(warmup.result.exit.ok()) << warmup.result.Output();
     ASSERT_EQ(delayed.losses.size(), 6u) << delayed.result.Output();
     ASSERT_EQ(plain.losses.size(), 6u) << plain.result.Output();
@@ -383,7 +382,7 @@ TEST(OffloadDelayedTrainTest, WarmsUpResumesAndCounts) {
     }
     // Resumed from step 3 of the delayed run, with the delay: steps 4-6 are that run's.
     testing::TrainRun resumed = train(
-        resume_dir, {"parallelism.offload_delayed_update=true",
+        resume_dir, {"parallelism.offload_delayed_update=on",
                      "checkpoint.load=" + delayed_dir + "/checkpoints/" + ckpt::StepDirName(3)});
     ASSERT_TRUE(resumed.result.exit.ok()) << resumed.result.Output();
     for (int64_t step = 4; step <= 6; ++step) {
@@ -420,7 +419,7 @@ TEST(OffloadDelayedTrainTest, SkippedStepMakesTheUpdatesVisible) {
                   {"training.steps=5", "training.log_interval=1", "training.eval_interval=0",
                    "training.micro_batch_size=2", "model.n_layers=2",
                    "training.mixed_precision=bf16", "training.max_grad_norm=0.05",
-                   "training.on_nonfinite=skip", "parallelism.offload_delayed_update=true"});
+                   "training.on_nonfinite=skip", "parallelism.offload_delayed_update=on"});
       sets.insert(sets.end(), mode.sets.begin(), mode.sets.end());
       return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
                                {{"FSDP_TEST_NONFINITE", mode.poisoned}});

@@ -37,6 +37,9 @@ namespace {
 using testing::TinyGpt;
 using testing::TinyGptConfig;
 
+// The step in place: the overlapped step's debugging switch, for the ranks' environment.
+const std::map<std::string, std::string> kInPlace = {{"FSDP_OFFLOAD_OVERLAP_STEP", "0"}};
+
 constexpr int kSteps = 3;
 constexpr int kMicroBatches = 2;
 constexpr int64_t kGlobalBatch = 8;
@@ -237,25 +240,27 @@ TEST(OffloadOverlapCudaTest, EqualsTheStepInPlaceBitwiseOnTheGpu) {
 }
 
 // `fsdp train` with offload: the overlapped step (the default) trains, evaluates, checkpoints
-// and resumes exactly as parallelism.offload_overlap_step=false, and rank_stats counts it.
+// and resumes exactly as the step in place (FSDP_OFFLOAD_OVERLAP_STEP=0), and rank_stats counts
+// it.
 TEST(OffloadOverlapTrainTest, TrainsAsTheStepInPlace) {
   namespace fs = std::filesystem;
   for (const char* mode : {"params", "optimizer"}) {
     SCOPED_TRACE(mode);
-    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+    auto train = [&](const std::string& dir, std::vector<std::string> sets,
+                     const std::map<std::string, std::string>& env = {}) {
       sets.insert(sets.begin(),
                   {"training.steps=5", "training.log_interval=1", "training.eval_interval=2",
                    "parallelism.nproc=2", "training.micro_batch_size=2",
                    "training.grad_accum_steps=2", "model.n_layers=3",
                    "training.mixed_precision=bf16", StrCat("parallelism.offload=", mode),
                    "checkpoint.enabled=true", "checkpoint.interval=2"});
-      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets);
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets, env);
     };
     std::string overlapped_dir = testing::FreshTempDir("overlap-on"),
                 in_place_dir = testing::FreshTempDir("overlap-off");
     testing::TrainRun overlapped = train(overlapped_dir, {});
     ASSERT_TRUE(overlapped.result.exit.ok()) << overlapped.result.Output();
-    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    testing::TrainRun in_place = train(in_place_dir, {}, kInPlace);
     ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
     ASSERT_EQ(overlapped.losses.size(), 5u) << overlapped.result.Output();
     EXPECT_EQ(overlapped.losses, in_place.losses);
@@ -360,7 +365,7 @@ TEST(OffloadOverlapTrainTest, ClippingLeftToTheStepGivesClippingsValues) {
       if (in_place.contains(v.optimizer)) continue;
       in_place_dir[v.optimizer] = testing::FreshTempDir("clip-in-place-" + v.optimizer);
       testing::TrainRun& run = in_place[v.optimizer] =
-          train(in_place_dir[v.optimizer], v.optimizer, {"parallelism.offload_overlap_step=false"});
+          train(in_place_dir[v.optimizer], v.optimizer, {}, kInPlace);
       ASSERT_TRUE(run.result.exit.ok()) << run.result.Output();
       ASSERT_EQ(run.losses.size(), 4u) << run.result.Output();
       EXPECT_EQ(run.rank0_stats["offload"]["clip_multiplies_deferred"], 0);
@@ -430,7 +435,8 @@ TEST(OffloadOverlapTrainTest, SkippedNonFiniteStepLeavesNothingPending) {
   };
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(StrJoin(layout.sets, " "));
-    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+    auto train = [&](const std::string& dir, std::vector<std::string> sets,
+                     bool in_place = false) {
       sets.insert(sets.begin(),
                   {"training.steps=4", "training.log_interval=1", "training.eval_interval=2",
                    "training.micro_batch_size=2", "model.n_layers=2",
@@ -438,14 +444,15 @@ TEST(OffloadOverlapTrainTest, SkippedNonFiniteStepLeavesNothingPending) {
                    "training.on_nonfinite=skip", "checkpoint.enabled=true",
                    "checkpoint.interval=2"});
       sets.insert(sets.end(), layout.sets.begin(), layout.sets.end());
-      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
-                               {{"FSDP_TEST_NONFINITE", layout.poisoned}});
+      std::map<std::string, std::string> env = {{"FSDP_TEST_NONFINITE", layout.poisoned}};
+      if (in_place) env.insert(kInPlace.begin(), kInPlace.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets, env);
     };
     const std::string overlapped_dir = testing::FreshTempDir("skip-overlapped"),
                       in_place_dir = testing::FreshTempDir("skip-in-place");
     testing::TrainRun overlapped = train(overlapped_dir, {});
     ASSERT_TRUE(overlapped.result.exit.ok()) << overlapped.result.Output();
-    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    testing::TrainRun in_place = train(in_place_dir, {}, /*in_place=*/true);
     ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
     const std::vector<std::string> records = StepSummaries(overlapped);
     ASSERT_EQ(records.size(), 4u) << overlapped.result.Output();
@@ -524,7 +531,7 @@ TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
                 in_place_dir = testing::FreshTempDir("deferred-off");
     testing::TrainRun one_pass = train(one_pass_dir, {}, c.env);
     ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
-    testing::TrainRun in_place = train(in_place_dir, {"parallelism.offload_overlap_step=false"});
+    testing::TrainRun in_place = train(in_place_dir, {}, kInPlace);
     ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
     ASSERT_EQ(one_pass.losses.size(), 4u) << one_pass.result.Output();
     EXPECT_EQ(one_pass.losses, in_place.losses);
@@ -602,6 +609,8 @@ TEST(OffloadOverlapTrainTest, BadHostKnobsAreClearErrors) {
       {"FSDP_OFFLOAD_STEP_SLICE", "lots", "FSDP_OFFLOAD_STEP_SLICE"},
       {"FSDP_OFFLOAD_HOST_PASS", "maybe", "FSDP_OFFLOAD_HOST_PASS=maybe: valid: on, off"},
       {"FSDP_OFFLOAD_HOST_THREADS", "0", "FSDP_OFFLOAD_HOST_THREADS=0 is out of range"},
+      {"FSDP_OFFLOAD_OVERLAP_STEP", "no", "FSDP_OFFLOAD_OVERLAP_STEP=no is not valid; valid: 0, 1"},
+      {"FSDP_OFFLOAD_COMPUTE_COPY", "2", "FSDP_OFFLOAD_COMPUTE_COPY=2 is not valid; valid: 0, 1"},
   };
   for (const Bad& bad : bads) {
     SCOPED_TRACE(bad.knob + "=" + bad.value);
@@ -625,20 +634,22 @@ TEST(OffloadOverlapCudaTest, DeferredGradientsTrainAsTheStepInPlaceOnTheGpu) {
   FSDP_SKIP_WITHOUT_GPU();
   for (const char* accumulation : {"training.grad_accum_steps=1", "training.grad_sync=last"}) {
     SCOPED_TRACE(accumulation);
-    auto train = [&](const std::string& dir, std::vector<std::string> sets) {
+    auto train = [&](const std::string& dir, std::vector<std::string> sets,
+                     bool in_place = false) {
       sets.insert(sets.begin(),
                   {"training.steps=4", "training.log_interval=1", "training.eval_interval=0",
                    "parallelism.nproc=1", "training.device=cuda", "parallelism.backend=nccl",
                    "training.micro_batch_size=2", "training.grad_accum_steps=2",
                    "model.n_layers=2", "training.mixed_precision=bf16",
                    "parallelism.offload=params", "training.max_grad_norm=0.05", accumulation});
-      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets,
-                               testing::WithGpus());
+      std::map<std::string, std::string> env = testing::WithGpus();
+      if (in_place) env.insert(kInPlace.begin(), kInPlace.end());
+      return testing::RunTrain(testing::SourceDir() + "/configs/default.yaml", dir, sets, env);
     };
     testing::TrainRun one_pass = train(testing::FreshTempDir("deferred-cuda-on"), {});
     ASSERT_TRUE(one_pass.result.exit.ok()) << one_pass.result.Output();
-    testing::TrainRun in_place = train(testing::FreshTempDir("deferred-cuda-off"),
-                                       {"parallelism.offload_overlap_step=false"});
+    testing::TrainRun in_place =
+        train(testing::FreshTempDir("deferred-cuda-off"), {}, /*in_place=*/true);
     ASSERT_TRUE(in_place.result.exit.ok()) << in_place.result.Output();
     ASSERT_EQ(one_pass.losses.size(), 4u) << one_pass.result.Output();
     for (const auto& [step, loss] : in_place.losses) {

@@ -58,7 +58,7 @@ struct RunResult {
 // `device`: where the model and the batches live (CUDA: the offload's copies run on streams).
 // `on_device`: the micro-batches but the last accumulate their gradients on the device
 // (FsdpModel::set_offload_accumulate_on_device, as the trainer does with offload optimizer).
-// `compute_copy`: FsdpOptions::offload_compute_copy.
+// `compute_copy`: FsdpOptions::offload_compute_copy kKeep, or kDrop when false.
 RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
                 at::Device device = at::kCPU, bool on_device = false, bool compute_copy = true) {
   TinyGptConfig config;
@@ -69,7 +69,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
   Strategy strategy = *ParseStrategy(c.strategy);
   FsdpOptions options = OptionsForStrategy(strategy);
   options.offload = offload;
-  options.offload_compute_copy = compute_copy;
+  options.offload_compute_copy = compute_copy ? ComputeCopy::kKeep : ComputeCopy::kDrop;
   options.reshard_group_size = c.reshard_group;
   if (c.bf16) {
     options.mixed_precision.param_dtype = at::kBFloat16;
@@ -238,8 +238,8 @@ void ExpectOffloadParity(int world, const std::string& cpu_collectives) {
         EXPECT_LT(params.peak_loaded, opt.bytes.device);
       }
       if (c.bf16) {
-        // parallelism.offload_compute_copy false: no bf16 copies on the host; the loads copy
-        // the fp32 masters (twice the bytes) and the device casts them as it does without
+        // Without the compute copy (Note [Compute copy]): no bf16 copies on the host; the loads
+        // copy the fp32 masters (twice the bytes) and the device casts them as it does without
         // offload: the same values.
         RunResult no_copy = Train(c, Offload::kParams, mesh, rank, at::kCPU, false,
                                   /*compute_copy=*/false);

@@ -35,6 +35,20 @@ std::string ConfigPath(const std::string& name) {
   return (from_source / (name + ".yaml")).string();
 }
 
+// An environment variable for the scope: the offload debugging knobs ShardingPlanFor reads
+// (FSDP_OFFLOAD_OVERLAP_STEP=0: the host step in place).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+constexpr const char* kOverlapKnob = "FSDP_OFFLOAD_OVERLAP_STEP";
+
 PlanRequest Request(const std::string& config, int world, int per_node, const std::string& gpu,
                     const std::vector<std::string>& overrides = {}) {
   absl::StatusOr<PlanRequest> r =
@@ -426,16 +440,22 @@ TEST(OffloadTest, Bf16ParamsOffloadLoadsHalfTheBytes) {
   EXPECT_GT(b.time.optimizer_s, f.time.optimizer_s);  // the host's cast after the step
 }
 
-// parallelism.offload_compute_copy false: no bf16 copies on the host (2 bytes per parameter of
-// padded shard less), the fp32 masters loaded (twice the bytes, twice the loaded shards on the
-// device), no cast after the step.
+// Without the compute copy (Note [Compute copy]; FSDP_OFFLOAD_COMPUTE_COPY=0): no bf16 copies on
+// the host (2 bytes per parameter of padded shard less), the fp32 masters loaded (twice the
+// bytes, twice the loaded shards on the device), no cast after the step.
 TEST(OffloadTest, WithoutTheComputeCopyParamsOffloadLoadsFp32) {
   const Layout layout{Strategy::kFullShard, 1, 8};
   PlanRequest copy = WithModes(Request("llama_1b", 8, 8, "h100"), "none", "params");
-  PlanRequest no_copy = copy;
-  no_copy.config.parallelism.offload_compute_copy = false;
   Prediction c = *Predict(copy, layout);
-  Prediction nc = *Predict(no_copy, layout);
+  ASSERT_TRUE(c.compute_copy.has_value());
+  EXPECT_TRUE(c.compute_copy->keep) << c.compute_copy->reason;
+  Prediction nc;
+  {
+    ScopedEnv drop("FSDP_OFFLOAD_COMPUTE_COPY", "0");
+    nc = *Predict(copy, layout);
+  }
+  ASSERT_TRUE(nc.compute_copy.has_value());
+  EXPECT_FALSE(nc.compute_copy->keep);
   const double p = static_cast<double>(CountModel(copy.config.model).params);
   EXPECT_NEAR(c.memory.host - nc.memory.host, 2 * p / 8, 0.01 * 2 * p / 8);
   EXPECT_DOUBLE_EQ(nc.memory.params, 2 * c.memory.params);
@@ -479,8 +499,12 @@ TEST(OffloadTest, OneShardBf16GradientsTakeHostMemoryOnlyWhenWritten) {
   const double summed = host({});
   EXPECT_NEAR(summed - host({"training.grad_sync=last"}), 4 * p, 0.01 * 4 * p);
   EXPECT_NEAR(summed - host({"training.grad_accum_steps=1"}), 4 * p, 0.01 * 4 * p);
-  for (const char* written : {"parallelism.offload_overlap_step=false", "optimizer.name=sgd",
-                              "optimizer.implementation=foreach", "optimizer.name=adam"}) {
+  {
+    ScopedEnv in_place(kOverlapKnob, "0");
+    EXPECT_DOUBLE_EQ(host({"training.grad_sync=last"}), summed);
+  }
+  for (const char* written :
+       {"optimizer.name=sgd", "optimizer.implementation=foreach", "optimizer.name=adam"}) {
     SCOPED_TRACE(written);
     // SGD has half AdamW's state: compare with its own sums.
     const std::string name = written;
@@ -684,22 +708,26 @@ TEST(RecommendTest, NoFitAdviceNamesOnlyWhatHelps) {
   EXPECT_THAT(rec->message, HasSubstr("offload none"));  // the smallest that the host allows
   EXPECT_THAT(rec->message, HasSubstr("--world-size 2"));
   EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("micro_batch_size")));
-  EXPECT_THAT(rec->message, ::testing::Not(HasSubstr("offload_compute_copy")));
 
   // Llama 3 8B on one GPU with a 140 GiB host (112 usable): offload params needs 119.7 GiB of
-  // it with its bf16 copies (as does offload optimizer), 104.7 without them.
+  // it with its bf16 copies (as does offload optimizer), 104.7 without them, so the engine's
+  // rule (Note [Compute copy]) drops them and the plan predicts that run.
   PlanRequest one_gpu = Request("llama3_8b_one_gpu", 1, 1, "h100");
   one_gpu.hw.host_memory_bytes = 140.0 * (1 << 30);
-  rec = Recommend(one_gpu);
-  ASSERT_TRUE(rec.ok()) << rec.status();
-  EXPECT_FALSE(rec->best.has_value()) << rec->message;
-  EXPECT_THAT(rec->message, HasSubstr("--set parallelism.offload_compute_copy=false"));
-  one_gpu.config.parallelism.offload_compute_copy = false;
   rec = Recommend(one_gpu);
   ASSERT_TRUE(rec.ok()) << rec.status();
   ASSERT_TRUE(rec->best.has_value()) << rec->message;
   EXPECT_EQ(rec->best->offload, Offload::kParams);
   EXPECT_LE(rec->best->memory.host, 112.0 * (1 << 30));
+  ASSERT_TRUE(rec->best->compute_copy.has_value());
+  EXPECT_FALSE(rec->best->compute_copy->keep) << rec->best->compute_copy->reason;
+  // Forced to keep them, nothing fits.
+  {
+    ScopedEnv keep("FSDP_OFFLOAD_COMPUTE_COPY", "1");
+    rec = Recommend(one_gpu);
+  }
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  EXPECT_FALSE(rec->best.has_value()) << rec->message;
 }
 
 // Red team: micro-batch 5 was told "micro_batch_size=2 grad_accum_steps=3 (the same batch)",
@@ -739,13 +767,15 @@ TEST(RecommendTest, SaysFewerOrTheSameTokensWhenTheRecommendationIsNotFaster) {
   // hidden behind the next forward): offload optimizer's step is a hair faster, the same 40
   // bytes of clipping and fused AdamW on either side but the gradient shards not written on
   // the device after the reduction (8 bytes fewer).
-  PlanRequest tie = Request("default", 2, 2, "h100",
-                            {"parallelism.offload=optimizer",
-                             "parallelism.offload_overlap_step=false"});
+  PlanRequest tie = Request("default", 2, 2, "h100", {"parallelism.offload=optimizer"});
   tie.hw.host_memory_bw = 2 * tie.hw.memory_bw;  // the node's, shared by its two ranks
   tie.hw.host_rank_bw = 0;
   tie.hw.host_link_bw = 1e15;
-  absl::StatusOr<Recommendation> rec = Recommend(tie);
+  absl::StatusOr<Recommendation> rec;
+  {
+    ScopedEnv in_place(kOverlapKnob, "0");
+    rec = Recommend(tie);
+  }
   ASSERT_TRUE(rec.ok()) << rec.status();
   ASSERT_TRUE(rec->best.has_value());
   EXPECT_EQ(rec->best->offload, Offload::kNone);
@@ -1297,7 +1327,7 @@ TEST_F(PlanCliTest, BadInputsExitWithTwo) {
 
 // Note [Offload]: the host step overlapped with the next forward (the default) exposes only
 // what the forward does not hide, on a GPU; on a CPU profile, where both need the same cores,
-// it costs the whole step, as parallelism.offload_overlap_step=false does everywhere. With an
+// it costs the whole step, as FSDP_OFFLOAD_OVERLAP_STEP=0 does everywhere. With an
 // optimizer the one loop does not step (foreach) the host's bytes are the same either way: with
 // bf16 offload params the overlapped step converts, updates and casts a slice at a time,
 // measured at the separate passes' speed (Note [Deferred gradient conversion]), with or without
@@ -1311,10 +1341,9 @@ TEST(CostModelTest, OverlappedHostStepHidesBehindTheNextForwardOnAGpu) {
       for (const char* gpu : {"h100", "cpu"}) {
         Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, {offload, sync, aten}),
                                  {Strategy::kFullShard, 1, 1});
-        Prediction off =
-            *Predict(Request("llama_1b", 1, 1, gpu,
-                             {offload, sync, aten, "parallelism.offload_overlap_step=false"}),
-                     {Strategy::kFullShard, 1, 1});
+        ScopedEnv in_place(kOverlapKnob, "0");
+        Prediction off = *Predict(Request("llama_1b", 1, 1, gpu, {offload, sync, aten}),
+                                  {Strategy::kFullShard, 1, 1});
         EXPECT_GT(on.time.optimizer_s, 0) << gpu;
         if (std::string(gpu) == "cpu") {
           EXPECT_EQ(on.time.optimizer_s, off.time.optimizer_s);
@@ -1344,7 +1373,7 @@ TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
                                            "training.grad_sync=last",
                                            "optimizer.implementation=foreach"};
     std::vector<std::string> delayed = base;
-    delayed.push_back("parallelism.offload_delayed_update=true");
+    delayed.push_back("parallelism.offload_delayed_update=on");
     for (const char* gpu : {"h100", "cpu"}) {
       Prediction on = *Predict(Request("llama_1b", 1, 1, gpu, delayed), {Strategy::kFullShard, 1, 1});
       Prediction off = *Predict(Request("llama_1b", 1, 1, gpu, base), {Strategy::kFullShard, 1, 1});
@@ -1357,10 +1386,11 @@ TEST(CostModelTest, DelayedUpdateHidesBehindTheNextStepOnAGpu) {
       EXPECT_GE(on.time.step_s, device_s);
       // The host's work (the step in place's: one landing, nothing added behind compute) at the
       // 1.2x it measured beside the device's step on the H100 machine, beyond that step.
-      std::vector<std::string> in_place_sets = base;
-      in_place_sets.push_back("parallelism.offload_overlap_step=false");
-      Prediction in_place =
-          *Predict(Request("llama_1b", 1, 1, gpu, in_place_sets), {Strategy::kFullShard, 1, 1});
+      Prediction in_place;
+      {
+        ScopedEnv step_in_place(kOverlapKnob, "0");
+        in_place = *Predict(Request("llama_1b", 1, 1, gpu, base), {Strategy::kFullShard, 1, 1});
+      }
       EXPECT_NEAR(on.time.optimizer_s,
                   std::max(0.0, 1.2 * in_place.time.optimizer_s - device_s), 1e-9);
       if (std::string(mode) == "params") {
@@ -1463,7 +1493,10 @@ TEST(CostModelTest, HostAdamPassCountsItsBytes) {
   // refresh's cast (4 + 2, at twice).
   const double aten = p * (8 * 2 + 32 + 6 * 2) / bw;
   EXPECT_NEAR(optimizer_s(with(params, "optimizer.implementation=foreach")), aten, 1e-9);
-  EXPECT_NEAR(optimizer_s(with(params, "parallelism.offload_overlap_step=false")), aten, 1e-9);
+  {
+    ScopedEnv in_place(kOverlapKnob, "0");
+    EXPECT_NEAR(optimizer_s(params), aten, 1e-9);
+  }
   EXPECT_NEAR(optimizer_s(with(params, "optimizer.name=adam")), aten, 1e-9);  // L2 decay
   // An fp32 gradient's: the step with clipping's read (32) and its multiplication (8).
   EXPECT_NEAR(optimizer_s({"parallelism.offload=optimizer", "optimizer.implementation=foreach"}),
@@ -1503,7 +1536,7 @@ TEST(CostModelTest, HostAdamPassCountsItsBytes) {
 TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
   const std::regex hint(R"(\(with offload params: --set (.*) predicts ([0-9]+) ms per step instead of ([0-9]+))");
   const std::regex delayed(
-      R"(\(opt in, with offload params[^:]*: --set parallelism.offload_delayed_update=true predicts ([0-9]+) ms per step instead of ([0-9]+))");
+      R"(\(opt in, with offload params[^:]*: --set parallelism.offload_delayed_update=on predicts ([0-9]+) ms per step instead of ([0-9]+))");
   // 36 layers (9.1B parameters): optimizer offload's fp32 shards and gradient sums no longer fit
   // one H100, so the recommendation offloads the parameters.
   std::vector<std::string> sets = {"training.grad_accum_steps=4", "model.n_layers=36"};
@@ -1528,7 +1561,7 @@ TEST(RecommendTest, OffloadRecommendationsNameTheSettingsThatCopyOncePerStep) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_THAT(again->message, ::testing::Not(HasSubstr("(with offload"))) << again->message;
   EXPECT_THAT(again->message, HasSubstr("(opt in, with offload ")) << again->message;
-  sets.push_back("parallelism.offload_delayed_update=true");
+  sets.push_back("parallelism.offload_delayed_update=on");
   again = Recommend(Request("llama3_8b_one_gpu", 1, 1, "h100", sets));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_THAT(again->message, ::testing::Not(HasSubstr("with offload"))) << again->message;

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "sharding/offload_plan.h"
 #include "sharding/options.h"
 
 namespace fsdp {
@@ -402,4 +403,32 @@ TEST(MeshShapeForStrategyTest, HybridRejectsMissingOrMisfittingDegrees) {
 }
 
 }  // namespace
+// Note [Compute copy]: kept when it fits, dropped only when that is what makes the state fit,
+// always kept for the delayed update or when host memory is unknown; the knob forces it.
+TEST(ComputeCopyTest, KeptUnlessHostMemoryFitsOnlyWithoutIt) {
+  auto keep = [](ComputeCopy requested, bool delayed, double without, double copy,
+                 double available) {
+    return ChooseComputeCopy({.requested = requested,
+                              .delayed_update = delayed,
+                              .host_bytes_without = without,
+                              .copy_bytes = copy,
+                              .host_available = available})
+        .keep;
+  };
+  constexpr ComputeCopy kAuto = ComputeCopy::kAuto;
+  EXPECT_TRUE(keep(kAuto, false, 14, 2, 16));    // fits with it
+  EXPECT_FALSE(keep(kAuto, false, 14, 2, 15));   // fits only without it
+  EXPECT_TRUE(keep(kAuto, false, 14, 2, 13));    // fits neither way: the copy is not the cause
+  EXPECT_TRUE(keep(kAuto, true, 14, 2, 15));     // the delayed update loads the copies
+  EXPECT_TRUE(keep(kAuto, false, 14, 2, 0));     // unknown host memory
+  EXPECT_TRUE(keep(ComputeCopy::kKeep, false, 14, 2, 15));
+  EXPECT_FALSE(keep(ComputeCopy::kDrop, false, 14, 2, 16));
+  EXPECT_THAT(ChooseComputeCopy({.host_bytes_without = 14.0 * (1 << 30),
+                                 .copy_bytes = 2.0 * (1 << 30),
+                                 .host_available = 15.0 * (1 << 30)})
+                  .reason,
+              ::testing::HasSubstr("16.00 GiB of host memory with it, 14.00 GiB without"));
+  EXPECT_GT(HostMemoryAvailablePerRank(1), HostMemoryAvailablePerRank(4));
+}
+
 }  // namespace fsdp

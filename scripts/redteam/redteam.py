@@ -740,7 +740,7 @@ class Harness:
                  ("NaN at step 3, stop, offload params",
                   ["parallelism.offload=params", "checkpoint.async=true"], one_nan),
                  ("NaN at step 3, stop, offload params delayed update, async saves",
-                  ["parallelism.offload=params", "parallelism.offload_delayed_update=true",
+                  ["parallelism.offload=params", "parallelism.offload_delayed_update=on",
                    "checkpoint.async=true"] + bf16_kept_last, one_nan),
                  ("NaN at step 3, skip, offload params", ["parallelism.offload=params"] + skip,
                   one_nan),
@@ -748,10 +748,10 @@ class Harness:
                   ["parallelism.offload=params", "checkpoint.async=true"] + bf16_kept_last + skip,
                   one_nan),
                  ("NaN at step 3, skip, offload params delayed update",
-                  ["parallelism.offload=params", "parallelism.offload_delayed_update=true"]
+                  ["parallelism.offload=params", "parallelism.offload_delayed_update=on"]
                   + bf16_kept_last + skip, one_nan),
                  ("NaN at step 3 on rank 1 of 2, skip, offload optimizer delayed update",
-                  ["parallelism.offload=optimizer", "parallelism.offload_delayed_update=true",
+                  ["parallelism.offload=optimizer", "parallelism.offload_delayed_update=on",
                    "parallelism.nproc=2"] + skip, {"FSDP_TEST_NONFINITE": "1@3"})]
         print(f"numeric: {len(cases)} runs with non-finite steps, saving every step", flush=True)
         for name, sets, env in cases:
