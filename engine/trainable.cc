@@ -35,10 +35,14 @@ namespace {
 
 class FsdpTrainable final : public TrainableModel {
  public:
-  FsdpTrainable(std::unique_ptr<FsdpModel> model, bool sync_every_micro_batch)
-      : model_(std::move(model)), sync_every_micro_batch_(sync_every_micro_batch) {}
+  FsdpTrainable(std::unique_ptr<FsdpModel> model, bool sync_every_micro_batch,
+                DelayedUpdate delayed)
+      : model_(std::move(model)),
+        sync_every_micro_batch_(sync_every_micro_batch),
+        delayed_(delayed) {}
 
   std::vector<at::Tensor> parameters() const override { return model_->parameters(); }
+  void BeginStep(int64_t step) override { delayed_now_ = delayed_.At(step); }
   void BeginMicroBatch(int index, int count) override {
     const bool last = index == count - 1;
     // Note [Deferred clipping multiplication] (offload.h): the norm's terms on the host's
@@ -72,7 +76,7 @@ class FsdpTrainable final : public TrainableModel {
     model_->CopyShardsToDevice();                // offload optimizer: See Note [CPU offload]
     state_bytes_ = model_->model_state_sizes();  // gradients still there (before zero_grad)
   }
-  bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) override {
+  bool StepOverlapped(torch::optim::Optimizer& optimizer) override {
     if (model_->context().offload == nullptr || !model_->context().options.offload_overlap_step ||
         !StepsOnlyMasters(optimizer)) {
       model_->MaterializeDeferredGradients();  // optimizer.step() reads the .grads
@@ -102,7 +106,7 @@ class FsdpTrainable final : public TrainableModel {
                                     const at::Tensor& copy) {
       return prepared->RunHostPass(p, grad, scale, copy);
     };
-    model_->StepOnHost(std::move(step), delayed && model_->context().offload->can_delay());
+    model_->StepOnHost(std::move(step), delayed_now_ && model_->context().offload->can_delay());
     return true;
   }
   void AllowDeferredGradients() override {
@@ -112,6 +116,12 @@ class FsdpTrainable final : public TrainableModel {
     model_->set_offload_defer_clip_multiply(options.offload_overlap_step);
   }
   void FinishStep() override { model_->FinishHostStep(); }
+  void AfterSkippedStep() override {
+    if (delayed_now_) FinishStep();
+  }
+  void BeforeEvaluate() override {
+    if (delayed_.enabled) FinishStep();
+  }
 
   // Whether every parameter `optimizer` steps is one of the units' masters (the overlapped step
   // runs unit by unit; else it runs in place). Checked once per optimizer, not every step.
@@ -144,6 +154,8 @@ class FsdpTrainable final : public TrainableModel {
  private:
   std::unique_ptr<FsdpModel> model_;
   const bool sync_every_micro_batch_;
+  const DelayedUpdate delayed_;
+  bool delayed_now_ = false;  // the delayed update applies to the step begun
   ModelStateBytes state_bytes_;
   const torch::optim::Optimizer* checked_optimizer_ = nullptr;  // StepsOnlyMasters' cache
   bool steps_only_masters_ = false;
@@ -152,8 +164,9 @@ class FsdpTrainable final : public TrainableModel {
 }  // namespace
 
 std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model,
-                                                bool sync_every_micro_batch) {
-  return std::make_unique<FsdpTrainable>(std::move(model), sync_every_micro_batch);
+                                                bool sync_every_micro_batch,
+                                                DelayedUpdate delayed) {
+  return std::make_unique<FsdpTrainable>(std::move(model), sync_every_micro_batch, delayed);
 }
 
 }  // namespace fsdp

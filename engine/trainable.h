@@ -2,10 +2,12 @@
 // unwrapped baseline both implement, so the loop has no "sharded or not" branches.
 //
 // Per step, in this order (every rank, the same calls):
+//   BeginStep(step);
 //   for each micro-batch m of k:  BeginMicroBatch(m, k); loss = f(Forward(x)); loss.backward();
 //                                 AfterBackward();
 //   norm = ClipGradNorm(max);  optimizer.step();  AfterStep();  optimizer.zero_grad();
-//   (or, for the first two: StepOverlapped(optimizer), when it returns true)
+//   (or, for the first two: StepOverlapped(optimizer), when it returns true; or, for a step whose
+//   update is skipped, AfterSkippedStep() instead of the four)
 //
 //   std::unique_ptr<TrainableModel> wrapped = WrapForTraining(std::move(fsdp_model));
 //   auto optimizer = BuildOptimizer(config.optimizer, wrapped->parameters());
@@ -19,6 +21,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "absl/status/status.h"
+#include "engine/config.h"
 #include "sharding/comm_stats.h"
 #include "sharding/offload.h"
 
@@ -31,6 +34,8 @@ class TrainableModel {
   virtual ~TrainableModel() = default;
   // What the optimizer steps (sharded fp32 parameters, or the unwrapped model's masters).
   virtual std::vector<at::Tensor> parameters() const = 0;
+  // Before the 0-based step `step`'s first micro-batch.
+  virtual void BeginStep(int64_t step) {}
   // Before micro-batch `index` of `count` (HSDP: the replicas' all-reduce waits for the last).
   virtual void BeginMicroBatch(int index, int count) {}
   // After each micro-batch's backward.
@@ -45,10 +50,14 @@ class TrainableModel {
   // (Note [Overlapped host step] in trainable.cc) and returns true, or returns false, having
   // done nothing, when this model does not overlap its steps (no offload, the option off, an
   // optimizer without a prepared form). The caller still calls optimizer.zero_grad().
-  // `delayed`: the next step's forward and backward use the parameters from before this update
-  // (parallelism.offload_delayed_update; Note [Delayed parameter update] in
-  // sharding/offload.h); ignored where the model cannot delay it.
-  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) { return false; }
+  // Where the delayed update applies to this step (WrapForTraining's `delayed`), the next
+  // step's forward and backward use the parameters from before this update.
+  virtual bool StepOverlapped(torch::optim::Optimizer& optimizer) { return false; }
+  // A step whose update is skipped (training.on_nonfinite: skip): a delayed update still
+  // pending from the step before becomes visible now, as it would at this step's update.
+  virtual void AfterSkippedStep() {}
+  // Before an evaluation: a delayed update becomes visible to it (and to the steps after).
+  virtual void BeforeEvaluate() {}
   // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
   // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
   // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when
@@ -82,8 +91,11 @@ class TrainableModel {
 // reduce_dtype each micro-batch. With one micro-batch per step both settings are the same.
 
 // The FSDP-wrapped model behind the interface. `sync_every_micro_batch` false: Note [No-sync
-// accumulation].
+// accumulation]. `delayed`: the steps whose update runs through the next step
+// (parallelism.offload_delayed_update; Note [Delayed parameter update] in sharding/offload.h),
+// where the model offloads with a delayable step.
 std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model,
-                                                bool sync_every_micro_batch = true);
+                                                bool sync_every_micro_batch = true,
+                                                DelayedUpdate delayed = {});
 
 }  // namespace fsdp
