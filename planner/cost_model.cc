@@ -9,92 +9,12 @@
 #include "common/strings.h"
 #include "engine/host_adam.h"
 #include "models/gpt/gpt.h"
+#include "planner/calibration.h"
 #include "planner/search.h"
 #include "sharding/options.h"
 
 namespace fsdp::plan {
 namespace {
-
-// Bytes the elementwise (non-matmul) ops move per activation byte kept: written in forward,
-// read in backward, its gradient written and read. Used for the memory-bound share of compute.
-constexpr double kActivationTrafficPasses = 4;
-// The device's step without offload moves these bytes per parameter of the local shard
-// (DeviceStepBytesPerParam). The norm runs every step, as the trainer logs it: it reads each
-// gradient (_foreach_norm on CUDA; on a CPU each gradient's square is a temporary, written and
-// read: 12). With clipping on (training.max_grad_norm > 0) the multiplication by the
-// coefficient reads and writes it (kClipMultiplyBytesPerParam, below).
-constexpr double kDeviceNormBytesPerParam = 4;
-constexpr double kCpuNormBytesPerParam = 12;
-// The update (Note [Fused optimizer steps] in engine/optimizer.cc): ATen's fused Adam(W)
-// reads the parameter, gradient and both moments and writes three back; the foreach ops (and
-// libtorch's per-tensor step, the same arithmetic) make nine passes: AdamW's decay (8), each
-// moment's scaling (8) and addition (12), the square root into a new tensor (8), its division
-// and epsilon (8 each), the addcdiv into the parameter (16); Adam's L2 decay adds the sum of
-// gradient and parameter into a new tensor (12) instead of the decay. SGD: the fused kernel
-// reads parameter, gradient and momentum buffer and writes two; the ops scale and add into
-// the buffer (8 + 12) and add it to the parameter (12), plus L2 decay's new tensor (12).
-constexpr double kFusedAdamBytesPerParam = 28;
-constexpr double kForeachAdamBytesPerParam = 80;
-// FsdpUnit::FinishGradients after each reduction (several shards or replicas): the division
-// of the reduce output by the data-parallel size reads and writes it, and the gradient shard
-// is written from it (an addition after the first micro-batch reads the shard too).
-constexpr double kFinishDivisionPasses = 2;
-
-// The same on the host with offload (Note [Offload]): ATen's fused CPU AdamW reads the fp32
-// parameter, gradient and both moments and writes three of them back (28 bytes), clipping
-// reads the gradient (4).
-constexpr double kHostOptimizerBytesPerParam = 32;
-// Clipping's multiplication of an fp32 gradient reads and writes it: on the device without
-// offload, and on the host with it (offload optimizer, or a gradient summed on the host). On
-// the host it was not counted before 2026-11-28, when the H100 machine's runs of those (stop
-// 30) were predicted 2-6% short: offload optimizer 553 ms against 590 measured, offload params
-// 1384 against 1453, units kept 1267 against 1298; 8 bytes per parameter of llama_1b at 150
-// GB/s are 51 ms. A bf16 gradient that lands alone is multiplied in the step's slices: that
-// case was predicted 5% long without it (635 ms against 603).
-constexpr double kClipMultiplyBytesPerParam = 8;
-// Bytes per parameter of each extra micro-batch's gradient accumulated on the host (offload
-// params): the copy into the pinned staging buffer writes 4, the fp32 addition reads 8 and
-// writes 4 (docs/offload.md: measured at the same GB/s as the fused AdamW, per byte).
-constexpr double kHostAccumulateBytesPerParam = 16;
-// The same when the gradient lands in a 2-byte compute dtype (offload params, one shard: Note
-// [CPU offload] in sharding/offload.h): the copy writes 2, the conversion-and-addition reads 2
-// and 4 and writes 4 (its fp32 scratch stays in cache); the first micro-batch's conversion into
-// the .grad: 2 + 2 + 4.
-constexpr double kHostAccumulateNarrowBytesPerParam = 12;
-constexpr double kHostConvertNarrowBytesPerParam = 8;
-// Host work that converts between dtypes (the bf16 gradients' conversion and additions, the
-// refresh of the bf16 shards: ATen's copy_ and our chunked AddConverted) reached half the
-// bandwidth of the fused AdamW per byte on the H100 machine (2026-11-26, llama_1b: the refresh's
-// 6 bytes per parameter in 74 ms, the conversion's 8 in 93 ms, against AdamW's 32 in 197 ms):
-// counted at this many times their bytes.
-constexpr double kHostCastCost = 2;
-// A bf16 gradient's addition into the fp32 .grad with ATen's ops (AddConvertedInChunks) did
-// worse: 226-269 ms per addition of llama_1b's 0.953e9 parameters on that machine (the adder's
-// 772 and 899 ms per step for three additions and one 93 ms conversion, units kept or not),
-// 36-42 bytes per parameter at the 150 GB/s rank cap against the 12 counted, 3.3 times their
-// bytes. It has been one loop since (HostAddConverted, sharding/host_loops.h); `fsdp bench
-// host` times the loops per byte against ATen's fused AdamW on the whole tensor (its `cost`
-// column), the pass whose speed host_rank_bw is: on the 2-core CI machine (2026-11-28, 64e6
-// elements per 4M-element tensor, two runs, idle and beside a spinning thread) the addition's
-// loop 0.97-1.07 and the step's 1.05-1.22 (from bf16 gradients 1.07-1.22, fp32 1.05-1.16). The
-// loops are counted at the largest, rounded up, unless the profile has its own
-// (Hardware::host_loop_cost: `fsdp plan --calibrate-host` on the GPU machine's host; gpu_check's
-// host_bench stage runs it).
-constexpr double kHostAddLoopCost = 1.1;
-constexpr double kHostLoopCost = 1.2;
-// The step's loop moves these bytes per parameter besides the gradient it reads and the loaded
-// copy it writes: reads the fp32 master and both moments, writes the three.
-constexpr double kHostLoopBytesPerParam = 24;
-// The delayed update's host work runs beside the device's whole next step, and took this many
-// times as long there as alone on the H100 machine (stop 33, 6917f6d, llama_1b kept + grad_sync
-// last, 2 x 4: host step 500 ms against 416 ms without the delay; why is not known: the
-// training thread, the copies and the host's memory traffic share the cores and the bandwidth).
-constexpr double kHostBesideStepCost = 1.2;
-// Bytes a recomputed activation byte moves (written again, its inputs read again).
-constexpr double kRecomputeTrafficPasses = 2;
-// Usable share of host memory for offload's buffers and state: the OS, the page cache and the
-// data loader keep the rest.
-constexpr double kUsableHostFraction = 0.8;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
