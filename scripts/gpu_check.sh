@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: build with the machine's own torch, run the GPU tests, then
 # the llama_1b comparison (fused kernels, FSDP2, eager, compile, unwrapped), the runs behind
-# issue 14's targets (activation checkpointing, offload), the async checkpoint of issue 15, the
+# the memory targets (activation checkpointing, offload), the async checkpoint's cost, the
 # kernel microbenchmark and a profile, and print one table. Meant for one call on a fresh H100
 # (../shared/GPU.md: the device tool; carry .device/ made by ../shared/device/pack-deps.sh).
 #
-# The stages run in one order, that of what the issues need most, each only if the time left
+# The stages run in one order, most needed first, each only if the time left
 # before the deadline covers its estimate (Note [Stages in one call] below):
 #   scripts/gpu_check.sh                        # every stage, most needed first
 #   GPU_CHECK_STAGES=skipped GPU_CHECK_SKIP_BUILD=1 GPU_CHECK_DEADLINE_S=150 scripts/gpu_check.sh
@@ -18,7 +18,7 @@
 # Environment: FSDP_TORCH_DIR (default: the torch that python3 imports), JOBS (default: nproc),
 # GPU_CHECK_STAGES (a comma list of the stage names below, or `skipped`: those the last call in
 # this output folder skipped or stopped; default: GPU_CHECK_PART's), GPU_CHECK_PART (all, the
-# default; speed: issue 13 and 15's stages; large: issue 14's), GPU_CHECK_STEPS (steps per
+# default; speed: the speed and checkpoint stages; large: the memory stages), GPU_CHECK_STEPS (steps per
 # llama_1b run, default 20), GPU_CHECK_DEADLINE_S (default 570), GPU_CHECK_OUT (the working
 # folder, default gpu_check/), BUILD_DIR (default build), GPU_CHECK_CONFIG (default
 # configs/llama_1b.yaml), GPU_CHECK_CKPT_CONFIG (default configs/gpt_125m.yaml),
@@ -58,32 +58,32 @@ steps="${GPU_CHECK_STEPS:-20}"
 stage_order=(
   gpu_tests           # ctest -L gpu: the CUDA kernels, NCCL, parity and staging on the GPU
   sanitizer           # compute-sanitizer memcheck on the CUDA kernels' tests
-  compare_2x4         # issue 13: fsdp.cpp vs FSDP2, eager, torch.compile, unwrapped (MFU, ratios)
-  kernels             # issue 13: each fused kernel against its composite, with its GB/s
-  fsdp_2x4            # issue 14's offload baseline
-  host_bench          # issue 14: offload's host passes on this host's CPU, loops vs ATen's ops
-  offload_params_2x4  # issue 14: model state on the device <= 15% at <= 1.6x
+  compare_2x4         # speed: fsdp.cpp vs FSDP2, eager, torch.compile, unwrapped (MFU, ratios)
+  kernels             # speed: each fused kernel against its composite, with its GB/s
+  fsdp_2x4            # the offload baseline
+  host_bench          # memory: offload's host passes on this host's CPU, loops vs ATen's ops
+  offload_params_2x4  # memory: model state on the device <= 15% at <= 1.6x
   offload_params_keep_2x4  # the same, each unit's bf16 shard loaded once per step
   offload_params_last_2x4  # the same, gradients summed on the device (grad_sync last): one send
   offload_params_delayed_2x4  # the same, the host's update one step delayed (opt-in)
   offload_ops_2x4     # offload_params_last_2x4 with ATen's ops instead of the one loop (FSDP_OFFLOAD_HOST_PASS=off)
-  fsdp_2x16           # issue 14: the offload baseline at 16 micro-batches per step
+  fsdp_2x16           # memory: the offload baseline at 16 micro-batches per step
   offload_params_last_2x16  # offload_params_last_2x4 at 2 x 16: the host's work is per step
   offload_params_delayed_2x16  # offload_params_delayed_2x4 at 2 x 16
   offload_delayed_threads_2x4  # offload_params_delayed_2x4 leaving 2 cores to the training thread
-  compare_offload_2x4 # issue 14: offload params against FSDP2's CPUOffloadPolicy, side by side
+  compare_offload_2x4 # memory: offload params against FSDP2's CPUOffloadPolicy, side by side
   offload_optimizer_2x4
-  compare_keep_2x4    # issue 13: both engines keeping the parameters across micro-batches
-  ckpt_125m           # issue 15: the async save's blocked time (<= 100 ms), commit vs the disk
-  big_1gpu            # issue 14: the largest Llama 3 shape on one GPU (minutes of host init)
-  profile_2x4         # issue 13: the per-kernel-class profile
-  keep_2x4            # issue 13: the wrapper's overhead <= 3% (against unwrapped_2x4)
+  compare_keep_2x4    # speed: both engines keeping the parameters across micro-batches
+  ckpt_125m           # checkpoints: the async save's blocked time (<= 100 ms), commit vs the disk
+  big_1gpu            # memory: the largest Llama 3 shape on one GPU (minutes of host init)
+  profile_2x4         # speed: the per-kernel-class profile
+  keep_2x4            # speed: the wrapper's overhead <= 3% (against unwrapped_2x4)
   unwrapped_2x4
-  base_8x1            # issue 14's AC baseline, and issue 13's 8 x 1 row
-  ac_full_8x1         # issue 14: full AC
-  ac_selective_8x1    # issue 14: selective AC
-  ac_ranks_8x1        # issue 14: the AC peaks per rank of a run sharded over GPU_CHECK_AC_RANKS
-  deterministic_2x4   # issue 15: the cost of training.deterministic
+  base_8x1            # the AC baseline, and the speed table's 8 x 1 row
+  ac_full_8x1         # memory: full AC
+  ac_selective_8x1    # memory: selective AC
+  ac_ranks_8x1        # memory: the AC peaks per rank of a run sharded over GPU_CHECK_AC_RANKS
+  deterministic_2x4   # checkpoints and failures: the cost of training.deterministic
   composite_2x4
   per_tensor_2x4
   offload_optimizer_delayed_2x4  # offload optimizer with the delayed update (opt in)
@@ -91,9 +91,8 @@ stage_order=(
 # Seconds, from the stages' times on an H200 and an H100 on 2026-11-26 (20 steps each; the build
 # took 123 and 131 s; on the H100 gpu_tests 80 s before the deferred-conversion GPU test, big_1gpu
 # 98 s), compare_offload_2x4 a guess (FSDP2's host step),
-# rounded up. The order: what the next GPU session most needs (stop 30 measured every stage
-# but compare_keep, deterministic, composite and per_tensor on an H100; since then the offload
-# path converts deferred gradients in the host step, and compare_offload_2x4 is new).
+# rounded up. The order: the stages without a measurement on the current code first
+# (docs/measurements/ has the last GPU runs).
 declare -A estimate=(
   [gpu_tests]=110 [sanitizer]=30 [compare_2x4]=150 [kernels]=20 [fsdp_2x4]=25 [host_bench]=40
   [offload_params_2x4]=60 [offload_params_keep_2x4]=50 [offload_params_last_2x4]=45
@@ -328,7 +327,7 @@ delayed=(--set parallelism.offload_delayed_update=on)  # Note [Delayed parameter
 big_config="${GPU_CHECK_BIG_CONFIG:-configs/llama3_8b_one_gpu.yaml}"
 big=(--set model.n_layers="${GPU_CHECK_BIG_LAYERS:-20}")
 [ -n "${GPU_CHECK_BIG_COPY:-}" ] && export FSDP_OFFLOAD_COMPUTE_COPY="$GPU_CHECK_BIG_COPY"
-# The planner's predictions that the table sets beside issue 14's runs.
+# The planner's predictions that the table sets beside the memory runs.
 plan plan_8x1 "$config" "${mb8[@]}"
 plan plan_2x4 "$config" "${accum2x4[@]}"
 plan plan_2x4_keep "$config" "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
@@ -354,7 +353,7 @@ stage_compare_2x4() {
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare.log" 2>&1 ||
     log "bench compare failed (see $out/compare.log)"
 }
-# Issue 13, like for like: fsdp.cpp and FSDP2 both keeping the parameters across micro-batches
+# Like for like: fsdp.cpp and FSDP2 both keeping the parameters across micro-batches
 # (parallelism.reshard_between_micro_batches=false; FSDP2's set_reshard_after_forward /
 # set_reshard_after_backward), with the unwrapped model for the overhead in the same run.
 stage_compare_keep_2x4() {
@@ -364,7 +363,7 @@ stage_compare_keep_2x4() {
     "${accum2x4[@]}" "${kernels[@]}" >"$out/compare_keep.log" 2>&1 ||
     log "bench compare (keep) failed (see $out/compare_keep.log)"
 }
-# Issue 14 against its anchor: offload params (fsdp.cpp's default offload settings) beside FSDP2
+# The offload target's anchor: offload params (fsdp.cpp's default offload settings) beside FSDP2
 # with CPUOffloadPolicy (its parameters, gradients and AdamW on the host), same batches. Fewer
 # steps: FSDP2's host step is slow.
 stage_compare_offload_2x4() {
@@ -373,14 +372,14 @@ stage_compare_offload_2x4() {
     --set parallelism.offload=params "${accum2x4[@]}" "${kernels[@]}" \
     >"$out/compare_offload.log" 2>&1 || log "bench compare (offload) failed (see $out/compare_offload.log)"
 }
-# Issue 14: activation checkpointing at micro-batch 8 (its targets are against base_8x1), and
+# Activation checkpointing at micro-batch 8 (its targets are against base_8x1), and
 # offload at 2 x 4 (against fsdp_2x4).
 stage_base_8x1() { run base_8x1 "${mb8[@]}"; }
 stage_ac_full_8x1() { run ac_full_8x1 "${mb8[@]}" --set training.activation_checkpointing=full; }
 stage_ac_selective_8x1() {
   run ac_selective_8x1 "${mb8[@]}" --set training.activation_checkpointing=selective
 }
-# Issue 14's AC peak targets are per GPU of a sharded run; on one rank the model state alone is
+# The AC peak targets are per GPU of a sharded run; on one rank the model state alone is
 # half the peak without AC, which checkpointing cannot shrink. So the three runs again on
 # GPU_CHECK_AC_RANKS ranks (3) sharing the GPU (Gloo on CUDA tensors), micro-batch 8 each: each
 # rank's peak (its own CUDA allocator) is what it would hold on a GPU of its own, with the state
@@ -432,7 +431,7 @@ stage_offload_params_delayed_2x16() {
   run offload_params_delayed_2x16 "${accum2x16[@]}" "${params_last[@]}" "${delayed[@]}"
 }
 # The delayed update's host step took 500 ms beside the device's step against 416 alone (H100
-# machine, stop 33). One candidate: the loops' threads (one per core by default) share cores with
+# machine, 2026-11-27). One candidate: the loops' threads (one per core by default) share cores with
 # the training thread, which spins while the GPU's launch queue is full, and the copy threads.
 # The same run with the loops on all cores but two (FSDP_OFFLOAD_HOST_THREADS).
 stage_offload_delayed_threads_2x4() {
@@ -446,7 +445,7 @@ stage_offload_optimizer_delayed_2x4() {
   run offload_optimizer_delayed_2x4 "${accum2x4[@]}" --set parallelism.offload=optimizer \
     "${delayed[@]}"
 }
-# ---- issue 15: the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
+# ---- the async checkpoint's blocked time (gpt_125m, 1.5 GB of state; Note
 # [Checkpoint staging]). Each save line says the loop's blocked ms, how much of it waited for the
 # previous save, and any staging a save allocated (the trainer reserves it at start-up, in a line
 # of its own); the target is <= 100 ms per save, and the commit within 2x the disk's write time.
@@ -472,7 +471,7 @@ stage_ckpt_125m() {
   fi
   rm -rf "$out/ckpt_125m/checkpoints"  # 1.5 GB each: the log has what was measured
 }
-# The wrapper's overhead with the parameters kept across micro-batches (issue 13's <= 3%).
+# The wrapper's overhead with the parameters kept across micro-batches (target: <= 3%).
 stage_keep_2x4() {
   run keep_2x4 "${accum2x4[@]}" --set parallelism.reshard_between_micro_batches=false
 }
@@ -570,7 +569,7 @@ print(f"{'run':<22} {'median step ms':>15} {'MFU':>8} {'peak GiB':>9} {'state on
 for r in rows:
     print(f"{r[0]:<22} {r[1]:>15} {r[2]:>8} {r[3]:>9} {r[4] if len(r) > 4 else '':>20}")
 medians = {r[0]: float(r[1]) for r in rows if r[1] != "failed"}
-# Issue 14's targets: AC against base_8x1, offload against fsdp_2x4; issue 15: deterministic.
+# The targets: AC against base_8x1, offload against fsdp_2x4, and the deterministic mode's cost.
 for name, base, what in (("ac_full_8x1", "base_8x1", "target: peak <= 45%, step <= 1.38x"),
                          ("ac_selective_8x1", "base_8x1", "target: peak <= 70%, step <= 1.15x"),
                          ("offload_optimizer_2x4", "fsdp_2x4", "the <= 15% state target is for params"),

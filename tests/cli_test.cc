@@ -95,7 +95,7 @@ TEST(CommandLineErrors, HelpStillExitsZero) {
   }
 }
 
-// `fsdp plan`'s peak memory per rank beside `fsdp train`'s measured peak on this CPU (issue 14's
+// `fsdp plan`'s peak memory per rank beside `fsdp train`'s measured peak on this CPU (the
 // target: within 15%), with activation checkpointing (full, selective), offload (optimizer,
 // params, the delayed update, params kept with grad_sync last), bf16 and DDP, on one rank and
 // two. On a CPU the host state (offload) lives in the memory the peak counts, so it is added. At

@@ -1,4 +1,4 @@
-// The engine's per-step overhead under gradient accumulation (issue 13): with
+// The engine's per-step overhead under gradient accumulation: with
 // reshard_between_micro_batches = false the units are gathered (cast, with one shard) once per
 // step instead of once or twice per micro-batch, with the same arithmetic bit for bit, the
 // memory documented in Note [Keeping parameters across micro-batches] (fsdp_model.h), and a

@@ -1,4 +1,4 @@
-// Failures named at their source and hangs bounded (issue 15), with real `fsdp train` runs:
+// Failures named at their source and hangs bounded, with real `fsdp train` runs:
 // a corrupt rank file on resume, an unusable run.dir, a rank that stops mid-run (SIGSTOP), a
 // rendezvous store that accepts and never answers. Each failure must be one line from the rank
 // that failed, a documented exit code (common/failure.h, Note [Exit codes]) and a launcher
@@ -211,7 +211,7 @@ TEST(FailSafeTest, StoppedRankIsNamedByTheWatchdog) {
               StartsWith(headline, "fsdp launch: rank 2 failed first"))
       << headline;
   // Both waiting ranks time out (each writes its flight record, below): the second is named
-  // with its own failure, not as one that "stopped after" the first (issue 15); rank 1, which
+  // with its own failure, not as one that "stopped after" the first; rank 1, which
   // the launcher stopped, is.
   const int first = StartsWith(headline, "fsdp launch: rank 0 failed first") ? 0 : 2;
   EXPECT_NE(headline.find(StrCat("rank ", 2 - first, " also failed: collective timeout: ")),
@@ -279,7 +279,7 @@ TEST(FailSafeTest, SilentRendezvousStoreFailsWithinTheDeadline) {
       ++lines;
       EXPECT_NE(l.find(StrCat("127.0.0.1:", port)), std::string::npos) << l;
       EXPECT_NE(l.find("accepted the connection but did not answer"), std::string::npos) << l;
-      // Issue 15: the line named the rank twice ("rank 1: timeout: rank 1: rendezvous ...").
+      // The line once named the rank twice ("rank 1: timeout: rank 1: rendezvous ...").
       EXPECT_TRUE(StartsWith(l, "rank 1: timeout: rendezvous timed out after ")) << l;
       EXPECT_EQ(l.find("rank 1", 1), std::string::npos) << l;
     }

@@ -1,4 +1,4 @@
-// The switches of issue 16 through `fsdp train` on 2 CPU ranks (real processes, Gloo):
+// The switches users expect through `fsdp train` on 2 CPU ranks (real processes, Gloo):
 //   training.grad_sync: last  losses and final parameters equal grad_sync: every's within the
 //                             parity tests' fp32 tolerance (DDP and FULL_SHARD), with one
 //                             reduction per unit per step instead of one per micro-batch;

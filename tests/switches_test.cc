@@ -1,4 +1,4 @@
-// The switches of issue 16 that need no processes: training.grad_sync and model.freeze in the
+// The switches users expect that need no processes: training.grad_sync and model.freeze in the
 // config (parsing, errors, the resolved YAML read back), FreezeParameters on a real model from
 // the registry (globs, patterns matching nothing), and what `fsdp plan` predicts for
 // grad_sync: last (fewer reductions, every unit's unsharded gradients in memory).
