@@ -17,6 +17,7 @@
 #include "common/logging.h"
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
+#include "launcher/failure_summary.h"
 #include "launcher/worker_group.h"
 #include "launcher/worker_logs.h"
 
@@ -30,116 +31,6 @@ std::string RandomRunId() {
 
 std::string AttemptKey(int attempt, std::string_view what) {
   return StrCat("fsdp/launch/attempt_", attempt, "/", what);
-}
-
-// A failing rank's own "<class>: <what>" from its record line ("rank R: <what>"), cut to a
-// length that keeps the headline one readable line.
-std::string OwnFailure(const FailureRecord& r) {
-  constexpr size_t kMaxChars = 120;
-  std::string what = r.line;
-  const std::string prefix = StrCat("rank ", r.rank, ": ");
-  if (StartsWith(what, prefix)) what = what.substr(prefix.size());
-  if (what.size() > kMaxChars) what = what.substr(0, kMaxChars) + "...";
-  return what;
-}
-
-}  // namespace
-
-// Note [The first failure]
-// When one rank fails, the others fail soon after (a collective with a peer gone, a timeout
-// naming it) or are stopped by the launcher; the first exit the launcher reaps is often one
-// of those. So each failing rank leaves its one line with the time it failed in
-// FSDP_FAILURE_DIR (common/failure.h), and the headline names the earliest failure that was
-// not caused by another rank: a record with another code than 7 (peer lost), or a rank that
-// died by a signal the launcher did not send (its time: when it was reaped). Every other rank
-// that failed on its own account (its record's class is not peer lost, or a signal nobody
-// sent) is named with its own class and what ("rank 2 also failed: collective timeout: ...":
-// two ranks timing out in one collective both say so); ranks that only followed (peer lost,
-// or stopped by the launcher) are summarised ("ranks 0,1,3 stopped after rank 2 failed").
-FailureHeadline SummarizeFailures(const GroupResult& result,
-                                  const std::vector<FailureRecord>& records) {
-  struct Candidate {
-    int rank;
-    int64_t time_ns;
-    bool primary;
-    std::string line;
-    int code;
-  };
-  std::vector<Candidate> candidates;
-  for (const FailureRecord& r : records) {
-    candidates.push_back({r.rank, r.time_ns,
-                          FailureClassOfExitCode(r.exit_code) != FailureClass::kPeerLost, r.line,
-                          r.exit_code});
-  }
-  for (const WorkerExit& e : result.exits) {
-    bool recorded = false;
-    for (const FailureRecord& r : records) recorded |= r.rank == e.rank;
-    if (recorded || e.exited || e.killed_by_us) continue;  // a signal nobody recorded
-    candidates.push_back({e.rank, e.exit_time_ns, true, StrCat("rank ", e.rank, " ", e.Describe()),
-                          e.exited ? e.code : 128 + e.code});
-  }
-  FailureHeadline h;
-  const Candidate* first = nullptr;
-  for (bool want_primary : {true, false}) {
-    for (const Candidate& c : candidates) {
-      if (c.primary == want_primary && (first == nullptr || c.time_ns < first->time_ns)) first = &c;
-    }
-    if (first != nullptr) break;
-  }
-  if (first == nullptr) {  // no record and no signal: the first exit reaped
-    const WorkerExit& f = *result.first_failure;
-    h.rank = f.rank;
-    h.code = f.exited ? f.code : 128 + f.code;
-    h.text = StrCat("rank ", f.rank, " ", f.Describe(), "; stopped the other local ranks");
-    h.primary = !f.killed_by_us;
-    h.time_ns = f.exit_time_ns;
-    return h;
-  }
-  h.rank = first->rank;
-  h.code = first->code;
-  h.primary = first->primary;
-  h.time_ns = first->time_ns;
-  // Preempted ranks (exit 143 after a SIGTERM save, Note [Exit codes]) did not fail: they all
-  // stopped at the same step, and one line says so.
-  const bool preempted = FailureClassOfExitCode(h.code) == FailureClass::kPreempted;
-  h.text = StrCat("rank ", first->rank, preempted ? " stopped first: " : " failed first: ",
-                  first->line);
-  std::vector<std::string> own;  // "rank 2 also failed: timeout: ..."
-  std::vector<int> followers;
-  for (const WorkerExit& e : result.exits) {
-    if (e.rank == h.rank || e.ok()) continue;
-    const FailureRecord* record = nullptr;
-    for (const FailureRecord& r : records) {
-      if (r.rank == e.rank) record = &r;
-    }
-    if (record != nullptr) {
-      const FailureClass c = FailureClassOfExitCode(record->exit_code);
-      if (c == FailureClass::kPeerLost || (preempted && c == FailureClass::kPreempted)) {
-        followers.push_back(e.rank);
-      } else {
-        own.push_back(StrCat("rank ", e.rank, " also failed: ", OwnFailure(*record)));
-      }
-    } else if (e.killed_by_us) {
-      followers.push_back(e.rank);
-    } else {  // a signal nobody sent, or an exit without a record
-      own.push_back(StrCat("rank ", e.rank, " ", e.Describe()));
-    }
-  }
-  for (const std::string& o : own) h.text += "; " + o;
-  if (!followers.empty()) {
-    h.text += StrCat("; rank", followers.size() > 1 ? "s " : " ", StrJoin(followers, ","),
-                     preempted ? " stopped too" : StrCat(" stopped after rank ", h.rank, " failed"));
-  }
-  return h;
-}
-
-namespace {
-
-// A fresh folder for the ranks' failure records; empty when none could be made.
-std::string MakeFailureDir() {
-  std::string templ = "/tmp/fsdp-failures-XXXXXX";
-  if (mkdtemp(templ.data()) == nullptr) return "";
-  return templ;
 }
 
 std::map<std::string, std::string> WorkerEnv(const LaunchOptions& o, int local_rank, int port,
@@ -572,14 +463,7 @@ int RunLaunch(const LaunchOptions& o) {
     if (!status.empty()) std::cerr << status << std::flush;
   };
 
-  const std::string failure_dir = MakeFailureDir();
-  struct RemoveDir {
-    std::string dir;
-    ~RemoveDir() {
-      std::error_code ec;
-      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
-    }
-  } remove_failure_dir{failure_dir};
+  const FailureDir failure_dir;
   // The first failed rank's stderr file ends its headline when logs are kept.
   auto with_log = [&](FailureHeadline h) {
     if (logs) {
@@ -594,14 +478,9 @@ int RunLaunch(const LaunchOptions& o) {
     std::vector<WorkerSpec> specs;
     for (int lr = 0; lr < o.nproc_per_node; ++lr) {
       specs.push_back({o.node_rank * o.nproc_per_node + lr, o.program,
-                       WorkerEnv(o, lr, port, attempt, run_id, failure_dir)});
+                       WorkerEnv(o, lr, port, attempt, run_id, failure_dir.path())});
     }
-    if (!failure_dir.empty()) {  // an earlier attempt's records are not this one's
-      std::error_code ec;
-      for (const auto& entry : std::filesystem::directory_iterator(failure_dir, ec)) {
-        std::filesystem::remove(entry.path(), ec);
-      }
-    }
+    failure_dir.Clear();  // an earlier attempt's records are not this one's
     if (attempt == 0 && o.announce) {
       std::cerr << "fsdp launch: starting " << o.nproc_per_node << " rank(s) on node "
                 << o.node_rank << " of " << o.nnodes << ", world size "
@@ -646,16 +525,14 @@ int RunLaunch(const LaunchOptions& o) {
               StrCat("its launcher was interrupted by signal ", sig, " and stopped its ranks")};
     } else if (result.outcome == GroupResult::Outcome::kWorkerFailed) {
       FailureHeadline headline = with_log(
-          SummarizeFailures(result, failure_dir.empty() ? std::vector<FailureRecord>()
-                                                        : ReadFailureRecords(failure_dir)));
+          SummarizeFailures(result, failure_dir.Read()));
       mine = {headline.code, headline.primary,
               FailureClassOfExitCode(headline.code) != FailureClass::kPreempted, headline.time_ns,
               headline.text};
     } else {  // stopped: another node failed
       mine = {-1, false, true, NowNs(), "stopped its ranks after another node failed"};
       // A rank that had failed on its own before the stop still counts as such.
-      std::vector<FailureRecord> records =
-          failure_dir.empty() ? std::vector<FailureRecord>() : ReadFailureRecords(failure_dir);
+      std::vector<FailureRecord> records = failure_dir.Read();
       for (const WorkerExit& e : result.exits) {
         bool recorded = false;
         for (const FailureRecord& r : records) recorded |= r.rank == e.rank;
