@@ -97,6 +97,22 @@ std::string OtherFailures(const GroupResult& result, const std::vector<FailureRe
   return text;
 }
 
+// The node whose report names the earliest failure on its own account; without one, the
+// earliest that only followed a lost peer; -1 when no node failed.
+int FirstFailingNode(const std::vector<std::optional<NodeReport>>& reports) {
+  const int nnodes = static_cast<int>(reports.size());
+  int first = -1;
+  for (bool want_primary : {true, false}) {
+    for (int n = 0; n < nnodes; ++n) {
+      const auto& r = reports[n];
+      if (!r || r->code <= 0 || r->primary != want_primary) continue;
+      if (first < 0 || r->time_ns < reports[first]->time_ns) first = n;
+    }
+    if (first >= 0) break;
+  }
+  return first;
+}
+
 }  // namespace
 
 // Note [The first failure]
@@ -135,6 +151,54 @@ FailureHeadline SummarizeFailures(const GroupResult& result,
       StrCat("rank ", first->rank, preempted ? " stopped first: " : " failed first: ", first->line);
   h.text += OtherFailures(result, records, h.rank, preempted);
   return h;
+}
+
+JobOutcome SummarizeNodeReports(const std::vector<std::optional<NodeReport>>& reports,
+                                bool store_lost, std::chrono::milliseconds bound) {
+  const int nnodes = static_cast<int>(reports.size());
+  const int first = FirstFailingNode(reports);
+  std::vector<int> missing, finished;
+  std::vector<std::string> also;
+  for (int n = 0; n < nnodes; ++n) {
+    if (!reports[n]) {
+      missing.push_back(n);
+    } else if (reports[n]->code == 0) {
+      finished.push_back(n);
+    } else if (n != first && reports[n]->primary) {
+      std::string t = reports[n]->text;
+      if (t.size() > 160) t = t.substr(0, 160) + "...";
+      also.push_back(StrCat("node ", n, " also failed: ", t));
+    }
+  }
+  JobOutcome out;
+  std::string headline = first >= 0 ? StrCat("node ", first, ": ", reports[first]->text) : "";
+  std::string silent;
+  if (!missing.empty()) {
+    silent =
+        StrCat("node", missing.size() > 1 ? "s " : " ", StrJoin(missing, ","), " sent no report",
+               store_lost ? " (node 0's launcher, which holds the store, is gone)"
+                          : StrCat(" within ", std::chrono::duration<double>(bound).count(),
+                                   " s (was its launcher killed, or did it lose node 0?)"));
+  }
+  if (first < 0) {
+    out.text = silent.empty() ? "a rank on another node failed" : silent;
+  } else if (!silent.empty() && !reports[first]->primary) {
+    out.text = StrCat(silent, "; ", headline);  // the silent node is the likelier cause
+  } else {
+    out.text = silent.empty() ? headline : StrCat(headline, "; ", silent);
+  }
+  for (const std::string& a : also) out.text += "; " + a;
+  out.code = first >= 0 ? reports[first]->code : 1;
+  out.silent_nodes = static_cast<int>(missing.size());
+  out.restartable = missing.empty() && finished.empty();
+  for (const auto& r : reports) out.restartable = out.restartable && r && r->restartable;
+  if (!missing.empty()) {
+    out.not_restarted = "a node is missing";
+  } else if (!finished.empty()) {
+    out.not_restarted = StrCat("the ranks of node", finished.size() > 1 ? "s " : " ",
+                               StrJoin(finished, ","), " had already finished");
+  }
+  return out;
 }
 
 FailureDir::FailureDir() {

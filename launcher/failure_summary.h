@@ -1,9 +1,12 @@
 // The launcher's account of a failed attempt: which local rank failed first (Note [The first
-// failure], failure_summary.cc) and the folder where the ranks leave their failure records.
+// failure], failure_summary.cc), the folder where the ranks leave their failure records, and
+// which node failed first in the job (Note [Launchers across nodes], node_rendezvous.h).
 //
 // Each failing rank writes its one line with the time it failed into FSDP_FAILURE_DIR
 // (common/failure.h); once the local group has stopped, the launcher reads those records and
-// names the rank that failed first on its own account, not the first exit it reaped.
+// names the rank that failed first on its own account, not the first exit it reaped. With
+// several nodes, each node's launcher turns its headline into a NodeReport, and every launcher
+// names the job's first failure from all of them (SummarizeNodeReports).
 //
 //   FailureDir failures;    // a fresh /tmp/fsdp-failures-XXXXXX, removed with the object
 //   failures.Clear();       // before each attempt: an earlier attempt's records are not its own
@@ -13,7 +16,9 @@
 //   return h.code;
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,5 +61,28 @@ class FailureDir {
  private:
   std::string path_;
 };
+
+// One node's account of an attempt (Note [Launchers across nodes]).
+struct NodeReport {
+  int code = 0;          // 0: its ranks finished; -1: stopped after another node failed
+  bool primary = false;  // its first failure was its own (not a lost peer, not a stop)
+  bool restartable = false;
+  int64_t time_ns = 0;
+  std::string text;  // its headline
+};
+
+// The job's account of an attempt, from every node's report.
+struct JobOutcome {
+  std::string text;
+  int code = 1;
+  bool restartable = false;
+  std::string not_restarted;  // why not, when a restart was possible by count
+  int silent_nodes = 0;       // nodes that sent no report: they will not sign out either
+};
+
+// Names the job's first failure from every node's report, by node rank; nullopt: the node sent
+// none within `bound` (or before the store was lost, `store_lost`).
+JobOutcome SummarizeNodeReports(const std::vector<std::optional<NodeReport>>& reports,
+                                bool store_lost, std::chrono::milliseconds bound);
 
 }  // namespace fsdp
