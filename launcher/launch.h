@@ -8,6 +8,9 @@
 // the key prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. Launchers on other nodes connect
 // to it and learn through it when another node's group failed, so all nodes restart together.
 //
+// Inside: launch.cc runs the local group attempt after attempt; node_rendezvous.h is the
+// launchers' meeting in the store; failure_summary.h names the first rank and node to fail.
+//
 //   LaunchOptions opts;
 //   opts.nproc_per_node = 4;
 //   opts.program = {"build/bin/fsdp", "doctor", "--mesh", "2,2"};
