@@ -8,6 +8,9 @@
 // the key prefix /worker/attempt_<TORCHELASTIC_RESTART_COUNT>. Launchers on other nodes connect
 // to it and learn through it when another node's group failed, so all nodes restart together.
 //
+// Inside: launch.cc runs the local group attempt after attempt; node_rendezvous.h is the
+// launchers' meeting in the store; failure_summary.h names the first rank and node to fail.
+//
 //   LaunchOptions opts;
 //   opts.nproc_per_node = 4;
 //   opts.program = {"build/bin/fsdp", "doctor", "--mesh", "2,2"};
@@ -16,12 +19,12 @@
 
 #include <chrono>
 #include <functional>
-#include <string_view>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/failure.h"
+#include "launcher/failure_summary.h"  // FailureHeadline, SummarizeFailures
 #include "launcher/worker_group.h"
 
 namespace fsdp {
@@ -45,8 +48,8 @@ struct LaunchOptions {
   std::string log_dir;
   std::string redirects;
   std::string tee;
-  bool announce = true;  // the "fsdp launch: starting N rank(s) ..." line
-  std::string run_id;  // TORCHELASTIC_RUN_ID; random when empty
+  bool announce = true;              // the "fsdp launch: starting N rank(s) ..." line
+  std::string run_id;                // TORCHELASTIC_RUN_ID; random when empty
   std::vector<std::string> program;  // PROGRAM ARGS...
   // Optional: sees every output line of the workers and returns a status text (e.g. a
   // progress bar) that the launcher keeps on the last line of its stderr; empty for none.
@@ -57,22 +60,6 @@ struct LaunchOptions {
   // kInvalidArgument naming the option and what would be valid.
   absl::Status Validate() const;
 };
-
-// The launcher's line when a local rank failed (Note [The first failure], launch.cc): the
-// first rank to fail on its own account with its line, every other rank that failed on its
-// own with its class and what, then the ranks that only followed. `code`: the exit code to
-// return (the first failure's).
-struct FailureHeadline {
-  int rank = -1;
-  std::string text;  // "rank 2 failed first: rank 2: checkpoint: ...; ranks 0,1 stopped after ..."
-  int code = 1;
-  // The first rank failed on its own account (not "peer lost", not stopped by us), and when:
-  // what another node's launcher weighs this node's failure by (Note [Launchers across nodes]).
-  bool primary = true;
-  int64_t time_ns = 0;
-};
-FailureHeadline SummarizeFailures(const GroupResult& result,
-                                  const std::vector<FailureRecord>& records);
 
 // Runs the job; returns the process exit code: 0 when every local rank succeeded, otherwise the
 // failed rank's exit code (128 + signal if it was killed; across nodes, the code of the job's
