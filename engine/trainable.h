@@ -20,7 +20,7 @@
 
 #include "absl/status/status.h"
 #include "sharding/comm_stats.h"
-#include "sharding/offload.h"
+#include "sharding/offload/host_offload.h"
 
 namespace fsdp {
 
@@ -47,12 +47,12 @@ class TrainableModel {
   // optimizer without a prepared form). The caller still calls optimizer.zero_grad().
   // `delayed`: the next step's forward and backward use the parameters from before this update
   // (parallelism.offload_delayed_update; Note [Delayed parameter update] in
-  // sharding/offload.h); ignored where the model cannot delay it.
+  // sharding/offload/host_step.h); ignored where the model cannot delay it.
   virtual bool StepOverlapped(torch::optim::Optimizer& optimizer, bool delayed) { return false; }
   // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
   // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
-  // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when
-  // it returns false, before it does. A no-op where nothing is deferred.
+  // gradient conversion] in sharding/offload/deferred_grads.h), its .grads written only by
+  // that step or, when it returns false, before it does. A no-op where nothing is deferred.
   virtual void AllowDeferredGradients() {}
   // Waits for an overlapped step to finish (before anything but the next step's forward reads
   // or writes the parameters or the optimizer's state). A no-op otherwise.
