@@ -24,7 +24,7 @@
 namespace fsdp::bench {
 namespace {
 
-// Offload's slice and chunk (kDefaultStepSlice in sharding/offload.cc).
+// Offload's slice and chunk (kDefaultStepSlice in sharding/offload/host_step.h).
 constexpr int64_t kSlice = int64_t{1} << 22;
 
 // The AdamW hyper-parameters of configs/llama_1b.yaml's optimizer, at step 10.

@@ -102,7 +102,8 @@ inline constexpr EnvKnob kFailureDir{
     "unset (no record)", "a writable folder", "common/failure.cc, launcher/launch.cc"};
 
 // FSDP_OFFLOAD_STEP_SLICE: the slice of offload's sliced host step, read when a run's host
-// offload is created (Note [Deferred gradient conversion] in sharding/offload.h).
+// offload is created (Note [Deferred gradient conversion] in
+// sharding/offload/deferred_grads.h).
 inline constexpr EnvKnob kOffloadStepSlice{
     "FSDP_OFFLOAD_STEP_SLICE",
     "elements per slice of the offload host's sliced passes (parallelism.offload: params with "
@@ -110,7 +111,8 @@ inline constexpr EnvKnob kOffloadStepSlice{
     "and the bf16 gradients' conversion and addition, one op after the other, each on all of "
     "ATen's threads; the same values at any slice (a tuning knob for a host's caches, and the "
     "tests' way to cut small tensors into slices)",
-    "4194304 (2^22)", "a multiple of 16 in 16..1073741824", "sharding/offload.cc"};
+    "4194304 (2^22)", "a multiple of 16 in 16..1073741824",
+    "sharding/offload/host_offload.cc"};
 
 // FSDP_OFFLOAD_HOST_PASS: whether offload's host step may use the optimizer's one loop (Note
 // [Host Adam pass] in engine/host_adam.cc), read when a run's host offload is created.
@@ -120,7 +122,7 @@ inline constexpr EnvKnob kOffloadHostPass{
     "the host step's update of deferred bf16 gradients (the optimizer's one loop) and the bf16 "
     "gradients' addition into the fp32 sum (the same values; for measuring one against the "
     "other, as `fsdp bench host` does outside a run)",
-    "on", "on, off", "sharding/offload.cc"};
+    "on", "on, off", "sharding/offload/host_offload.cc"};
 
 // FSDP_OFFLOAD_HOST_THREADS: the threads of offload's one loops (Note [Host loops]).
 inline constexpr EnvKnob kOffloadHostThreads{
@@ -130,7 +132,7 @@ inline constexpr EnvKnob kOffloadHostThreads{
     "leaves some to the training thread and the copies (`fsdp bench host --threads` measures "
     "the choice)",
     "at::get_num_threads() (OMP_NUM_THREADS; the launcher gives each rank cores / ranks)",
-    "an integer in 1..1024", "sharding/offload.cc"};
+    "an integer in 1..1024", "sharding/offload/host_offload.cc"};
 
 // FSDP_OFFLOAD_OVERLAP_STEP: debugging switch for offload's overlapped host step (Note
 // [Overlapped host step] in engine/trainable.cc), read by ShardingPlanFor.
@@ -142,7 +144,7 @@ inline constexpr EnvKnob kOffloadOverlapStep{
     "1", "0, 1", "engine/config.cc"};
 
 // FSDP_OFFLOAD_COMPUTE_COPY: forces offload params' compute-dtype host copy (Note [Compute
-// copy] in sharding/offload_plan.h), read by ShardingPlanFor.
+// copy] in sharding/offload/offload_plan.h), read by ShardingPlanFor.
 inline constexpr EnvKnob kOffloadComputeCopy{
     "FSDP_OFFLOAD_COMPUTE_COPY",
     "1 keeps, 0 drops offload params' compute-dtype copy of each shard on the host (2 bytes "

@@ -177,7 +177,7 @@ struct ParallelismSection {
   // off | on | after:N: with offload, the host's update of each step runs through the next step,
   // which uses the parameters from before it (one step stale; DeepSpeed's delayed parameter
   // update), from step N on (on: N = 0). Checkpoints, evaluations and the end of training see
-  // every update (sharding/offload.h: Note [Delayed parameter update]).
+  // every update (sharding/offload/host_step.h: Note [Delayed parameter update]).
   DelayedUpdate offload_delayed_update;
   // Seconds a collective may be waited on before the watchdog ends the rank naming it and the
   // ranks that did not arrive (device_mesh/watchdog.h); FSDP_COLLECTIVE_TIMEOUT_S overrides.

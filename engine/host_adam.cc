@@ -22,13 +22,13 @@
 namespace fsdp {
 
 // Note [Host Adam pass]
-// Offload params with bf16 compute steps each parameter on the host from its bf16 gradient
-// (Note [Deferred gradient conversion], sharding/offload.h). Done with ATen's ops that is four
-// passes over the parameter's bytes: the gradient's conversion into fp32, clipping's
-// multiplication, the fused AdamW, the cast of the updated master to bf16, ~48 bytes per
-// parameter, and on the H100 machine the host step, not the GPU, was the step's bound
-// (docs/offload.md). Here one loop per element reads the bf16 gradient and the fp32 master and
-// moments and writes those and the bf16 copy: 28 bytes.
+// Offload params with bf16 compute steps each parameter on the host from its bf16 gradient (Note
+// [Deferred gradient conversion], sharding/offload/deferred_grads.h). Done with ATen's ops that is
+// four passes over the parameter's bytes: the gradient's conversion into fp32, clipping's
+// multiplication, the fused AdamW, the cast of the updated master to bf16, ~48 bytes per parameter,
+// and on the H100 machine the host step, not the GPU, was the step's bound (docs/offload.md). Here
+// one loop per element reads the bf16 gradient and the fp32 master and moments and writes those and
+// the bf16 copy: 28 bytes.
 //
 // The values are ATen's, bit for bit (HostAdamPassTest checks it against _fused_adamw_ and
 // _fused_adam_ over sizes with and without a tail, and HostAdamPassAvailable checks it once on

@@ -86,15 +86,15 @@ class PreparedStep {
   // Parameters not updated yet.
   virtual size_t remaining() const = 0;
 
-  // Slices (Note [Deferred gradient conversion], sharding/offload.h): the update of elements
-  // [begin, begin + n) of `param`'s flattened tensors, for a caller that converts and scales a
-  // gradient chunk by chunk and steps each chunk while it is in cache, on several threads at
-  // once (disjoint slices: concurrent calls are safe). With every slice beginning at a multiple
+  // Slices (Note [Deferred gradient conversion] in sharding/offload/deferred_grads.h): the update
+  // of elements [begin, begin + n) of `param`'s flattened tensors, for a caller that converts and
+  // scales a gradient chunk by chunk and steps each chunk while it is in cache, on several threads
+  // at once (disjoint slices: concurrent calls are safe). With every slice beginning at a multiple
   // of 16 elements the values are Run's, bit for bit (ATen's fused kernels are elementwise and
   // group elements by 64-byte units from the tensor's start). After a parameter's last slice,
-  // SlicesDone(param) (not concurrent with anything). CanRunSlices: whether `param` is covered
-  // and not updated yet, and the step can run slices (the fused implementation can; foreach
-  // cannot: false, and the caller uses Run).
+  // SlicesDone(param) (not concurrent with anything). CanRunSlices: whether `param` is covered and
+  // not updated yet, and the step can run slices (the fused implementation can; foreach cannot:
+  // false, and the caller uses Run).
   virtual bool CanRunSlices(const at::Tensor& /*param*/) const { return false; }
   virtual void RunSlice(const at::Tensor& param, int64_t begin, int64_t n) const;
   virtual void SlicesDone(const at::Tensor& param);

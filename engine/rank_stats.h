@@ -12,7 +12,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "sharding/comm_stats.h"
-#include "sharding/offload.h"
+#include "sharding/offload/host_offload.h"
 
 namespace fsdp {
 

@@ -11,12 +11,12 @@ namespace {
 
 // Note [Overlapped host step]
 // With parallelism.offload the optimizer steps the fp32 masters on the host (Note [CPU
-// offload], sharding/offload.h), and done in place (optimizer.step(), then the masters' cast or
-// copy for the device) the device sits idle through all of it: the next forward needs the new
-// values. But it needs them a unit at a time, in forward order, and each unit's update reads
-// only that unit's tensors (the clipping, which needs every gradient, is over by then). So
-// StepOverlapped prepares the step on the training thread (engine/optimizer.h: Note [Prepared
-// steps]: states, counters, learning rate taken) and FsdpModel::StepOnHost queues it on
+// offload], sharding/offload/host_offload.h), and done in place (optimizer.step(), then the
+// masters' cast or copy for the device) the device sits idle through all of it: the next forward
+// needs the new values. But it needs them a unit at a time, in forward order, and each unit's
+// update reads only that unit's tensors (the clipping, which needs every gradient, is over by
+// then). So StepOverlapped prepares the step on the training thread (engine/optimizer.h: Note
+// [Prepared steps]: states, counters, learning rate taken) and FsdpModel::StepOnHost queues it on
 // HostOffload's thread, unit after unit in forward order, each followed by the refresh of the
 // unit's bf16 host copy (offload=params); the trainer goes on to the next step at once. A unit's
 // next unshard waits for its own step (HostOffload::LoadShards; a prefetch does not wait, it
@@ -45,8 +45,8 @@ class FsdpTrainable final : public TrainableModel {
   void BeginStep(int64_t step) override { delayed_now_ = delayed_.At(step); }
   void BeginMicroBatch(int index, int count) override {
     const bool last = index == count - 1;
-    // Note [Deferred clipping multiplication] (offload.h): the norm's terms on the host's
-    // thread as the last micro-batch's gradients land.
+    // Note [Deferred clipping multiplication] (offload/deferred_grads.h): the norm's terms on the
+    // host's thread as the last micro-batch's gradients land.
     model_->set_offload_final_gradients(last);
     // See Note [No-sync accumulation]: no communication before the last micro-batch.
     if (!sync_every_micro_batch_) model_->set_requires_gradient_sync(last);
@@ -96,7 +96,8 @@ class FsdpTrainable final : public TrainableModel {
     step.run = [prepared](const std::vector<at::Tensor>& unit_masters) {
       prepared->Run(unit_masters);
     };
-    // Note [Deferred gradient conversion] (sharding/offload.h): deferred gradients in slices.
+    // Note [Deferred gradient conversion] (sharding/offload/deferred_grads.h): deferred gradients
+    // in slices.
     step.can_run_slices = [prepared](const at::Tensor& p) { return prepared->CanRunSlices(p); };
     step.run_slice = [prepared](const at::Tensor& p, int64_t begin, int64_t n) {
       prepared->RunSlice(p, begin, n);

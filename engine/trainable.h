@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "engine/config.h"
 #include "sharding/comm_stats.h"
-#include "sharding/offload.h"
+#include "sharding/offload/host_offload.h"
 
 namespace fsdp {
 
@@ -60,8 +60,8 @@ class TrainableModel {
   virtual void BeforeEvaluate() {}
   // For a caller that always tries StepOverlapped after ClipGradNorm (TrainStep): lets
   // StepOverlapped convert, clip and step offloaded gradients in one pass (Note [Deferred
-  // gradient conversion] in sharding/offload.h), its .grads written only by that step or, when
-  // it returns false, before it does. A no-op where nothing is deferred.
+  // gradient conversion] in sharding/offload/deferred_grads.h), its .grads written only by
+  // that step or, when it returns false, before it does. A no-op where nothing is deferred.
   virtual void AllowDeferredGradients() {}
   // Waits for an overlapped step to finish (before anything but the next step's forward reads
   // or writes the parameters or the optimizer's state). A no-op otherwise.
@@ -92,8 +92,8 @@ class TrainableModel {
 
 // The FSDP-wrapped model behind the interface. `sync_every_micro_batch` false: Note [No-sync
 // accumulation]. `delayed`: the steps whose update runs through the next step
-// (parallelism.offload_delayed_update; Note [Delayed parameter update] in sharding/offload.h),
-// where the model offloads with a delayable step.
+// (parallelism.offload_delayed_update; Note [Delayed parameter update] in
+// sharding/offload/host_step.h), where the model offloads with a delayable step.
 std::unique_ptr<TrainableModel> WrapForTraining(std::unique_ptr<FsdpModel> model,
                                                 bool sync_every_micro_batch = true,
                                                 DelayedUpdate delayed = {});

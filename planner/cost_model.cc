@@ -235,7 +235,7 @@ double TheoryWireBytesPerStep(int64_t params, int bytes_per_element, Strategy st
 //     (16 P / S with AdamW; the master and gradient pinned, the optimizer state not); the
 //     device keeps the fp32 parameter shard (the all-gathers' source) and, accumulating, the
 //     sum of the micro-batches' gradient shards (4 P / S, the trainer's
-//     set_offload_accumulate_on_device: Note [CPU offload] in sharding/offload.h),
+//     set_offload_accumulate_on_device: Note [CPU offload] in sharding/offload/host_offload.h),
 //     copied to the host once per step, shard by shard after the last micro-batch's
 //     reduce-scatters (HSDP: after the replicate all-reduce; grad_sync last: the last
 //     micro-batch's only); with one micro-batch a transient gradient shard. The step runs on
@@ -284,7 +284,8 @@ absl::StatusOr<Prediction> Predict(const PlanRequest& request, const Layout& lay
 namespace {
 
 // The prediction with or without offload params' compute copy on the host; with it, also the
-// engine's choice from the host memory predicted (Note [Compute copy], sharding/offload_plan.h).
+// engine's choice from the host memory predicted (Note [Compute copy],
+// sharding/offload/offload_plan.h).
 absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Layout& layout,
                                            const CountedModel& counted, bool keep_copy) {
   const RunConfig& config = request.config;
@@ -378,10 +379,10 @@ absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Lay
   // their cast to the reduce dtype is exact (Note [Offload]).
   const bool narrow_grads_to_host =
       offload == Offload::kParams && s == 1 && r == 1 && cb < 4 && (rb == cb || rb == 4);
-  // Note [Gradients committed on demand] (sharding/offload.cc): those gradients' fp32 .grads are
-  // reserved but never written when each lands alone (one micro-batch, or grad_sync last) and
-  // the overlapped step's one loop updates the master from it: a fused Adam(W) whose update the
-  // loop covers (HostAdamPassCovers), on a CPU with AVX2 (assumed: every GPU host in the
+  // Note [Gradients committed on demand] (sharding/offload/host_buffers.cc): those gradients' fp32
+  // .grads are reserved but never written when each lands alone (one micro-batch, or grad_sync
+  // last) and the overlapped step's one loop updates the master from it: a fused Adam(W) whose
+  // update the loop covers (HostAdamPassCovers), on a CPU with AVX2 (assumed: every GPU host in the
   // profiles).
   const OptimizerSection& o = config.optimizer;
   HostAdamHyper hyper;
@@ -436,7 +437,8 @@ absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Lay
   const bool params_aliased = s == 1 && cb == 4;
   const bool aliased = params_aliased && r == 1;
   // Offload params with one shard loads each shard in the compute dtype, and the unsharded
-  // parameters alias it (Note [CPU offload] in sharding/offload.h): counted in mem.params.
+  // parameters alias it (Note [CPU offload] in sharding/offload/host_offload.h): counted in
+  // mem.params.
   const bool loaded_is_gathered = one_shard && offload == Offload::kParams && loaded_bytes == cb;
   const double gathered = params_aliased || loaded_is_gathered ? 0 : cb;  // a gathered value's
   // Accumulating, the shard's gradient exists already and the block's new one is added to it.
@@ -550,11 +552,12 @@ absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Lay
     // the loop covers, every parameter's step is one loop over its elements, which clips the
     // gradient, updates the master and moments and writes the loaded copy; a gradient that
     // lands alone in the compute dtype is read as it landed (Note [Deferred gradient
-    // conversion] in sharding/offload.h): no conversion, and clipping's norm on the device.
-    // Without the loop (another optimizer, the step in place) ATen's passes: the conversion,
-    // clipping's read and the fused step (kHostOptimizerBytesPerParam), the refresh's cast; the
-    // overlapped step's slices of those moved what the separate passes did on the H100 machine
-    // (416 ms for llama_1b's host step against ~440), so the same bytes are counted either way.
+    // conversion] in sharding/offload/deferred_grads.h): no conversion, and clipping's norm on the
+    // device. Without the loop (another optimizer, the step in place) ATen's passes: the
+    // conversion, clipping's read and the fused step (kHostOptimizerBytesPerParam), the refresh's
+    // cast; the overlapped step's slices of those moved what the separate passes did on the H100
+    // machine (416 ms for llama_1b's host step against ~440), so the same bytes are counted either
+    // way.
     const double loaded_copy = offload == Offload::kParams && loaded_bytes < 4 ? loaded_bytes : 0;
     // The bf16 additions are one loop too (HostAddConverted, sharding/host_loops.h), whatever
     // the optimizer; the first gradient's conversion stays ATen's cast.
@@ -695,8 +698,8 @@ absl::StatusOr<Prediction> PredictWithCopy(const PlanRequest& request, const Lay
         hw.comm_overlap * exposed_copy + (1 - hw.comm_overlap) * time.host_copy_s;
   }
 
-  // A delayed update (Note [Delayed parameter update] in sharding/offload.h) runs through the
-  // whole next step, and the host's thread converts that step's gradients after it; the next
+  // A delayed update (Note [Delayed parameter update] in sharding/offload/host_step.h) runs through
+  // the whole next step, and the host's thread converts that step's gradients after it; the next
   // update waits for both: exposed is what they take beyond the device's step, at the slowdown
   // measured beside it (kHostBesideStepCost). Not on a CPU profile (one pool of cores, as above).
   if (host_step_s > 0 && sharding.options.offload_delayed_update &&

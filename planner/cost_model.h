@@ -39,7 +39,7 @@
 #include "absl/status/statusor.h"
 #include "engine/config.h"
 #include "models/model.h"
-#include "sharding/offload_plan.h"
+#include "sharding/offload/offload_plan.h"
 
 namespace fsdp::plan {
 
@@ -163,7 +163,7 @@ struct Prediction {
   bool fits = false;       // on the device and, with offload, in host memory
   bool host_fits = true;   // memory.host within the rank's share of host memory
   // Offload params with a narrower compute dtype: whether the engine keeps the host's compute
-  // copy, from the host memory predicted (Note [Compute copy] in sharding/offload_plan.h).
+  // copy, from the host memory predicted (Note [Compute copy] in sharding/offload/offload_plan.h).
   std::optional<ComputeCopyChoice> compute_copy;
   std::string note;
 };

@@ -159,11 +159,11 @@ std::vector<int64_t> DivisorsBelow(int64_t n, int64_t below) {
 // predicts to fit, each tried on the whole search: a smaller micro-batch with more accumulation
 // steps for exactly the same batch (the largest divisor of micro-batch x accumulation steps
 // below the micro-batch that fits), bf16 (only for an fp32 configuration), more ranks (up to
-// kMaxWorldGrowth x, whole nodes), one unit gathered at a time (parallelism.max_unsharded_units 1), a shorter model.seq_len (halving).
-// When none of them alone fits it tries micro-batch 1 with bf16, and otherwise names the
-// largest part of the smallest run (activations, gathered units, model state or host memory)
-// and what shrinks it: a smaller model, a device with at least the memory the smallest run
-// needs. So it never tells a bf16 run to use bf16, asks for
+// kMaxWorldGrowth x, whole nodes), one unit gathered at a time (parallelism.max_unsharded_units 1),
+// a shorter model.seq_len (halving). When none of them alone fits it tries micro-batch 1 with bf16,
+// and otherwise names the largest part of the smallest run (activations, gathered units, model
+// state or host memory) and what shrinks it: a smaller model, a device with at least the memory the
+// smallest run needs. So it never tells a bf16 run to use bf16, asks for
 // more GPUs when the activations alone do not fit, or for a shorter sequence when the
 // gathered units are what is too large.
 absl::StatusOr<std::string> NoFitAdvice(const PlanRequest& request, const Prediction& smallest) {
@@ -327,11 +327,11 @@ namespace {
 // micro-batches' unsharded gradients on the device in the compute dtype and reduces and sends
 // them once (Note [No-sync accumulation]: other roundings). And with any offload the opt-in
 // delayed update (parallelism.offload_delayed_update: on; parameters one step stale; Note [Delayed
-// parameter update] in sharding/offload.h) takes the host's step out of the step's critical
-// path. The search does not vary them (they are not layouts, and they change the arithmetic),
-// so when best offloads the recommendation says what they would give on its layout, when that
-// fits and is faster beyond the planner's precision: the fastest of both settings, the first or
-// the second alone, and then the delayed update on top of that.
+// parameter update] in sharding/offload/host_step.h) takes the host's step out of the step's
+// critical path. The search does not vary them (they are not layouts, and they change the
+// arithmetic), so when best offloads the recommendation says what they would give on its layout,
+// when that fits and is faster beyond the planner's precision: the fastest of both settings, the
+// first or the second alone, and then the delayed update on top of that.
 std::string OffloadHint(const PlanRequest& request, const Prediction& best,
                         const CountedModel& model) {
   const RunConfig& config = request.config;

@@ -409,7 +409,7 @@ stage_offload_params_keep_2x4() {
 stage_offload_params_last_2x4() {
   run offload_params_last_2x4 "${accum2x4[@]}" "${params_last[@]}"
 }
-# Note [Delayed parameter update] (sharding/offload.h): opt in, parameters one step stale.
+# Note [Delayed parameter update] (sharding/offload/host_step.h): opt in, parameters one step stale.
 stage_offload_params_delayed_2x4() {
   run offload_params_delayed_2x4 "${accum2x4[@]}" "${params_last[@]}" "${delayed[@]}"
 }

@@ -50,7 +50,7 @@
 #include "device_mesh/process_group.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_param.h"
-#include "sharding/offload.h"
+#include "sharding/offload/host_offload.h"
 #include "sharding/shard_layout.h"
 #include "sharding/streams.h"
 

@@ -75,7 +75,7 @@ at::Tensor FsdpModel::GatherFullParameter(const FsdpParam& param) {
   at::NoGradGuard no_grad;
   const ParamSharding& s = param.sharding;
   // See Note [CPU offload]: the host master is always there, the device shard may not be.
-  const at::Tensor& source = param.host_shard.defined() ? param.host_shard : param.padded_shard;
+  const at::Tensor& source = param.host != nullptr ? param.host->shard : param.padded_shard;
   at::Tensor shard = source.to(ctx_.device).contiguous().view(-1);
   at::Tensor full = at::empty({s.padded_numel()}, shard.options());
   if (ctx_.num_shards == 1) {
@@ -520,8 +520,8 @@ at::Tensor FsdpModel::ClipGradNorm(double max_norm) {
       if (p.requires_grad && p.sharded.grad().defined()) with_grad.push_back(&p);
     }
   }
-  // Deferred gradients (Note [Deferred gradient conversion] in offload.h): the norm from their
-  // contributions, the multiplication left to the host step.
+  // Deferred gradients (Note [Deferred gradient conversion] in offload/deferred_grads.h): the
+  // norm from their contributions, the multiplication left to the host step.
   if (ctx_.offload && ctx_.offload->has_deferred()) {
     if (std::optional<at::Tensor> norm =
             ctx_.offload->ClipDeferred(with_grad, max_norm, ctx_.device)) {

@@ -36,7 +36,7 @@
 #include "device_mesh/device_mesh.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_unit.h"
-#include "sharding/offload_plan.h"
+#include "sharding/offload/offload_plan.h"
 #include "sharding/options.h"
 #include "sharding/unit_forward.h"
 
@@ -70,9 +70,9 @@ inline constexpr double kNoClipping = std::numeric_limits<double>::infinity();
 at::Tensor ClipGradientsByNorm(const std::vector<at::Tensor>& grads, double max_norm,
                                c10::Device device, ProcessGroup* sum_over);
 // Its two halves, for gradients whose terms are computed apart (Note [Deferred gradient
-// conversion] in offload.h): each gradient's term of the norm (on CUDA its fp32 2-norm, else the
-// fp32 sum of its squares), and the norm and coefficient from the terms in the gradients'
-// order (on `device`, summed over `sum_over` when given).
+// conversion] in offload/deferred_grads.h): each gradient's term of the norm (on CUDA its fp32
+// 2-norm, else the fp32 sum of its squares), and the norm and coefficient from the terms in the
+// gradients' order (on `device`, summed over `sum_over` when given).
 std::vector<at::Tensor> ClipNormTerms(const std::vector<at::Tensor>& grads);
 struct ClipNorm {
   at::Tensor norm;  // before clipping
@@ -194,20 +194,21 @@ class FsdpModel {
   // Offload: true keeps the next backwards' gradient shards summed on the device (fp32, 4 bytes
   // per parameter of shard) and sends the sum to the host in the next backward with false (the
   // default), once: fewer copies and no host additions under gradient accumulation. A no-op
-  // without offload. See Note [CPU offload] in offload.h, "Accumulating on the device".
+  // without offload. See Note [CPU offload] in offload/host_offload.h, "Accumulating on the
+  // device".
   void set_offload_accumulate_on_device(bool on_device) {
     if (ctx_.offload) ctx_.offload->set_accumulate_on_device(on_device);
   }
   // Offload params, one shard: true leaves a gradient that lands on the host alone in the
   // compute dtype until the step, which converts, clips and steps it in one pass (Note [Deferred
-  // gradient conversion] in offload.h). Only for a caller that steps through StepOnHost(HostStep)
-  // after ClipGradNorm, or calls MaterializeDeferredGradients before reading the .grads
-  // otherwise (engine/trainer.cc's TrainStep does). A no-op without offload.
+  // gradient conversion] in offload/deferred_grads.h). Only for a caller that steps through
+  // StepOnHost(HostStep) after ClipGradNorm, or calls MaterializeDeferredGradients before reading
+  // the .grads otherwise (engine/trainer.cc's TrainStep does). A no-op without offload.
   void set_offload_defer_conversion(bool defer) {
     if (ctx_.offload) ctx_.offload->set_defer_conversion(defer);
   }
   // Offload: true lets ClipGradNorm leave the multiplication of the host's fp32 .grads to the
-  // step (Note [Deferred clipping multiplication] in offload.h); the same contract.
+  // step (Note [Deferred clipping multiplication] in offload/deferred_grads.h); the same contract.
   void set_offload_defer_clip_multiply(bool defer) {
     if (ctx_.offload) ctx_.offload->set_defer_clip_multiply(defer);
   }
@@ -225,9 +226,9 @@ class FsdpModel {
   // Unshard() calls (all-gathers, or casts with one shard) on units with parameters so far.
   int64_t unshards() const { return ctx_.unshards; }
 
-  // Offload (Note [CPU offload] in offload.h): copies the host masters (the optimizer's
-  // tensors) into the device shards. Call after the optimizer step and after writing the
-  // masters otherwise (checkpoint load); a no-op without offload or with offloaded parameters.
+  // Offload (Note [CPU offload] in offload/host_offload.h): copies the host masters (the
+  // optimizer's tensors) into the device shards. Call after the optimizer step and after writing
+  // the masters otherwise (checkpoint load); a no-op without offload or with offloaded parameters.
   // On CUDA the copies are asynchronous: work issued afterwards on the current stream sees the
   // new shards, and the host must not write the masters again before that work has run (the
   // next backward's end waits for it; otherwise synchronise the device first).
@@ -241,10 +242,10 @@ class FsdpModel {
   // stepping and CopyShardsToDevice; FinishHostStep (also called by CopyShardsToDevice) waits
   // for all of it. See Note [Overlapped host step] (engine/trainable.cc).
   void StepOnHost(std::function<void(const std::vector<at::Tensor>&)> step);
-  // The same with slices for deferred gradients (HostStep, offload.h). `delayed` (needs
-  // FsdpOptions::offload_delayed_update): the next forward and backward do not wait for it
+  // The same with slices for deferred gradients (HostStep, offload/host_offload.h). `delayed`
+  // (needs FsdpOptions::offload_delayed_update): the next forward and backward do not wait for it
   // and use the parameters from before it; it becomes visible at the next StepOnHost or
-  // FinishHostStep (Note [Delayed parameter update] in offload.h).
+  // FinishHostStep (Note [Delayed parameter update] in offload/host_step.h).
   void StepOnHost(HostStep step, bool delayed = false);
   // Waits for StepOnHost's step; then the masters and the device shards are as after
   // CopyShardsToDevice. A no-op without one in flight. Call before reading or writing the
@@ -259,7 +260,7 @@ class FsdpModel {
   void CountResidentBytes(ModelStateBytes& bytes) const;
 
   // Offload params with a narrower compute dtype: whether the host keeps each shard's compute
-  // copy (Note [Compute copy] in offload_plan.h); nullopt where there is no such choice.
+  // copy (Note [Compute copy] in offload/offload_plan.h); nullopt where there is no such choice.
   const std::optional<ComputeCopyChoice>& offload_compute_copy() const { return compute_copy_; }
   CommStats& comm_stats() { return ctx_.stats; }
   const MemoryStats& memory_stats() const { return memory_; }

@@ -23,32 +23,19 @@
 
 namespace fsdp {
 
+struct HostShard;
+
 struct FsdpParam {
   std::vector<std::string> names;  // every name of this tensor (tied parameters have several)
   at::Tensor param;                // P: the module's tensor; full shape, compute dtype
   ParamSharding sharding;
   at::Tensor padded_shard;  // [rows_per_shard, ...] original dtype; padding rows stay zero;
                             // offload params: allocated only around the unit's all-gather,
-                            // in host_compute_shard's dtype when there is one
+                            // in host->compute_shard's dtype when there is one
   at::Tensor sharded;       // leaf aliasing padded_shard's real rows: the optimizer's tensor
-                            // (offload: host_shard's real rows, Note [CPU offload])
-  at::Tensor host_shard;    // offload only: padded_shard's layout in host memory
-  at::Tensor host_compute_shard;  // offload params, compute dtype narrower than the shard's
-                                  // (or any, with a delayed update): host_shard cast to it,
-                                  // what is loaded (Note [CPU offload])
-  at::Tensor host_grad;     // offload, trainable only: sharded's shape, host; becomes its .grad
-  bool host_grad_on_demand = false;  // host_grad's pages are committed when first written
-                                     // (Note [Gradients committed on demand], offload.cc)
-  at::Tensor host_compute_grad;  // offload params, one shard, trainable, compute dtype narrower:
-                                 // sharded's shape in the compute dtype, host; where each
-                                 // backward's gradient lands before host_grad (Note [CPU offload])
-  // Offload with a delayed update (Note [Delayed parameter update] in offload.h): the second
-  // buffer of each of the two above, written by the update in flight while the next step reads
-  // (host_compute_shard) or writes (host_compute_grad) the first.
-  at::Tensor host_compute_shard_spare;
-  at::Tensor host_compute_grad_spare;
-  at::Tensor device_grad;   // offload, between backwards that accumulate on the device:
-                            // sharded's shape and dtype, on the device (Note [CPU offload])
+                            // (offload: host->shard's real rows, Note [CPU offload])
+  HostShard* host = nullptr;  // offload only: its host buffers (sharding/offload/host_buffers.h,
+                              // owned by HostOffload)
   bool requires_grad = false;
   c10::ScalarType compute_dtype = c10::kFloat;
   // Trainable only: 0 elements; P's .grad from the end of a backward that left P without one

@@ -36,7 +36,7 @@
 //                         UnshardedBytes but not by HoldsUnsharded (no full parameter is held)
 // With parallelism.offload=params the padded shards themselves are on the device only from
 // their load (in Unshard, or earlier by prefetch) until the unit leaves kUnsharded (Note [CPU
-// offload] in offload.h).
+// offload] in offload/host_offload.h).
 //
 // TrainingState: where the unit is in the iteration (driven by FsdpModel).
 //   kIdle --BeginForward()--> kForward --EndForward()--> kIdle
@@ -63,7 +63,7 @@
 #include "sharding/collectives.h"
 #include "sharding/comm_stats.h"
 #include "sharding/fsdp_param.h"
-#include "sharding/offload.h"
+#include "sharding/offload/host_offload.h"
 #include "sharding/options.h"
 #include "sharding/shard_layout.h"
 #include "sharding/streams.h"
@@ -94,7 +94,7 @@ struct EngineContext {
   // shard under mixed precision a cast of the unit's shards.
   int64_t unshards = 0;
   std::unique_ptr<DeviceStreams> streams;  // copy-in stream on CUDA; no-op on CPU
-  std::unique_ptr<HostOffload> offload;    // Note [CPU offload] (offload.h); null without
+  std::unique_ptr<HostOffload> offload;    // Note [CPU offload] (offload/); null without
 };
 
 class FsdpUnit {

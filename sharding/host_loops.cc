@@ -24,7 +24,7 @@ namespace fsdp {
 
 // Note [Host loops]
 // Offload's host work (the deferred gradients' additions and the AdamW update, sharding/
-// offload.h) is a few passes over hundreds of MiB of pinned memory per step, and its speed is
+// offload/) is a few passes over hundreds of MiB of pinned memory per step, and its speed is
 // the host's memory bandwidth on all of its cores. ATen's ops get there on whole tensors but not
 // on the slices offload works in: every op forks and joins ATen's OpenMP threads (~200 us on the
 // H100 machine's 16 cores), and at::parallel_for in our code runs on the calling thread only
@@ -177,7 +177,7 @@ FSDP_AVX2_F16C void AddLoop(float* dst, const uint16_t* src, int64_t begin, int6
 // (scratch's numel: offload's step slice, FSDP_OFFLOAD_STEP_SLICE, 16 MiB by default) is
 // converted into `scratch` (fp32, reused across calls) and added, both with ATen's vectorised
 // kernels on all of its threads: one chunk after the other, each op's fork and join amortised
-// over the chunk (the sliced step's reason, kDefaultStepSlice in offload.cc).
+// over the chunk (the sliced step's reason, kDefaultStepSlice in offload/host_step.h).
 void AddConvertedInChunks(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& scratch) {
   at::Tensor d = dst.view(-1);
   at::Tensor s = src.view(-1);

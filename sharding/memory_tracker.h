@@ -49,7 +49,7 @@ class CpuMemoryTracker final : public c10::Allocator {
 
 // Host memory reserved without being committed: an anonymous private mapping (MAP_NORESERVE)
 // whose pages take memory when first written and read as zero until then (offload's fp32
-// gradients: Note [Gradients committed on demand] in offload.cc). Base pages only (no
+// gradients: Note [Gradients committed on demand] in offload/host_buffers.cc). Base pages only (no
 // transparent huge pages), so a write commits its own page and no more. `bytes` is rounded up
 // to whole pages; nullptr (errno set) when the mapping fails. Freed by UnmapOnDemand. While
 // mapped, its resident pages count in the CPU's DeviceAllocatedBytes and DevicePeakBytes

@@ -42,7 +42,8 @@ struct MixedPrecision {
   std::optional<c10::ScalarType> output_dtype;
 };
 
-// training.activation_checkpointing (Note [Activation checkpointing] in sharding/checkpoint_unit.h):
+// training.activation_checkpointing (Note [Activation checkpointing] in
+// sharding/checkpoint_unit.h):
 //   none       autograd keeps every unit's activations until its backward;
 //   full       a unit keeps only its input; its backward re-runs its forward first;
 //   every:k    full, for every k-th non-root unit in forward order (k = 1 is full);
@@ -61,7 +62,7 @@ struct ActivationCheckpointing {
   }
 };
 
-// parallelism.offload (Note [CPU offload] in sharding/offload.h):
+// parallelism.offload (Note [CPU offload] in sharding/offload/host_offload.h):
 //   none       shards, gradients and optimizer state live on the device;
 //   optimizer  the fp32 shards' optimizer state and the optimizer step live in host memory
 //              (the gradient shards are copied to the host after the reduce-scatter, the
@@ -73,7 +74,7 @@ enum class Offload { kNone, kOptimizer, kParams };
 const char* OffloadName(Offload offload);
 
 // Offload params' compute-dtype copy of each shard on the host (Note [Compute copy] in
-// sharding/offload_plan.h): chosen from host memory (kAuto), or forced.
+// sharding/offload/offload_plan.h): chosen from host memory (kAuto), or forced.
 enum class ComputeCopy { kAuto, kKeep, kDrop };
 
 struct FsdpOptions {
@@ -104,11 +105,12 @@ struct FsdpOptions {
   // whose forward and backward use the parameters from before it (one step stale; DeepSpeed's
   // ZeRO-Offload "delayed parameter update"). A change of the arithmetic: the trainer uses it
   // only for the steps the config asks (parallelism.offload_delayed_update); this allocates its
-  // second host buffers. See Note [Delayed parameter update] in offload.h.
+  // second host buffers. See Note [Delayed parameter update] in offload/host_step.h.
   bool offload_delayed_update = false;
   // Offload params with a compute dtype narrower than the shards' (mixed precision): whether
   // the host keeps each padded shard cast to it (host_compute_shard), refreshed after each step,
-  // for the loads to copy. Note [Compute copy] in offload_plan.h; a delayed update needs it.
+  // for the loads to copy. Note [Compute copy] in offload/offload_plan.h; a delayed update needs
+  // it.
   ComputeCopy offload_compute_copy = ComputeCopy::kAuto;
   // false: a unit's unsharded parameters, once gathered (cast, with one shard) in a training
   // forward, stay until a backward that the caller marks as its step's last

@@ -17,7 +17,7 @@
 #include "common/strings.h"
 #include "device_mesh/torch_status.h"
 #include "sharding/fsdp_model.h"
-#include "sharding/offload_plan.h"
+#include "sharding/offload/offload_plan.h"
 #include "sharding/registry.h"
 
 namespace fsdp {
@@ -364,7 +364,8 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Wrap(
   });
   FSDP_RETURN_IF_ERROR(status);
   if (options.offload != Offload::kNone) {
-    // See Note [CPU offload] (offload.h): the masters move to host memory, allocated once here.
+    // See Note [CPU offload] (offload/host_offload.h): the masters move to host memory, allocated
+    // once here.
     std::vector<FsdpParam*> params;
     for (auto& unit : model->units_) {
       for (FsdpParam& p : unit->params()) params.push_back(&p);

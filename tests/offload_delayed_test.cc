@@ -1,11 +1,11 @@
 // The delayed parameter update with CPU offload (Note [Delayed parameter update] in
-// sharding/offload.h) on real ranks: each step's forward and backward use the parameters from
-// before the previous step's update, which runs on the host meanwhile. The engine's run equals,
-// bit for bit, a reference the test computes with the same model wrapped without offload,
-// whose masters it sets by hand to the stale values for each forward and back to the newest
-// for each update (offload params and optimizer, fp32 and bf16 compute, one and two
-// micro-batches, 1 and 2 ranks); and through `fsdp train`: the warm-up steps train as without
-// the delay, a resumed run continues exactly, and rank_stats counts the delayed steps.
+// sharding/offload/host_step.h) on real ranks: each step's forward and backward use the parameters
+// from before the previous step's update, which runs on the host meanwhile. The engine's run
+// equals, bit for bit, a reference the test computes with the same model wrapped without offload,
+// whose masters it sets by hand to the stale values for each forward and back to the newest for
+// each update (offload params and optimizer, fp32 and bf16 compute, one and two micro-batches, 1
+// and 2 ranks); and through `fsdp train`: the warm-up steps train as without the delay, a resumed
+// run continues exactly, and rank_stats counts the delayed steps.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -261,7 +261,7 @@ TEST_P(OffloadDelayedTest, EqualsTheStaleReferenceBitwise) {
         int64_t padded = 0, real = 0;
         for (const FsdpUnit* unit : plain.fsdp->units()) {
           for (const FsdpParam& p : unit->params()) {
-            padded += p.host_shard.numel();
+            padded += p.host->shard.numel();
             if (p.requires_grad) real += p.sharded.numel();
           }
         }

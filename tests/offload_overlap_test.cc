@@ -159,10 +159,10 @@ RunResult Train(Offload offload, bool bf16, bool overlapped, DeviceMesh& mesh, i
     run.masters[name] = shard.detach().cpu().clone();
     const FsdpParam* p = fsdp.FindParam(name);
     if (offload == Offload::kOptimizer) {  // the device shards hold the stepped masters
-      EXPECT_TRUE(torch::equal(p->padded_shard.cpu(), p->host_shard)) << name;
+      EXPECT_TRUE(torch::equal(p->padded_shard.cpu(), p->host->shard)) << name;
     }
-    if (offload == Offload::kParams && p->host_compute_shard.defined()) {  // refreshed
-      EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
+    if (offload == Offload::kParams && p->host->compute_shard.defined()) {  // refreshed
+      EXPECT_TRUE(torch::equal(p->host->compute_shard, p->host->shard.to(at::kBFloat16))) << name;
     }
   }
   run.stats = fsdp.context().offload->stats();
@@ -316,18 +316,18 @@ std::vector<double> GradNorms(const testing::TrainRun& run) {
   return norms;
 }
 
-// Note [Deferred clipping multiplication] (sharding/offload.h) through fsdp train, where
-// gradients reach the host in fp32 (two ranks; one rank summing two micro-batches on the host),
-// with clipping active (max_grad_norm well below the norms). The adder computes each .grad's term
-// of the norm as the last micro-batch's gradients land, and the overlapped step multiplies the
+// Note [Deferred clipping multiplication] (sharding/offload/deferred_grads.h) through fsdp train,
+// where gradients reach the host in fp32 (two ranks; one rank summing two micro-batches on the
+// host), with clipping active (max_grad_norm well below the norms). The adder computes each .grad's
+// term of the norm as the last micro-batch's gradients land, and the overlapped step multiplies the
 // .grads itself: in the optimizer's one loop (Note [Host Adam pass]); with
-// FSDP_OFFLOAD_HOST_PASS=off before ATen's step, slice by slice (offload params, casting into
-// the bf16 copy; 1040-element slices that end mid-tensor) or on the unit's gradients (offload
-// optimizer); with Adam's L2 decay, which the loop does not cover, before ATen's slices or its
-// step of the whole tensor. Each gives the norms, losses and checkpoint bytes of the step in
-// place with the same optimizer, which does all of it on the training thread. (That the
-// adder's sums split their work as the training thread's do, as ATen sets each thread's count at
-// its first parallel op, is HostLoopsTest.SumsOfSquaresOnAnotherThreadAreTheSame's.)
+// FSDP_OFFLOAD_HOST_PASS=off before ATen's step, slice by slice (offload params, casting into the
+// bf16 copy; 1040-element slices that end mid-tensor) or on the unit's gradients (offload
+// optimizer); with Adam's L2 decay, which the loop does not cover, before ATen's slices or its step
+// of the whole tensor. Each gives the norms, losses and checkpoint bytes of the step in place with
+// the same optimizer, which does all of it on the training thread. (That the adder's sums split
+// their work as the training thread's do, as ATen sets each thread's count at its first parallel
+// op, is HostLoopsTest.SumsOfSquaresOnAnotherThreadAreTheSame's.)
 TEST(OffloadOverlapTrainTest, ClippingLeftToTheStepGivesClippingsValues) {
   namespace fs = std::filesystem;
   struct Variant {
@@ -486,15 +486,16 @@ TEST(OffloadOverlapTrainTest, SkippedNonFiniteStepLeavesNothingPending) {
   }
 }
 
-// Note [Deferred gradient conversion] (sharding/offload.h) through fsdp train: offload params on
-// one rank with bf16 compute, where gradients land on the host in bf16. With the overlapped step
-// a gradient that lands alone is converted, clipped and stepped in one pass; a second one (host
-// accumulation) converts the first on landing; the step in place converts as it lands. All three
-// give the in-place run's losses and checkpoint bytes, with clipping active (max_grad_norm well
-// below the norms) and off. The first case runs the optimizer's one loop (Note [Host Adam
-// pass], where it matches ATen on this machine); the second, with FSDP_OFFLOAD_HOST_PASS=off,
-// ATen's ops in 1040-element slices (FSDP_OFFLOAD_STEP_SLICE) that end mid-tensor and leave a
-// shorter last one; so does the third case's conversion and addition of the second gradient.
+// Note [Deferred gradient conversion] (sharding/offload/deferred_grads.h) through fsdp train:
+// offload params on one rank with bf16 compute, where gradients land on the host in bf16. With the
+// overlapped step a gradient that lands alone is converted, clipped and stepped in one pass; a
+// second one (host accumulation) converts the first on landing; the step in place converts as it
+// lands. All three give the in-place run's losses and checkpoint bytes, with clipping active
+// (max_grad_norm well below the norms) and off. The first case runs the optimizer's one loop (Note
+// [Host Adam pass], where it matches ATen on this machine); the second, with
+// FSDP_OFFLOAD_HOST_PASS=off, ATen's ops in 1040-element slices (FSDP_OFFLOAD_STEP_SLICE) that end
+// mid-tensor and leave a shorter last one; so does the third case's conversion and addition of the
+// second gradient.
 TEST(OffloadOverlapTrainTest, DeferredGradientsTrainAsTheStepInPlace) {
   namespace fs = std::filesystem;
   struct Case {

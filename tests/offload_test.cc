@@ -1,8 +1,8 @@
-// CPU offload (parallelism.offload, Note [CPU offload] in sharding/offload.h) on real ranks.
-// On a CPU the "device" shards and the host masters are distinct tensors and every copy
-// happens, so the offloaded runs must equal the run without offload bit for bit (same
-// arithmetic: libtorch's AdamW on both sides here); the device must hold fewer bytes of model
-// state; and `fsdp train` must run, checkpoint and resume with offload, across offload modes.
+// CPU offload (parallelism.offload, Note [CPU offload] in sharding/offload/host_offload.h) on real
+// ranks. On a CPU the "device" shards and the host masters are distinct tensors and every copy
+// happens, so the offloaded runs must equal the run without offload bit for bit (same arithmetic:
+// libtorch's AdamW on both sides here); the device must hold fewer bytes of model state; and `fsdp
+// train` must run, checkpoint and resume with offload, across offload modes.
 #include <atomic>
 #include <filesystem>
 #include <thread>
@@ -113,7 +113,7 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
           if (!p->requires_grad) continue;
           EXPECT_FALSE(shard.grad().defined()) << name;
           if (!c.no_sync && c.replicate == 1) {  // HSDP keeps its unreduced sum instead
-            EXPECT_TRUE(p->device_grad.defined()) << name;
+            EXPECT_TRUE(p->host->device_grad.defined()) << name;
           }
         }
       }
@@ -123,8 +123,8 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
       for (const auto& [name, shard] : fsdp.named_parameters()) {
         const FsdpParam* p = fsdp.FindParam(name);
         if (!p->requires_grad) continue;
-        EXPECT_EQ(shard.grad().data_ptr(), p->host_grad.data_ptr()) << name;
-        EXPECT_FALSE(p->device_grad.defined()) << name;  // sent with the last micro-batch
+        EXPECT_EQ(shard.grad().data_ptr(), p->host->grad.data_ptr()) << name;
+        EXPECT_FALSE(p->host->device_grad.defined()) << name;  // sent with the last micro-batch
       }
     }
     run.norms.push_back(fsdp.ClipGradNorm(0.5).item<double>());
@@ -140,25 +140,25 @@ RunResult Train(const Case& c, Offload offload, DeviceMesh& mesh, int rank,
     if (offload == Offload::kOptimizer) {
       // Distinct memory: the device shard is a copy of the master, padding rows zero.
       EXPECT_NE(p->padded_shard.data_ptr(), shard.data_ptr()) << name;
-      EXPECT_TRUE(torch::equal(p->padded_shard.cpu(), p->host_shard)) << name;
+      EXPECT_TRUE(torch::equal(p->padded_shard.cpu(), p->host->shard)) << name;
     }
     if (offload == Offload::kParams) {
       EXPECT_FALSE(p->padded_shard.defined()) << name;
       // Note [CPU offload]: with bf16 compute the host keeps each shard cast to bf16, refreshed
       // after every step: the cast of the current master.
-      EXPECT_EQ(p->host_compute_shard.defined(), c.bf16 && compute_copy) << name;
+      EXPECT_EQ(p->host->compute_shard.defined(), c.bf16 && compute_copy) << name;
       if (c.bf16 && compute_copy) {
-        EXPECT_EQ(p->host_compute_shard.scalar_type(), at::kBFloat16) << name;
-        EXPECT_TRUE(torch::equal(p->host_compute_shard, p->host_shard.to(at::kBFloat16))) << name;
-        run.host_compute_bytes += static_cast<int64_t>(p->host_compute_shard.nbytes());
+        EXPECT_EQ(p->host->compute_shard.scalar_type(), at::kBFloat16) << name;
+        EXPECT_TRUE(torch::equal(p->host->compute_shard, p->host->shard.to(at::kBFloat16))) << name;
+        run.host_compute_bytes += static_cast<int64_t>(p->host->compute_shard.nbytes());
       }
-      if (p->host_compute_grad.defined()) {
-        EXPECT_EQ(p->host_compute_grad.scalar_type(), at::kBFloat16) << name;
-        run.host_compute_grad_bytes += static_cast<int64_t>(p->host_compute_grad.nbytes());
+      if (p->host->compute_grad.defined()) {
+        EXPECT_EQ(p->host->compute_grad.scalar_type(), at::kBFloat16) << name;
+        run.host_compute_grad_bytes += static_cast<int64_t>(p->host->compute_grad.nbytes());
       }
     }
     if (offload != Offload::kNone) {
-      run.host_shard_bytes += static_cast<int64_t>(p->host_shard.nbytes());
+      run.host_shard_bytes += static_cast<int64_t>(p->host->shard.nbytes());
     }
   }
   if (offload == Offload::kParams) run.peak_loaded = fsdp.context().offload->peak_loaded_bytes();

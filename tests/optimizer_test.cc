@@ -337,9 +337,10 @@ TEST(PreparedStepTest, RunInPartsOnAnotherThreadEqualsStepBitwise) {
 }
 
 }  // namespace
-// Slices (Note [Deferred gradient conversion], sharding/offload.h): the fused step's update of a
-// parameter run as slices starting at multiples of 16 elements, on ATen's threads at once, in
-// any order, equals step() bit for bit, state and counters included; the foreach step cannot.
+// Slices (Note [Deferred gradient conversion], sharding/offload/deferred_grads.h): the fused step's
+// update of a parameter run as slices starting at multiples of 16 elements, on ATen's threads at
+// once, in any order, equals step() bit for bit, state and counters included; the foreach step
+// cannot.
 TEST(PreparedStepTest, FusedSlicesEqualStepBitwise) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
     SCOPED_TRACE(OptimizerKindName(kind));

@@ -482,10 +482,10 @@ TEST(OffloadTest, OneShardBf16ParamsOffloadSendsBf16Gradients) {
   EXPECT_NEAR(2 * b.time.host_copy_s, f.time.host_copy_s, 1e-9 * f.time.host_copy_s);
 }
 
-// Note [Gradients committed on demand] (sharding/offload.cc): those bf16 gradients' fp32 .grads
-// take host memory only when written. One micro-batch, or grad_sync last, with the overlapped
-// step's one loop (fused AdamW): never, 4 bytes per parameter less. Summed on the host (two
-// micro-batches, every one reducing), stepped in place, or by an optimizer the loop does not
+// Note [Gradients committed on demand] (sharding/offload/host_buffers.cc): those bf16 gradients'
+// fp32 .grads take host memory only when written. One micro-batch, or grad_sync last, with the
+// overlapped step's one loop (fused AdamW): never, 4 bytes per parameter less. Summed on the host
+// (two micro-batches, every one reducing), stepped in place, or by an optimizer the loop does not
 // cover: written.
 TEST(OffloadTest, OneShardBf16GradientsTakeHostMemoryOnlyWhenWritten) {
   const Layout layout{Strategy::kFullShard, 1, 1};

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "sharding/offload_plan.h"
+#include "sharding/offload/offload_plan.h"
 #include "sharding/options.h"
 
 namespace fsdp {

@@ -1,4 +1,4 @@
-#include "sharding/offload_plan.h"
+#include "sharding/offload/offload_plan.h"
 
 #include <algorithm>
 #include <fstream>
