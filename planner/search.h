@@ -38,7 +38,7 @@ struct CountedModel {
 // O(sqrt(world))).
 std::vector<Layout> LayoutsFor(int world);
 
-// Note [Checkpointed activations] in cost_model.cc, per token of a micro-batch: what a block
+// Note [Checkpointed activations] in activations.cc, per token of a micro-batch: what a block
 // keeps until its backward (none: not checkpointed; kept: checkpointed), what its backward adds
 // (transient: every block; recompute_extra: a checkpointed one) and the head's activations.
 struct BlockBytes {
@@ -55,6 +55,21 @@ struct BlockPeak {
 BlockPeak PeakOfBlocks(const BlockBytes& bytes, const ActivationCheckpointing& ac,
                        int64_t num_blocks, double tokens, double grad_per_block,
                        bool every_block = false);
+
+// Activations per token (Note [Checkpointed activations] in activations.cc) of a micro-batch of
+// `tokens` tokens, with `grad_per_block` bytes of gradient shard written per block through the
+// backward.
+struct Activations {
+  double peak = 0;             // bytes per token at the moment with the most activations
+  double peak_with_grads = 0;  // bytes: the largest activations + gradient shards written
+  double none_total = 0;       // bytes per token without checkpointing (the traffic model)
+  double recompute_flops = 0;  // per token
+  double recompute_bytes = 0;  // per token materialised again
+};
+Activations CheckpointedActivations(const ModelArgs& model, const ModelFamily& family,
+                                    const ModelCounts& counts, const ActivationCheckpointing& ac,
+                                    int num_blocks, double cb, double tokens,
+                                    double grad_per_block);
 
 // Predict and EnumerateLayouts with the model counted already (`model` must be the request's).
 absl::StatusOr<Prediction> PredictCounted(const PlanRequest& request, const Layout& layout,
