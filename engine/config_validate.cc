@@ -175,6 +175,18 @@ absl::Status ValidateRunConfig(const RunConfig& c, const Locations& where) {
   return v.AtLeast<int64_t>("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 1);
 }
 
+// See Note [Reshard group size] (engine/config_validate.h).
+absl::Status CheckReshardGroup(const ReshardPolicy& reshard, int shard_degree,
+                               std::string_view shard_degree_text) {
+  if (reshard.kind != ReshardPolicy::Kind::kGroup) return absl::OkStatus();
+  if (reshard.group_size < shard_degree && shard_degree % reshard.group_size == 0) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(StrCat("parallelism.reshard_after_forward=", reshard.group_size,
+                                           " must divide the shard degree and be smaller than it, ",
+                                           shard_degree_text));
+}
+
 namespace {
 
 int ClampToInt(int64_t value) {
@@ -256,17 +268,11 @@ absl::Status RunConfig::ValidateForWorld(int world_size) const {
   const int replicate = mesh->degrees[0];
   const int shard = mesh->degrees[1];
   FSDP_RETURN_IF_ERROR(CheckStrategyFits(p, *p.strategy, replicate, shard, world_size));
-  const ReshardPolicy& reshard = p.reshard_after_forward;
-  if (reshard.kind == ReshardPolicy::Kind::kGroup &&
-      (reshard.group_size >= shard || shard % reshard.group_size != 0)) {
-    return absl::InvalidArgumentError(
-        StrCat("parallelism.reshard_after_forward=", reshard.group_size,
-               " must divide the shard degree and be smaller than it, "
-               "parallelism.data_parallel_shard_degree=",
-               Inferred(p.data_parallel_shard_degree, shard, world_size),
-               " (true or false to reshard to the whole shard axis or not at all)"));
-  }
-  return absl::OkStatus();
+  return CheckReshardGroup(
+      p.reshard_after_forward, shard,
+      StrCat("parallelism.data_parallel_shard_degree=",
+             Inferred(p.data_parallel_shard_degree, shard, world_size),
+             " (true or false to reshard to the whole shard axis or not at all)"));
 }
 
 }  // namespace fsdp

@@ -6,6 +6,7 @@
 #include "common/status.h"
 #include "common/strings.h"
 #include "engine/config.h"
+#include "engine/config_validate.h"
 #include "sharding/options.h"
 
 namespace fsdp {
@@ -22,7 +23,8 @@ absl::StatusOr<std::optional<bool>> BinaryKnob(const EnvKnob& knob) {
   return std::optional<bool>(*value == "1");
 }
 
-// The reshard_after_forward override on the strategy's default.
+// The reshard_after_forward override on the strategy's default. See Note [Reshard group size]
+// (engine/config_validate.h).
 absl::Status ApplyReshard(const ReshardPolicy& reshard, int shard_degree, FsdpOptions& options) {
   switch (reshard.kind) {
     case ReshardPolicy::Kind::kDefault:
@@ -34,12 +36,8 @@ absl::Status ApplyReshard(const ReshardPolicy& reshard, int shard_degree, FsdpOp
       options.reshard_after_forward = false;
       break;
     case ReshardPolicy::Kind::kGroup:
-      if (reshard.group_size >= shard_degree || shard_degree % reshard.group_size != 0) {
-        return absl::InvalidArgumentError(
-            StrCat("parallelism.reshard_after_forward=", reshard.group_size,
-                   " must divide the shard degree and be smaller than it, got shard degree ",
-                   shard_degree));
-      }
+      FSDP_RETURN_IF_ERROR(
+          CheckReshardGroup(reshard, shard_degree, StrCat("got shard degree ", shard_degree)));
       options.reshard_after_forward = true;
       options.reshard_group_size = reshard.group_size;
       break;
