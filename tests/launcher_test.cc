@@ -331,7 +331,7 @@ TEST(LaunchTest, OurProgramsRunUnderRealMpirun) {
   EXPECT_THAT(all, ::testing::HasSubstr("fsdp doctor: OK"));
 }
 
-// ---- Launchers across nodes (Note [Launchers across nodes], launch.cc) -------------------------
+// ---- Launchers across nodes (Note [Launchers across nodes], node_rendezvous.h) ----------------
 
 std::vector<std::string> NodeLauncher(int port, int node_rank, int nproc_per_node,
                                       const std::string& script,
