@@ -297,7 +297,8 @@ void WriteStatistics(const RunConfig& config, TrainingRun& run, const TrainMetri
                   .flops_per_token = run.model->FlopsPerToken(),
                   .peak_flops = metrics.peak_flops(),
                   .device = run.device.is_cuda() ? CudaDeviceDescription(run.device.index())
-                                                 : "cpu"};
+                                                 : "cpu",
+                  .offload_stats = nullptr};
   const FsdpModel* sharded = run.trained->fsdp();
   if (sharded != nullptr && sharded->context().offload != nullptr) {
     stats.offload_stats =
