@@ -70,7 +70,7 @@ namespace fsdp {
 //     adds the residual (fused kernels, no bias on w2), counted once.
 // Measured (fsdp train on a CPU, one rank, peak tensor bytes: GPT and Llama blocks, 1 to 4 of
 // them, fused and composite kernels; CheckpointingTest.SelectiveAndFullAgainstMeasuredPeaks in
-// tests/planner_test.cc):
+// tests/planner_memory_test.cc):
 // the differences between none, selective and full agree to within 300 bytes per token or 8%.
 // So with one block and a small head selective (and full) keep more than none: the block's
 // backward is the peak of both and the recompute adds X. From two blocks on they keep less.
