@@ -473,8 +473,7 @@ absl::StatusOr<std::unique_ptr<TrainingRun>> SetUpRun(const RunConfig& config,
   FSDP_RETURN_IF_ERROR(BuildModel(config, *run));
   FSDP_RETURN_IF_ERROR(OpenData(config, *run));
   FSDP_RETURN_IF_ERROR(LoadStart(config, *run));
-  const bool complete = run->start_step == config.training.steps && run->resume.has_value();
-  if (!complete && run->checkpointer && run->checkpointer->enabled()) {
+  if (!run->complete(config) && run->checkpointer && run->checkpointer->enabled()) {
     FSDP_RETURN_IF_ERROR(PrepareSaves(options, *run));
   }
   return run;

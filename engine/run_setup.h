@@ -49,6 +49,10 @@ struct TrainingRun {
 
   int rank() const { return ctx->rank(); }
   int world() const { return ctx->world_size(); }
+  // The checkpoint loaded is at training.steps: nothing left to train.
+  bool complete(const RunConfig& config) const {
+    return resume.has_value() && start_step == config.training.steps;
+  }
 };
 
 // The whole setup; every rank learns of an error only rank 0 could see (a bad run.dir, a

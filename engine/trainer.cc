@@ -327,7 +327,7 @@ absl::Status Train(const RunConfig& config, const TrainOptions& options) {
   FSDP_ASSIGN_OR_RETURN(std::unique_ptr<TrainingRun> run, SetUpRun(config, options));
   const int rank = run->rank();
   const std::filesystem::path run_dir(config.run.dir);
-  if (run->resume && run->start_step == t.steps) {
+  if (run->complete(config)) {
     // The run is complete: no step to train, so no "final loss nan" and no second save.
     if (rank == 0) {
       std::cout << fmt::format(
